@@ -1,0 +1,173 @@
+"""Argument checks shared by the public functions.
+
+Every check raises ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong shape
+or value) with the argument's name, shape and dtype in the message. Nothing here uses
+``assert``, and nothing broadcasts silently.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+from typing import Sequence
+
+import torch
+
+__all__ = [
+    "describe",
+    "check_logits",
+    "check_logits_pair",
+    "check_float",
+    "check_per_token",
+    "check_mask",
+    "check_tokens",
+    "check_temperature",
+    "check_beta",
+    "check_choice",
+    "compute_dtype",
+    "raise_if_nan",
+]
+
+
+def describe(t: torch.Tensor) -> str:
+    """Short ``shape=(...), dtype=...`` text for error messages."""
+    return f"shape={tuple(t.shape)}, dtype={t.dtype}"
+
+
+def _check_tensor(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_logits(name: str, t: object) -> torch.Tensor:
+    """A floating tensor of rank >= 1 with a non-empty last (vocabulary) dimension."""
+    t = _check_tensor(name, t)
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (..., V), got {describe(t)}")
+    if t.dim() < 1 or t.shape[-1] < 1:
+        raise ValueError(f"{name} must have shape (..., V) with V >= 1, got {describe(t)}")
+    return t
+
+
+def check_logits_pair(policy_logits: object, ref_logits: object) -> None:
+    """Both logits tensors valid, with identical shapes and on the same device."""
+    check_logits("policy_logits", policy_logits)
+    check_logits("ref_logits", ref_logits)
+    if policy_logits.shape != ref_logits.shape:
+        raise ValueError(
+            "policy_logits and ref_logits must have the same shape (..., V): "
+            f"policy_logits {describe(policy_logits)}, ref_logits {describe(ref_logits)}"
+        )
+    if policy_logits.device != ref_logits.device:
+        raise ValueError(
+            "policy_logits and ref_logits must be on the same device: "
+            f"{policy_logits.device} vs {ref_logits.device}"
+        )
+
+
+def check_float(name: str, t: object) -> torch.Tensor:
+    """A floating-point tensor of any shape."""
+    t = _check_tensor(name, t)
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {describe(t)}")
+    return t
+
+
+def check_per_token(
+    name: str, t: object, leading: Sequence[int], *, floating: bool = True
+) -> torch.Tensor:
+    """A per-position tensor whose shape is exactly ``leading`` (no broadcasting)."""
+    t = _check_tensor(name, t)
+    if floating and not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {describe(t)}")
+    if tuple(t.shape) != tuple(leading):
+        raise ValueError(
+            f"{name} must have shape {tuple(leading)} (the leading dims of the logits), "
+            f"got {describe(t)}"
+        )
+    return t
+
+
+def check_mask(mask: object, leading: Sequence[int], device: torch.device) -> torch.Tensor:
+    """A bool mask (True = this position counts) of shape ``leading`` on ``device``."""
+    mask = _check_tensor("mask", mask)
+    if mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor (True = position counts), got {describe(mask)}")
+    check_per_token("mask", mask, leading, floating=False)
+    if mask.device != device:
+        raise ValueError(f"mask must be on {device}, got {mask.device}")
+    return mask
+
+
+def check_tokens(tokens: object, leading: Sequence[int], vocab_size: int) -> torch.Tensor:
+    """Integer token ids of shape ``leading`` with values in [0, vocab_size)."""
+    tokens = _check_tensor("tokens", tokens)
+    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+        raise TypeError(f"tokens must be an integer tensor, got {describe(tokens)}")
+    check_per_token("tokens", tokens, leading, floating=False)
+    if tokens.numel():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(
+                f"tokens must lie in [0, {vocab_size}) (the vocabulary size), "
+                f"got values in [{lo}, {hi}] ({describe(tokens)})"
+            )
+    return tokens
+
+
+def _as_real(name: str, value: object) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise TypeError(f"{name} must be a real number, got a tensor {describe(value)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def check_temperature(temperature: object) -> float:
+    """A finite real number > 0."""
+    t = _as_real("temperature", temperature)
+    if not math.isfinite(t) or t <= 0:
+        raise ValueError(f"temperature must be finite and > 0, got {t}")
+    return t
+
+
+def check_beta(beta: object, name: str = "beta") -> float:
+    """A finite real number >= 0."""
+    b = _as_real(name, beta)
+    if not math.isfinite(b) or b < 0:
+        raise ValueError(f"{name} must be finite and >= 0, got {b}")
+    return b
+
+
+def check_choice(name: str, value: object, valid: Sequence[str]) -> str:
+    """One of a fixed list of strings; the error lists the valid ones."""
+    if not isinstance(value, str) or value not in valid:
+        raise ValueError(f"{name} must be one of {list(valid)}, got {value!r}")
+    return value
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (bf16/fp16 are upcast)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def raise_if_nan(result: torch.Tensor, named_inputs: dict[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` if ``result`` (N,) holds NaN, naming the input with NaN in those rows.
+
+    NaN in any logit of a row makes that row's log-sum-exp NaN, so checking the (N,) result
+    costs O(N) instead of another pass over the (N, V) logits.
+    """
+    bad = torch.isnan(result)
+    if not bool(bad.any()):
+        return
+    rows = bad.nonzero().flatten()
+    for name, t in named_inputs.items():
+        if bool(torch.isnan(t[rows]).any()):
+            raise ValueError(
+                f"{name} contains NaN ({describe(t)}) in {rows.numel()} counted position(s), "
+                f"first flat row index {int(rows[0])}"
+            )
+    raise ValueError(f"the result is NaN in {rows.numel()} position(s); inputs hold no NaN there")

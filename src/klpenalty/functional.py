@@ -1,0 +1,151 @@
+"""The exact, full-vocabulary KL penalty and per-token log-probs.
+
+Shape letters: B batch, T sequence, V vocabulary, N rows (product of the leading dims).
+All functions accept any leading dims: logits (..., V), per-token tensors (...).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _validation as v
+from .ops.dispatch import get_backend
+
+__all__ = ["full_kl", "kl_penalized_reward", "token_logprobs"]
+
+
+def full_kl(
+    policy_logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Exact categorical KL(π‖ρ) at every position, from logits.
+
+    KL = Σ_v π(v)·(log π(v) − log ρ(v)) with π = softmax(policy_logits / T) and
+    ρ = softmax(ref_logits / T), computed with a stable log-softmax in float32 (float64 for
+    float64 inputs). This is the KL itself, not a sampled-token estimate. No (N, V) temporary
+    the size of the whole batch is allocated: rows are processed in chunks.
+
+    Numerics: 0·log 0 = 0 (vocabulary entries that are -inf in the policy contribute nothing);
+    a token the policy can emit but the reference gives probability 0 makes KL = +inf; the
+    result is clamped at 0 and is exactly 0 for identical logits; adding a constant to a row
+    of either model changes nothing.
+
+    Args:
+        policy_logits: (..., V) float16/bfloat16/float32/float64, policy π. Gradients flow.
+        ref_logits: (..., V) same shape, any float dtype, frozen reference ρ. Gets a gradient
+            (ρ − π)/T only if it requires grad.
+        mask: optional (...) bool, True = this position counts. Masked positions return 0
+            and get zero gradient; their logits may hold anything (even all -inf).
+        temperature: > 0; divides both models' logits before the softmax.
+        backend: ``"auto"`` or a name from ``klpenalty.ops.dispatch.available_backends()``.
+
+    Returns:
+        (...) float32 (float64 if either input is float64), differentiable. The gradient with
+        respect to the policy logits is π·((log π − log ρ) − KL)/T, in the input's dtype.
+
+    Raises:
+        TypeError: non-tensor or non-floating logits, non-bool mask.
+        ValueError: mismatched shapes, temperature ≤ 0, NaN in a counted position's logits.
+    """
+    v.check_logits_pair(policy_logits, ref_logits)
+    temperature = v.check_temperature(temperature)
+    leading = policy_logits.shape[:-1]
+    vocab = policy_logits.shape[-1]
+    if mask is not None:
+        mask = v.check_mask(mask, leading, policy_logits.device).reshape(-1)  # (N,)
+    x = policy_logits.reshape(-1, vocab)  # (N, V)
+    y = ref_logits.reshape(-1, vocab)  # (N, V)
+    kl = get_backend(backend, x.device).full_kl(x, y, mask, temperature)  # (N,)
+    v.raise_if_nan(kl.detach(), {"policy_logits": x, "ref_logits": y})
+    return kl.reshape(leading)
+
+
+def kl_penalized_reward(
+    policy_logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    reward: torch.Tensor,
+    beta: float = 0.1,
+    *,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The shaped reward ``reward − beta · KL(π‖ρ)`` with the exact full-vocabulary KL.
+
+    Identical logits leave the reward unchanged (their KL is exactly 0):
+
+    >>> import torch
+    >>> from klpenalty import kl_penalized_reward
+    >>> logits = torch.tensor([[[2.0, 0.0, 0.0]]])
+    >>> reward = torch.tensor([[1.0]])
+    >>> kl_penalized_reward(logits, logits, reward, beta=0.1)
+    tensor([[1.]])
+
+    Note that the KL at position t does not depend on the token sampled at t: as a *detached*
+    per-token reward in a policy-gradient loss it does not give the gradient of the sequence
+    KL. Differentiate through it (it carries gradients) or see the gradient docs.
+
+    Args:
+        policy_logits: (..., V) any float dtype.
+        ref_logits: (..., V) same shape, any float dtype.
+        reward: (...) float, the leading dims of the logits exactly (no broadcasting).
+        beta: KL coefficient, finite and ≥ 0 (a float; controllers give ``.value``). With
+            beta = 0 the KL is not computed and the reward comes back as is.
+        mask: optional (...) bool, True = counts; where False the reward comes back unchanged.
+        temperature: > 0; divides both models' logits before the softmax.
+        backend: as in :func:`full_kl`.
+
+    Returns:
+        (...) tensor, the dtype of ``reward`` promoted with float32 (float64 if any input is
+        float64). Differentiable with respect to the logits (and reward).
+    """
+    v.check_logits_pair(policy_logits, ref_logits)
+    v.check_per_token("reward", reward, policy_logits.shape[:-1])
+    beta = v.check_beta(beta)
+    if beta == 0.0:  # no penalty; also avoids 0·inf = NaN where the KL is infinite
+        dtype = torch.promote_types(reward.dtype, v.compute_dtype(policy_logits, ref_logits))
+        return reward.to(dtype).clone()
+    kl = full_kl(policy_logits, ref_logits, mask=mask, temperature=temperature, backend=backend)
+    return reward - beta * kl
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """log π(token) = log softmax(logits / T)[token] at every position.
+
+    Computed from a per-row log-sum-exp and a gather, without building a (..., V)
+    log-softmax tensor in memory; the backward recomputes the softmax chunk by chunk.
+
+    Args:
+        logits: (..., V) float16/bfloat16/float32/float64.
+        tokens: (...) integer token ids in [0, V).
+        temperature: > 0; use the temperature the tokens were sampled with.
+        backend: as in :func:`full_kl`.
+
+    Returns:
+        (...) float32 (float64 for float64 logits), ≤ 0, differentiable with respect to logits
+        (gradient (onehot(token) − π)/T in the logits' dtype).
+
+    Raises:
+        TypeError: non-floating logits or non-integer tokens.
+        ValueError: shape mismatch, token out of range, temperature ≤ 0, NaN in logits.
+    """
+    v.check_logits("logits", logits)
+    leading = logits.shape[:-1]
+    vocab = logits.shape[-1]
+    v.check_tokens(tokens, leading, vocab)
+    temperature = v.check_temperature(temperature)
+    x = logits.reshape(-1, vocab)  # (N, V)
+    tok = tokens.reshape(-1).long()  # (N,)
+    out = get_backend(backend, x.device).token_logprobs(x, tok, temperature)  # (N,)
+    v.raise_if_nan(out.detach(), {"logits": x})
+    return out.reshape(leading)

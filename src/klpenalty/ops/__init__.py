@@ -1,0 +1,1 @@
+"""Implementations of the exact-KL math: the float64 reference and the fast backends."""

@@ -1,0 +1,76 @@
+"""Float64 ground truth. Materialises everything, obviously correct, slow.
+
+Tests and benchmarks import their baselines from here; nothing else re-implements this math.
+Every function upcasts its inputs to float64 and returns float64.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "full_kl_reference",
+    "token_logprobs_reference",
+    "kl_penalized_reward_reference",
+    "sampled_kl_reference",
+]
+
+
+def full_kl_reference(
+    policy_logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """KL(softmax(x/T) || softmax(y/T)) per position, in float64.
+
+    Args:
+        policy_logits: (..., V), any float dtype.
+        ref_logits: (..., V), any float dtype.
+        temperature: > 0, divides both models' logits.
+
+    Returns:
+        (...) float64. 0·log 0 = 0; +inf where the policy has mass the reference lacks.
+    """
+    logp = torch.log_softmax(policy_logits.double() / temperature, dim=-1)
+    logq = torch.log_softmax(ref_logits.double() / temperature, dim=-1)
+    p = logp.exp()
+    terms = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
+    return terms.sum(-1).clamp_min(0.0)
+
+
+def token_logprobs_reference(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log softmax(logits/T)[token] per position, in float64. logits (..., V), tokens (...)."""
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def kl_penalized_reward_reference(
+    policy_logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    reward: torch.Tensor,
+    beta: float,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """reward − beta·KL in float64; positions where ``mask`` is False keep their reward."""
+    kl = full_kl_reference(policy_logits, ref_logits, temperature)
+    if mask is not None:
+        kl = torch.where(mask, kl, torch.zeros_like(kl))
+    return reward.double() - beta * kl
+
+
+def sampled_kl_reference(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """The sampled-token estimators written literally in float64 (r = ρ/π at the token)."""
+    logr = ref_logprobs.double() - logprobs.double()
+    r = logr.exp()
+    if estimator == "k1":
+        return -logr
+    if estimator == "k2":
+        return 0.5 * logr**2
+    if estimator == "k3":
+        return (r - 1) - logr
+    if estimator == "abs":
+        return logr.abs()
+    raise ValueError(f"unknown estimator {estimator!r}")

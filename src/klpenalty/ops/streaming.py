@@ -54,6 +54,7 @@ __all__ = [
 TILE_ELEMENTS = 1 << 18
 
 _INF = float("inf")
+_NINF = float("-inf")
 
 
 def tile_shape(
@@ -307,6 +308,8 @@ class _StreamingFullKL(torch.autograd.Function):
         g = grad_kl.to(dtype)  # (N,)
         if mask is not None:
             g = g.masked_fill(~mask, 0.0)
+        # a row without policy mass (all −inf) has KL ≡ 0 around it: zero gradient
+        g = g.masked_fill(lse_x == _NINF, 0.0)
         fx = g / (t * t)  # ∂KL/∂x = p·((x − y) − E_p[x − y])/T²
         fy = g / t  # ∂KL/∂y = (q − p)/T
         lse_x = _finite_or_zero(lse_x)

@@ -213,9 +213,15 @@ def test_hand_values_and_infinities(backend):
     assert kl(same, same).item() == 0.0
 
 
+@pytest.mark.parametrize("host_check", [True, False])
 @pytest.mark.parametrize("vocab_chunk", [None, 1, 3])
-def test_shared_minus_inf_padding_is_ignored_with_finite_gradients(vocab_chunk):
-    """Both models mask the same vocabulary entries with −inf (vocabulary padding)."""
+def test_shared_minus_inf_padding_is_ignored_with_finite_gradients(vocab_chunk, host_check, monkeypatch):
+    """Both models mask the same vocabulary entries with −inf (vocabulary padding).
+
+    ``host_check=False`` runs the sync-free tile path used on accelerators.
+    """
+    if not host_check:
+        monkeypatch.setattr(streaming, "_HOST_CHECK_DEVICES", set())
     x, y = _logits((4, 10), torch.float32, seed=6)
     pad = torch.zeros(10, dtype=torch.bool)
     pad[[2, 7, 9]] = True

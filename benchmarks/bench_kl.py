@@ -32,7 +32,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--quick", action="store_true", help="S1 fp32 only, 3 rounds")
     p.add_argument("--out", default=os.path.join(HERE, "results", "bench_kl"), help="path stem")
+    p.add_argument(
+        "--remeasure-memory",
+        action="store_true",
+        help="only redo the memory probes of the CSV's rows for --shapes/--dtypes, then re-render",
+    )
     args = p.parse_args(argv)
+    if args.remeasure_memory:
+        return _remeasure(args)
     if args.quick:
         args.shapes, args.dtypes, args.repeats = ["S1"], ["fp32"], 3
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
@@ -50,11 +57,33 @@ def main(argv: list[str] | None = None) -> int:
                 shape_name=f"{name} {bench.SHAPES[name]}",
                 log=lambda s: print(s, file=sys.stderr, flush=True),
             )
-            table = bench.format_table(rows)
-            print(table, flush=True)
+            print(bench.format_table(rows), f"({time.time() - t0:.0f} s)", flush=True)
             bench.write_csv(rows, args.out + ".csv")
-            with open(args.out + ".md", "a") as f:
-                f.write(f"\n{name} {dtype} ({time.time() - t0:.0f} s, {rows[0].threads} threads)\n\n" + table)
+            _render(args.out)
+    return 0
+
+
+def _render(stem: str) -> None:
+    """Rewrite <stem>.md from <stem>.csv (a rerun of a shape/dtype replaces its earlier rows)."""
+    rows = bench.read_csv(stem + ".csv")
+    latest = {(r.shape, r.dtype, r.mode, r.provider): i for i, r in enumerate(rows)}
+    rows = [r for i, r in enumerate(rows) if latest[(r.shape, r.dtype, r.mode, r.provider)] == i]
+    with open(stem + ".md", "w") as f:
+        f.write(bench.format_table(rows))
+
+
+def _remeasure(args) -> int:
+    rows = bench.read_csv(args.out + ".csv")
+    for r in rows:
+        name = r.shape.split(" ")[0]
+        if r.provider == "floor" or name not in args.shapes or r.dtype not in args.dtypes:
+            continue
+        r.mem_x_input = bench._peak_memory(bench.SHAPES[name], r.dtype, r.mode, r.provider, r.threads)
+        print(f"{r.shape} {r.dtype} {r.mode} {r.provider}: {r.mem_x_input}", file=sys.stderr, flush=True)
+    os.replace(args.out + ".csv", args.out + ".csv.bak")
+    bench.write_csv(rows, args.out + ".csv")
+    os.remove(args.out + ".csv.bak")
+    _render(args.out)
     return 0
 
 

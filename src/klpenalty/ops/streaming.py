@@ -53,10 +53,10 @@ __all__ = [
     "TILE_ELEMENTS",
 ]
 
-# Elements per tile: 2**18 = 1 MiB of float32 per buffer. Two such work buffers live at once
-# (the upcast and the temperature are fused into the first pass, so no converted copies of the
-# inputs are made), which stays in L2/L3 and is ~1% of one input at the sizes this library is
-# for. 2**17-2**19 measured within noise of each other; 2**16 pays more per-tile overhead.
+# Elements per tile: 2**18 = 1 MiB of float32 per buffer. Two work buffers live at once, four
+# for bfloat16/float16 inputs (their tiles are upcast once into reused buffers); the temperature
+# is fused into the first pass. That stays in L2/L3 and is ~1-3% of one input at the sizes this
+# library is for. 2**17-2**19 measured within noise of each other; 2**16 pays more per-tile overhead.
 TILE_ELEMENTS = 1 << 18
 
 _INF = float("inf")
@@ -127,12 +127,14 @@ def _exp_shifted(out: torch.Tensor, t: torch.Tensor, temperature: float, shift: 
     return out.exp2_()
 
 
-def _diff(out: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """out ← x − y in out's dtype (low-precision inputs are upcast before subtracting)."""
-    if x.dtype == out.dtype and y.dtype == out.dtype:
-        return torch.sub(x, y, out=out)
-    out.copy_(x)
-    return out.sub_(y)
+def _upcast(t: torch.Tensor, dtype: torch.dtype, ws: _Workspace, name: str) -> torch.Tensor:
+    """The tile in the compute dtype: itself, or a copy into a reused workspace buffer.
+
+    (Mixed-dtype ATen ops would allocate a fresh upcast copy of the tile for every op.)
+    """
+    if t.dtype == dtype:
+        return t
+    return ws.get(name, *t.shape).copy_(t)
 
 
 def _row_max(t: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
@@ -153,13 +155,15 @@ def _fwd_tile_eager(x, y, temperature, dtype, ws):
     A = +inf marks policy mass where the reference has none.
     """
     r, c = x.shape
+    x = _upcast(x, dtype, ws, "x")
+    y = _upcast(y, dtype, ws, "y")
     e = ws.get("e", r, c)
     f = ws.get("f", r, c)
     mx = _finite_or_zero(_row_max(x, temperature, dtype))
     my = _finite_or_zero(_row_max(y, temperature, dtype))
     sx = _exp_shifted(e, x, temperature, mx).sum(-1)
     sy = _exp_shifted(f, y, temperature, my).sum(-1)
-    _diff(f, x, y).mul_(e)  # e·(x − y)
+    torch.sub(x, y, out=f).mul_(e)  # e·(x − y)
     a = f.sum(-1)
     if x.device.type in _HOST_CHECK_DEVICES:
         if math.isfinite(float(a.sum())):  # one O(r) check instead of per-row flags
@@ -179,11 +183,13 @@ def _bwd_tile_eager(x, y, temperature, dtype, ws, lse_x, lse_y, u, fx, fy, gx, g
     Rows whose factor is 0 (masked) get exactly 0 when ``unclean`` (garbage logits allowed).
     """
     r, c = x.shape
+    x = _upcast(x, dtype, ws, "x")
+    y = _upcast(y, dtype, ws, "y")
     e = ws.get("e", r, c)
     f = ws.get("f", r, c)
     _exp_shifted(e, x, temperature, lse_x)  # p
     if gx is not None:
-        _diff(f, x, y).sub_(u.unsqueeze(-1)).mul_(e)
+        torch.sub(x, y, out=f).sub_(u.unsqueeze(-1)).mul_(e)
         f2 = fx.unsqueeze(-1)
         if unclean:
             f.masked_fill_(e == 0, 0.0)  # 0·log 0 = 0: no NaN from −inf entries
@@ -204,6 +210,7 @@ def _bwd_tile_eager(x, y, temperature, dtype, ws, lse_x, lse_y, u, fx, fy, gx, g
 
 def _lse_tile_eager(x, temperature, dtype, ws):
     """Online (m, s) of one raw tile for the log-sum-exp of x/T."""
+    x = _upcast(x, dtype, ws, "x")
     e = ws.get("e", *x.shape)
     m = _finite_or_zero(_row_max(x, temperature, dtype))
     return m, _exp_shifted(e, x, temperature, m).sum(-1)
@@ -211,6 +218,7 @@ def _lse_tile_eager(x, temperature, dtype, ws):
 
 def _lp_bwd_tile_eager(x, temperature, dtype, ws, lse, fx, gx):
     """gx ← −p·fx for one tile, fx = g/T (the +fx at the token is added by the caller)."""
+    x = _upcast(x, dtype, ws, "x")
     e = ws.get("e", *x.shape)
     _exp_shifted(e, x, temperature, lse)
     torch.mul(e, (-fx).unsqueeze(-1), out=gx)

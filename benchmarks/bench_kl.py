@@ -76,7 +76,7 @@ def _remeasure(args) -> int:
     rows = bench.read_csv(args.out + ".csv")
     for r in rows:
         name = r.shape.split(" ")[0]
-        if r.provider == "floor" or name not in args.shapes or r.dtype not in args.dtypes:
+        if r.provider in ("floor", "exp floor") or name not in args.shapes or r.dtype not in args.dtypes:
             continue
         r.mem_x_input = bench._peak_memory(bench.SHAPES[name], r.dtype, r.mode, r.provider, r.threads)
         print(f"{r.shape} {r.dtype} {r.mode} {r.provider}: {r.mem_x_input}", file=sys.stderr, flush=True)

@@ -20,12 +20,12 @@ def test_cli_bench_tiny_shape(capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.startswith("| shape | dtype | mode | provider |")
     lines = [line for line in out.splitlines() if line.startswith("| 2x3x50 ")]
-    # floor + three providers, for fwd and fwdbwd
-    assert len(lines) == 8
+    # floor, exp floor + three providers for fwd; floor + three providers for fwdbwd
+    assert len(lines) == 9
     fwd_streaming = next(line for line in lines if "| fwd | streaming |" in line)
     err = float(fwd_streaming.split("|")[-2])
     assert 0 <= err < 2e-6
-    assert csv_path.read_text().count("\n") == 9  # header + 8 rows
+    assert csv_path.read_text().count("\n") == 10  # header + 9 rows
 
 
 def test_cli_bench_rejects_bad_shape(capsys):

@@ -117,11 +117,11 @@ _LOG2E = math.log2(math.e)
 
 
 def _exp_shifted(out: torch.Tensor, t: torch.Tensor, temperature: float, shift: torch.Tensor):
-    """out ← exp(t/T − shift) for a raw tile t (any float dtype) and a per-row shift (r,).
+    """out ← exp(t/T − shift) for a tile t (r, c) and a per-row shift (r,), all in out's dtype.
 
-    Written as exp2(t·(log2 e/T) − shift·log2 e): one fused multiply-add pass that also upcasts
-    and applies the temperature, then ATen's exp2, which is about twice as fast as its exp on
-    CPU. Rounding is the same order as in (t/T − shift).
+    Written as exp2(t·(log2 e/T) − shift·log2 e): one fused multiply-add pass that also applies
+    the temperature, then ATen's exp2, which measured about twice as fast as its exp on CPU.
+    Rounding is the same order as in (t/T − shift).
     """
     torch.add((shift * -_LOG2E).unsqueeze(-1), t, alpha=_LOG2E / temperature, out=out)
     return out.exp2_()

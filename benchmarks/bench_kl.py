@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python benchmarks/bench_kl.py --threads 1            # everything (long)
     PYTHONPATH=src python benchmarks/bench_kl.py --quick                # S1 fp32 only
-    PYTHONPATH=src python benchmarks/bench_kl.py --shapes S3 --dtypes bf16 --providers seed streaming
+    PYTHONPATH=src python benchmarks/bench_kl.py --shapes S3 --dtypes bf16 \
+        --providers seed streaming
 
 Each (shape, dtype) is timed in this process, providers side by side with interleaved rounds;
 peak memory is measured in a fresh subprocess per provider (see klpenalty/bench.py). The big
@@ -22,7 +23,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--shapes", nargs="+", default=list(bench.SHAPES), choices=list(bench.SHAPES))
     p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(bench.DTYPES))
     p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
@@ -76,10 +79,13 @@ def _remeasure(args) -> int:
     rows = bench.read_csv(args.out + ".csv")
     for r in rows:
         name = r.shape.split(" ")[0]
-        if r.provider in ("floor", "exp floor") or name not in args.shapes or r.dtype not in args.dtypes:
+        if r.provider in ("floor", "exp floor"):
             continue
-        r.mem_x_input = bench._peak_memory(bench.SHAPES[name], r.dtype, r.mode, r.provider, r.threads)
-        print(f"{r.shape} {r.dtype} {r.mode} {r.provider}: {r.mem_x_input}", file=sys.stderr, flush=True)
+        if name not in args.shapes or r.dtype not in args.dtypes:
+            continue
+        shape = bench.SHAPES[name]
+        r.mem_x_input = bench._peak_memory(shape, r.dtype, r.mode, r.provider, r.threads)
+        print(f"{r.shape} {r.dtype} {r.mode} {r.provider}: {r.mem_x_input}", file=sys.stderr)
     os.replace(args.out + ".csv", args.out + ".csv.bak")
     bench.write_csv(rows, args.out + ".csv")
     os.remove(args.out + ".csv.bak")

@@ -33,7 +33,9 @@ def _shape(text: str) -> tuple[int, int, int]:
     except ValueError:
         dims = ()
     if len(dims) != 3 or min(dims) < 1:
-        raise argparse.ArgumentTypeError(f"shape must be B,T,V (three positive ints) or one of {list(SHAPES)}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"shape must be B,T,V (three positive ints) or one of {list(SHAPES)}, got {text!r}"
+        )
     return dims  # type: ignore[return-value]
 
 
@@ -73,10 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="time the exact KL: seed formula, F.kl_div, every backend, and the read floor",
         description="Benchmark the exact KL at one shape (see benchmarks/README.md).",
     )
-    b.add_argument("--shape", type=_shape, default=(4, 512, 32000), help="B,T,V or S1/S2/S3 (default 4,512,32000)")
+    b.add_argument(
+        "--shape", type=_shape, default=(4, 512, 32000), help="B,T,V or S1/S2/S3 (4,512,32000)"
+    )
     b.add_argument("--dtype", nargs="+", choices=["fp32", "bf16", "fp16"], default=["fp32"])
     b.add_argument("--mode", nargs="+", choices=["fwd", "fwdbwd"], default=["fwd", "fwdbwd"])
-    b.add_argument("--providers", nargs="+", default=None, help="default: seed kl_div and every backend")
+    b.add_argument(
+        "--providers", nargs="+", default=None, help="default: seed, kl_div and every backend"
+    )
     b.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")

@@ -101,7 +101,8 @@ def test_streaming_larger_than_any_tile_matches_reference(value_tol, grad_rel_to
     x, y = _logits((7, 300), torch.float32, seed=11)
     x.requires_grad_()
     kl = streaming.full_kl(x, y, None, 1.3, tile_elements=64)
-    torch.testing.assert_close(kl.double(), full_kl_reference(x.detach(), y, 1.3), **value_tol[torch.float32])
+    want = full_kl_reference(x.detach(), y, 1.3)
+    torch.testing.assert_close(kl.double(), want, **value_tol[torch.float32])
     g = torch.randn(7)
     (gx,) = torch.autograd.grad(kl, (x,), g)
     (wx,) = _ref_grads(x, y, None, 1.3, g, need_y=False)
@@ -143,7 +144,8 @@ def test_token_logprobs_chunk_invariance_and_reference(vocab_chunk, value_tol, g
     g = torch.randn(2, 3)
     (gx,) = torch.autograd.grad(out, (x,), g)
     xr = x.detach().double().requires_grad_()
-    (wx,) = torch.autograd.grad((token_logprobs_reference(xr, tokens, 0.7) * g.double()).sum(), (xr,))
+    ref = token_logprobs_reference(xr, tokens, 0.7)
+    (wx,) = torch.autograd.grad((ref * g.double()).sum(), (xr,))
     _close_grad(gx, wx, torch.float32, grad_rel_tol)
     # rows sum to 0 up to float32 rounding of 37 terms of size |g| ≤ ~3
     torch.testing.assert_close(gx.sum(-1), torch.zeros(2, 3), atol=1e-5, rtol=0)
@@ -156,12 +158,14 @@ def test_token_logprobs_grid(backend, dtype, value_tol, grad_rel_tol):
     x.requires_grad_()
     tokens = torch.randint(0, 41, (2, 2, 3), generator=torch.Generator().manual_seed(0))
     out = klpenalty.token_logprobs(x, tokens, temperature=1.1, backend=backend)
-    torch.testing.assert_close(out.double(), token_logprobs_reference(x.detach(), tokens, 1.1), **value_tol[dtype])
+    want = token_logprobs_reference(x.detach(), tokens, 1.1)
+    torch.testing.assert_close(out.double(), want, **value_tol[dtype])
     g = torch.randn(2, 2, 3)
     (gx,) = torch.autograd.grad(out, (x,), g)
     assert gx.dtype == dtype
     xr = x.detach().double().requires_grad_()
-    (wx,) = torch.autograd.grad((token_logprobs_reference(xr, tokens, 1.1) * g.double()).sum(), (xr,))
+    ref = token_logprobs_reference(xr, tokens, 1.1)
+    (wx,) = torch.autograd.grad((ref * g.double()).sum(), (xr,))
     _close_grad(gx, wx, dtype, grad_rel_tol)
 
 
@@ -215,7 +219,9 @@ def test_hand_values_and_infinities(backend):
 
 @pytest.mark.parametrize("host_check", [True, False])
 @pytest.mark.parametrize("vocab_chunk", [None, 1, 3])
-def test_shared_minus_inf_padding_is_ignored_with_finite_gradients(vocab_chunk, host_check, monkeypatch):
+def test_shared_minus_inf_padding_is_ignored_with_finite_gradients(
+    vocab_chunk, host_check, monkeypatch
+):
     """Both models mask the same vocabulary entries with −inf (vocabulary padding).
 
     ``host_check=False`` runs the sync-free tile path used on accelerators.
@@ -228,7 +234,8 @@ def test_shared_minus_inf_padding_is_ignored_with_finite_gradients(vocab_chunk, 
     xp = x.masked_fill(pad, NINF).requires_grad_()
     yp = y.masked_fill(pad, NINF).requires_grad_()
     kl = streaming.full_kl(xp, yp, None, 1.0, vocab_chunk=vocab_chunk)
-    torch.testing.assert_close(kl.double(), full_kl_reference(x[:, ~pad], y[:, ~pad]), atol=2e-6, rtol=1e-5)
+    want = full_kl_reference(x[:, ~pad], y[:, ~pad])
+    torch.testing.assert_close(kl.double(), want, atol=2e-6, rtol=1e-5)
     gx, gy = torch.autograd.grad(kl, (xp, yp), torch.randn(4))
     assert torch.isfinite(gx).all() and torch.isfinite(gy).all()
     assert torch.all(gx[:, pad] == 0) and torch.all(gy[:, pad] == 0)
@@ -240,7 +247,8 @@ def test_identical_logits_give_exactly_zero():
         assert torch.all(klpenalty.full_kl(x, x.clone(), temperature=t) == 0)
     xb = x.bfloat16()
     assert torch.all(klpenalty.full_kl(xb, xb) == 0)
-    assert torch.all(streaming.full_kl(x.view(-1, 77), x.view(-1, 77), None, 1.0, vocab_chunk=5) == 0)
+    flat = x.view(-1, 77)
+    assert torch.all(streaming.full_kl(flat, flat.clone(), None, 1.0, vocab_chunk=5) == 0)
 
 
 def test_nonnegative_and_shift_invariant():
@@ -277,7 +285,8 @@ def test_nan_logits_raise():
 
 def test_temperature_equals_scaled_logits():
     x, y = _logits((4, 33), torch.float64, seed=15)
-    torch.testing.assert_close(klpenalty.full_kl(x, y, temperature=0.5), klpenalty.full_kl(x / 0.5, y / 0.5))
+    scaled = klpenalty.full_kl(x / 0.5, y / 0.5)
+    torch.testing.assert_close(klpenalty.full_kl(x, y, temperature=0.5), scaled)
 
 
 # --------------------------------------------------------------------------- memory
@@ -303,7 +312,9 @@ def test_forward_allocates_nothing_of_size_rows_by_vocab():
     tile = 1 << 12  # 16 KiB of float32 per buffer
     with torch.no_grad():
         for a, b in ((x, y), (xb, yb)):
-            peak, largest = _alloc_profile(lambda: streaming.full_kl(a, b, None, 0.7, tile_elements=tile))
+            peak, largest = _alloc_profile(
+                lambda: streaming.full_kl(a, b, None, 0.7, tile_elements=tile)
+            )
             # two tile buffers + O(N) row statistics, far below one (N, V) tensor
             assert largest <= tile * 4
             assert peak <= 2 * tile * 4 + 64 * n * 8

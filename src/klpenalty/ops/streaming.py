@@ -3,11 +3,12 @@
 The (N, V) logits are walked in tiles of ``rows × cols`` elements (a few MiB, cache-sized).
 For every row the forward keeps the online state of both models,
 
-    m_x = max x,  s_x = Σ e^{x − m_x},  A = Σ e^{x − m_x}·(x − y),  m_y = max y,  s_y = Σ e^{y − m_y}
+    m_x = max x,  s_x = Σ e^{x − m_x},  A = Σ e^{x − m_x}·(x − y),
+    m_y = max y,  s_y = Σ e^{y − m_y}
 
 (x, y already divided by the temperature), and merges the states of successive vocabulary
-tiles (the merge is associative: M = max(m, m′), s = s·e^{m−M} + s′·e^{m′−M}, A rescaled with the
-same factor as s_x). At the end of a row
+tiles (the merge is associative: M = max(m, m′), s = s·e^{m−M} + s′·e^{m′−M}, A rescaled with
+the same factor as s_x). At the end of a row
 
     KL = A/s_x + (m_y − m_x) + log(s_y / s_x),
 
@@ -56,7 +57,8 @@ __all__ = [
 # Elements per tile: 2**18 = 1 MiB of float32 per buffer. Two work buffers live at once, four
 # for bfloat16/float16 inputs (their tiles are upcast once into reused buffers); the temperature
 # is fused into the first pass. That stays in L2/L3 and is ~1-3% of one input at the sizes this
-# library is for. 2**17-2**19 measured within noise of each other; 2**16 pays more per-tile overhead.
+# library is for. 2**17-2**19 measured within noise of each other; 2**16 pays more per-tile
+# overhead.
 TILE_ELEMENTS = 1 << 18
 
 _INF = float("inf")
@@ -179,7 +181,8 @@ def _fwd_tile_eager(x, y, temperature, dtype, ws):
 def _bwd_tile_eager(x, y, temperature, dtype, ws, lse_x, lse_y, u, fx, fy, gx, gy, unclean):
     """Gradient tiles of Σ_rows g·KL.
 
-    gx ← p·((x − y) − u)·fx with fx = g/T², u = E_p[x − y]; gy ← (q − p)·fy with fy = g/T.
+    gx ← p·((x − y) − u)·fx with fx = g/T², u = E_p[x − y];
+    gy ← (q − p)·fy with fy = g/T.
     Rows whose factor is 0 (masked) get exactly 0 when ``unclean`` (garbage logits allowed).
     """
     r, c = x.shape
@@ -239,7 +242,9 @@ class TileOps:
     lp_bwd: Callable
 
 
-EAGER_TILES = TileOps("eager", _fwd_tile_eager, _bwd_tile_eager, _lse_tile_eager, _lp_bwd_tile_eager)
+EAGER_TILES = TileOps(
+    "eager", _fwd_tile_eager, _bwd_tile_eager, _lse_tile_eager, _lp_bwd_tile_eager
+)
 
 
 # ----------------------------------------------------------------------------- merge helpers
@@ -288,7 +293,10 @@ def _kl_forward(x, y, temperature, rows, cols, ops: TileOps):
     unclean = torch.zeros(n, dtype=torch.bool, device=x.device)
     if any(b is not None for b in parts[5]):
         unclean = torch.cat(
-            [torch.zeros_like(m, dtype=torch.bool) if b is None else b for m, b in zip(parts[0], parts[5])]
+            [
+                torch.zeros_like(m, dtype=torch.bool) if b is None else b
+                for m, b in zip(parts[0], parts[5])
+            ]
         )
     pinf = torch.isposinf(a)
     mean_d = (a / sx).masked_fill_(pinf, _INF)  # E_p[x − y] (not divided by T)
@@ -360,7 +368,7 @@ class _StreamingFullKL(torch.autograd.Function):
 
 
 class _StreamingTokenLogprobs(torch.autograd.Function):
-    """log softmax(x/T)[token] per row: streaming log-sum-exp + gather; tile-recomputing backward."""
+    """log softmax(x/T)[token] per row: streaming log-sum-exp + gather; recomputing backward."""
 
     @staticmethod
     def forward(ctx, x, tokens, temperature: float, rows: int, cols: int, ops: TileOps):

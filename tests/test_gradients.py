@@ -381,7 +381,7 @@ def test_k1_in_reward_with_score_and_beta(tree):
     assert_equal_grad(g, -grad_score + beta * tree.grad_reverse(), TOL_SEQ)
 
 
-def test_k1_as_loss_has_zero_expected_gradient(tree):
+def test_k1_as_loss_over_a_sequence_has_zero_expected_gradient(tree):
     lp, ref = tree.logprobs(tree.theta), tree.logprobs(tree.ref)
     g = tree.expected_grad(token_sum(sampled_kl(lp, ref, "k1"), tree.mask))
     assert_equal_grad(g, torch.zeros_like(g), TOL_SEQ)

@@ -60,7 +60,7 @@ def full_kl(
     x = policy_logits.reshape(-1, vocab)  # (N, V)
     y = ref_logits.reshape(-1, vocab)  # (N, V)
     kl = get_backend(backend, x.device).full_kl(x, y, mask, temperature)  # (N,)
-    v.raise_if_nan(kl.detach(), {"policy_logits": x, "ref_logits": y})
+    v.raise_if_nan(kl.detach(), {"policy_logits": policy_logits, "ref_logits": ref_logits})
     return kl.reshape(leading)
 
 
@@ -148,5 +148,5 @@ def token_logprobs(
     x = logits.reshape(-1, vocab)  # (N, V)
     tok = tokens.reshape(-1).long()  # (N,)
     out = get_backend(backend, x.device).token_logprobs(x, tok, temperature)  # (N,)
-    v.raise_if_nan(out.detach(), {"logits": x})
+    v.raise_if_nan(out.detach(), {"logits": logits})
     return out.reshape(leading)

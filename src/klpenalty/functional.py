@@ -87,7 +87,8 @@ def kl_penalized_reward(
 
     Note that the KL at position t does not depend on the token sampled at t: as a *detached*
     per-token reward in a policy-gradient loss it does not give the gradient of the sequence
-    KL. Differentiate through it (it carries gradients) or see the gradient docs.
+    KL (it misses the pathwise term), and differentiating it alone misses the future term.
+    :func:`klpenalty.full_kl_reward_and_loss` splits the exact KL into both terms.
 
     Args:
         policy_logits: (..., V) any float dtype.

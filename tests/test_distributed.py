@@ -36,30 +36,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _spawn(world: int, tmp: Path) -> list[dict]:
+def _start(world: int, tmp: Path) -> tuple[list[subprocess.Popen], list]:
     src = str(Path(klpenalty.__file__).resolve().parents[1])
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([src, env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
-    store = tmp / "store"
     procs, logs = [], []
     for rank in range(world):
         log = open(tmp / f"rank{rank}.log", "w")
         logs.append(log)
         cmd = [sys.executable, str(HERE / "distributed_worker.py"), str(rank), str(world),
-               str(store), str(tmp)]  # fmt: skip
+               str(tmp / "store"), str(tmp)]  # fmt: skip
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for p in procs:  # only the processes this test started
-            p.kill()
-        pytest.fail(f"world {world}: ranks did not finish within {RUN_TIMEOUT_S} s")
-    finally:
-        for log in logs:
-            log.close()
+    return procs, logs
+
+
+def _collect(world: int, tmp: Path, procs: list[subprocess.Popen]) -> list[dict]:
     out = []
     for rank, p in enumerate(procs):
         path = tmp / f"rank{rank}.json"
@@ -72,8 +64,26 @@ def _spawn(world: int, tmp: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory) -> dict[int, list[dict]]:
-    """Run every check once per world size; {world: [per-rank results]}."""
-    return {w: _spawn(w, tmp_path_factory.mktemp(f"world{w}")) for w in WORLD_SIZES}
+    """Run every check once per world size, both groups at once; {world: [per-rank results]}."""
+    runs = {}
+    for world in WORLD_SIZES:
+        tmp = tmp_path_factory.mktemp(f"world{world}")
+        runs[world] = (tmp, *_start(world, tmp))
+    procs = [p for _, ps, _ in runs.values() for p in ps]
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        for p in procs:  # only the processes this fixture started
+            p.kill()
+            p.wait()
+        pytest.fail(f"the ranks did not finish within {RUN_TIMEOUT_S} s")
+    finally:
+        for _, _, logs in runs.values():
+            for log in logs:
+                log.close()
+    return {world: _collect(world, tmp, ps) for world, (tmp, ps, _) in runs.items()}
 
 
 def _results(groups, world: int, check: str) -> list[dict]:
@@ -113,6 +123,7 @@ EXPECTED_ERRORS = {
     "check_err_tokens_differ": ("ValueError", "tokens differ across ranks", True),
     "check_err_token_range": ("ValueError", "[0, 1001)", True),
     "check_err_nan": ("ValueError", "policy_logits hold NaN", True),
+    "check_err_ref_all_neginf": ("ValueError", "ref_logits are -inf over the whole", True),
     "check_err_controller_beta": ("ValueError", "beta differ across ranks", True),
     "check_err_global_mean_empty": ("ValueError", "no position counts", True),
     # a rank whose own arguments are bad raises its own error; the others say which rank

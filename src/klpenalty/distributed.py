@@ -28,8 +28,8 @@ after every step.
 
 Only the standard c10d collectives ``all_reduce`` (SUM, MAX) and ``all_gather`` are used, on
 tensors that live on the device of the inputs, so the same code runs on gloo (CPU) and NCCL
-(CUDA). All ranks of ``group`` must call these functions together, with the same keyword
-arguments ``check``; a configuration error is raised on every rank, never as a hang.
+(CUDA). All ranks of ``group`` must call these functions together, with the same ``check``; a
+configuration error is raised on every rank, never as a hang.
 """
 
 from __future__ import annotations

@@ -284,7 +284,10 @@ def check_communication_volume(ctx: Ctx):
         ("all_reduce", "SUM", 2 * n, 4, "cpu"),
     ], tok_fwd
     per_pos = lambda cs: sum(c[2] * c[3] for c in cs if c[0] == "all_reduce") / n  # noqa: E731
-    return {"full_kl_bytes_per_position": per_pos(fwd), "token_bytes_per_position": per_pos(tok_fwd)}
+    return {
+        "full_kl_bytes_per_position": per_pos(fwd),
+        "token_bytes_per_position": per_pos(tok_fwd),
+    }
 
 
 def _tokens_vs_full(ctx: Ctx, dtype: torch.dtype, seed: int):
@@ -424,7 +427,8 @@ def check_err_vocab_order(ctx: Ctx):
     k = (ctx.rank + 1) % ctx.world
     x = torch.randn(2, 3, widths[k])
     tok = torch.zeros(2, 3, dtype=torch.long)
-    return _expect_error(lambda: kd.vocab_parallel_token_logprobs(x, tok, vocab_start=ctx.starts[k]))
+    start = ctx.starts[k]
+    return _expect_error(lambda: kd.vocab_parallel_token_logprobs(x, tok, vocab_start=start))
 
 
 def check_err_dtype(ctx: Ctx):

@@ -108,7 +108,10 @@ def test_communication_cost_per_position(groups):
     """The documented figures: 20 bytes/position for full KL, 12 for token log-probs (fp32)."""
     for world in WORLD_SIZES:
         for r in _results(groups, world, "check_communication_volume"):
-            assert r["data"] == {"full_kl_bytes_per_position": 20.0, "token_bytes_per_position": 12.0}
+            assert r["data"] == {
+                "full_kl_bytes_per_position": 20.0,
+                "token_bytes_per_position": 12.0,
+            }
 
 
 # What the message must say, per error check. "same" = identical text on every rank.

@@ -148,7 +148,9 @@ def _local_record(
     return rec
 
 
-def _gather_records(rec: list[int], device: torch.device, group: Any, world: int) -> list[list[int]]:
+def _gather_records(
+    rec: list[int], device: torch.device, group: Any, world: int
+) -> list[list[int]]:
     mine = torch.tensor(rec, dtype=torch.long, device=device)  # (_RECORD,)
     out = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(out, mine, group=group)
@@ -865,7 +867,9 @@ class ControllerUpdate(NamedTuple):
 def _real(name: str, value: object) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise TypeError(f"{name} must be a number or a one-element tensor, got {v.describe(value)}")
+            raise TypeError(
+                f"{name} must be a number or a one-element tensor, got {v.describe(value)}"
+            )
         value = value.detach().item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
@@ -946,7 +950,9 @@ def update_controller_globally(
         raise local_error
     bad = [r for r, t in enumerate(table) if t[0]]
     if bad:
-        raise ValueError(f"{caller}: rank(s) {bad} rejected their own arguments (their error says why)")
+        raise ValueError(
+            f"{caller}: rank(s) {bad} rejected their own arguments (their error says why)"
+        )
     betas = [t[4] for t in table]
     if len(set(betas)) > 1:
         raise ValueError(

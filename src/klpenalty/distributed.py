@@ -589,6 +589,7 @@ def vocab_parallel_full_kl(
     the policy has mass the reference lacks; clamped at 0; exactly 0 for identical logits.
     Non-finite results are diagnosed from the all-reduced sums, so the same ValueError is raised
     on every rank.
+
     {check}
     Args:
         policy_logits_shard: (..., V_r) float16/bfloat16/float32/float64, this rank's slice of
@@ -662,6 +663,7 @@ def vocab_parallel_token_logprobs(
     SUM of (Σ exp, target logit) (N, 2), where only the rank that owns the token contributes
     its logit: 12 bytes per position for float32 math (24 for float64). The backward is local:
     (onehot(token) − π)/T on this rank's slice.
+
     {check}
     With ``check=True`` the tokens are also checked against the total vocabulary Σ V_r.
 
@@ -718,9 +720,10 @@ def vocab_parallel_token_logprobs(
     return out.reshape(leading)
 
 
-vocab_parallel_full_kl.__doc__ = vocab_parallel_full_kl.__doc__.replace("{check}", _CHECK_DOC)
+_CHECK_TEXT = _CHECK_DOC.strip() + "\n"  # first line takes the placeholder's indentation
+vocab_parallel_full_kl.__doc__ = vocab_parallel_full_kl.__doc__.replace("{check}", _CHECK_TEXT)
 vocab_parallel_token_logprobs.__doc__ = vocab_parallel_token_logprobs.__doc__.replace(
-    "{check}", _CHECK_DOC
+    "{check}", _CHECK_TEXT
 )
 
 

@@ -127,6 +127,7 @@ EXPECTED_ERRORS = {
     "check_err_token_range": ("ValueError", "[0, 1001)", True),
     "check_err_nan": ("ValueError", "policy_logits hold NaN", True),
     "check_err_ref_all_neginf": ("ValueError", "ref_logits are -inf over the whole", True),
+    "check_err_policy_all_neginf": ("ValueError", "policy_logits are -inf over the whole", True),
     "check_err_controller_beta": ("ValueError", "beta differ across ranks", True),
     "check_err_global_mean_empty": ("ValueError", "no position counts", True),
     # a rank whose own arguments are bad raises its own error; the others say which rank

@@ -450,6 +450,8 @@ def _raise_if_nan_kl(
     first = int(rows[0])
     if bool(torch.isnan(s_x[rows]).any()):
         what = "policy_logits hold NaN or +inf"
+    elif bool((s_x[rows] == 0).any()):
+        what = "policy_logits are -inf over the whole vocabulary (the policy is undefined)"
     elif bool(torch.isnan(s_y[rows]).any()):
         what = "ref_logits hold NaN or +inf"
     elif bool((s_y[rows] == 0).any()):
@@ -477,14 +479,15 @@ class _VocabParallelFullKL(torch.autograd.Function):
         # KL = E_p[x − y]/T − LSE_x + LSE_y; the shifts cancel: KL = A/s_x − log s_x + log s_y
         kl = (a / s_x - torch.log(s_x) + torch.log(s_y)).clamp_min(0.0)
         zero = torch.zeros((), dtype=dtype, device=kl.device)
-        empty = s_x == 0  # the policy has no mass anywhere: KL 0, as full_kl gives
-        kl = torch.where(empty, zero, kl)
+        # the policy has no mass anywhere (all -inf): no distribution, reported as NaN and
+        # raised below unless masked, as full_kl does
+        kl = torch.where(s_x == 0, torch.full_like(kl, float("nan")), kl)
         if mask is not None:
             kl = torch.where(mask, kl, zero)
         _raise_if_nan_kl(kl, s_x, s_y, caller)
         lse_x = shift[:, 0] + torch.log(s_x)
         lse_y = shift[:, 1] + torch.log(s_y)
-        live = ~empty if mask is None else (mask & ~empty)
+        live = torch.ones_like(kl, dtype=torch.bool) if mask is None else mask
         ctx.save_for_backward(x, y, lse_x, lse_y, kl, live)
         ctx.temperature = temperature
         return kl

@@ -1,0 +1,206 @@
+"""PPO-clip RLHF on the tiny GPT, using only klpenalty's public API for the KL penalty.
+
+One run: sample a batch from the policy, score it (proxy reward = number of ``helpful``),
+shape per-token rewards with :func:`klpenalty.shaped_rewards` (−β·k1 at every generated token,
+the score on the last one), take the reward-to-go with a per-position baseline, and do a few
+PPO-clip epochs. The KL that is *reported* is exact: the sum over the sampled path of
+:func:`klpenalty.full_kl`, the full-vocabulary KL(π‖ρ) of every next-token distribution.
+
+Shape letters: B batch, T generated tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from klpenalty import (
+    AdaptiveKLController,
+    FixedKLController,
+    full_kl,
+    sampled_kl,
+    shaped_rewards,
+    token_logprobs,
+)
+
+from .grammar import EOS, Recognizer, default_grammar
+from .model import sample
+from .pretrain import load_checkpoint
+from .text import distinct_n, score_text
+
+__all__ = ["RunConfig", "run_rlhf", "reward_to_go"]
+
+
+@dataclass
+class RunConfig:
+    """Settings of one RLHF run (the defaults are the demo's, pinned to the shipped reference).
+
+    Attributes:
+        beta: KL coefficient (the initial one with ``adaptive_target``).
+        adaptive_target: if set, an :class:`klpenalty.AdaptiveKLController` steers the exact
+            sequence KL toward this many nats, starting from ``beta`` (> 0).
+        horizon: the controller's horizon, in samples.
+        steps: PPO iterations (each one new batch).
+        batch: texts per batch.
+        max_new: generation length limit in tokens.
+        lr: Adam learning rate.
+        epochs: PPO epochs per batch.
+        minibatches: minibatches per epoch.
+        clip: PPO clip range ε.
+        reward_scale: the sequence score is ``reward_scale × count("helpful")``.
+        seed: seeds torch and the sampler; the same for every β, so runs differ only by β.
+        label: name in the report (default from β).
+    """
+
+    beta: float = 0.1
+    adaptive_target: float | None = None
+    horizon: float = 256.0
+    steps: int = 60
+    batch: int = 128
+    max_new: int = 32
+    lr: float = 1e-3
+    epochs: int = 4
+    minibatches: int = 1
+    clip: float = 0.2
+    reward_scale: float = 1.0
+    seed: int = 0
+    label: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.label:
+            self.label = (
+                f"β={self.beta:g}" if self.adaptive_target is None
+                else f"adaptive {self.adaptive_target:g} nats (β₀={self.beta:g})"
+            )
+
+
+def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """G_t = Σ_{s≥t} r_s along each row (undiscounted), 0 where ``mask`` is False.
+
+    Args:
+        rewards: (B, T) float per-token rewards (0 on padding).
+        mask: (B, T) bool, True = generated token.
+
+    Returns:
+        (B, T) float, the dtype of ``rewards``.
+    """
+    g = rewards.flip(-1).cumsum(-1).flip(-1)
+    return torch.where(mask, g, torch.zeros_like(g))
+
+
+def _advantages(returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-position batch-mean baseline, then whitening over the real tokens."""
+    m = mask.to(returns.dtype)
+    baseline = (returns * m).sum(0) / m.sum(0).clamp_min(1.0)  # (T,)
+    adv = (returns - baseline) * m
+    n = m.sum()
+    mean = adv.sum() / n
+    var = ((adv - mean) * m).square().sum() / n
+    return (adv - mean) / (var.sqrt() + 1e-8) * m
+
+
+def run_rlhf(
+    cfg: RunConfig,
+    ref_path: str | Path | None = None,
+    progress: Callable[[int, dict], None] | None = None,
+) -> dict:
+    """Run PPO-clip RLHF from the reference checkpoint and return its log.
+
+    Args:
+        cfg: the run's settings.
+        ref_path: reference checkpoint (default: the one shipped in the package).
+        progress: called as ``progress(step, metrics)`` after every logged step.
+
+    Returns:
+        ``{"config", "steps": [metrics per step, step 0 = before any update], "samples":
+        [three texts of the final batch], "seconds"}``. Metrics: proxy, gold, grammatical
+        (fractions), kl (exact sequence KL in nats, mean over texts), k1 (its sampled
+        estimate), ref_nll (reference NLL per generated token), length, finished (fraction that
+        emitted ``<eos>``), distinct1, distinct2, beta, and one sample text.
+    """
+    t0 = time.perf_counter()
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    ref, vocab, _ = load_checkpoint(ref_path)
+    policy = copy.deepcopy(ref).requires_grad_(True)
+    recognizer = Recognizer(default_grammar())
+    if cfg.adaptive_target is None:
+        controller = FixedKLController(cfg.beta)
+    else:
+        controller = AdaptiveKLController(cfg.beta, cfg.adaptive_target, cfg.horizon)
+    opt = torch.optim.Adam(policy.parameters(), lr=cfg.lr)
+    log: list[dict] = []
+    texts: list[list[str]] = []
+
+    for step in range(cfg.steps + 1):
+        tokens, mask = sample(policy, cfg.batch, cfg.max_new, vocab, gen)
+        length = int(mask.sum(1).max())
+        tokens, mask = tokens[:, : length + 1], mask[:, :length]  # (B, 1+T), (B, T)
+        inp = tokens[:, :-1]  # (B, T)
+        # padding targets are replaced by <eos> so every log-prob is finite (<pad> has
+        # probability 0); those positions are masked out of every sum below
+        tgt = torch.where(mask, tokens[:, 1:], torch.full_like(tokens[:, 1:], vocab.eos))
+        with torch.no_grad():
+            pol_logits = policy(inp)  # (B, T, V)
+            ref_logits = ref(inp)  # (B, T, V)
+            old_lp = token_logprobs(pol_logits, tgt)  # (B, T)
+            ref_lp = token_logprobs(ref_logits, tgt)  # (B, T)
+            k1 = torch.where(mask, sampled_kl(old_lp, ref_lp, "k1"), torch.zeros_like(old_lp))
+            seq_kl = full_kl(pol_logits, ref_logits, mask=mask).sum(-1)  # (B,) exact, nats
+
+        texts = [vocab.decode(row[1:]) for row in tokens]
+        scores = [score_text(t, recognizer) for t in texts]
+        proxy = torch.tensor([s.proxy for s in scores], dtype=torch.float32)  # (B,)
+        n_tok = mask.sum()
+        metrics = {
+            "step": step,
+            "proxy": float(proxy.mean()),
+            "gold": sum(s.gold for s in scores) / cfg.batch,
+            "grammatical": sum(s.grammatical for s in scores) / cfg.batch,
+            "kl": float(seq_kl.mean()),
+            "k1": float(k1.sum(-1).mean()),
+            "ref_nll": float(-torch.where(mask, ref_lp, torch.zeros_like(ref_lp)).sum() / n_tok),
+            "length": float(n_tok) / cfg.batch,
+            "finished": sum(bool(t) and t[-1] == EOS for t in texts) / cfg.batch,
+            "distinct1": distinct_n(texts, 1),
+            "distinct2": distinct_n(texts, 2),
+            "beta": controller.value,
+            "sample": " ".join(texts[0]),
+        }
+        log.append(metrics)
+        if progress is not None:
+            progress(step, metrics)
+        if step == cfg.steps:
+            break
+
+        # per-token rewards: −β·k1 on every generated token, the score on the last one
+        rewards = shaped_rewards(cfg.reward_scale * proxy, k1, mask, controller.value)
+        adv = _advantages(reward_to_go(rewards, mask), mask)  # (B, T)
+        order = torch.arange(cfg.batch)
+        for _ in range(cfg.epochs):
+            if cfg.minibatches > 1:
+                order = torch.randperm(cfg.batch)
+            for mb in order.chunk(cfg.minibatches):
+                lp = token_logprobs(policy(inp[mb]), tgt[mb])  # (b, T)
+                ratio = torch.exp(lp - old_lp[mb])
+                a = adv[mb]
+                surrogate = torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a)
+                m = mask[mb]
+                loss = -torch.where(m, surrogate, torch.zeros_like(surrogate)).sum() / m.sum()
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+                opt.step()
+        controller.update(float(seq_kl.mean()), cfg.batch)
+
+    return {
+        "config": asdict(cfg),
+        "steps": log,
+        "samples": [" ".join(t) for t in texts[:3]],
+        "seconds": time.perf_counter() - t0,
+    }

@@ -22,7 +22,7 @@ def test_reward_to_go():
 @pytest.fixture(scope="module")
 def short_runs():
     torch.set_num_threads(1)
-    cfg = dict(steps=12, batch=64, seed=0)
+    cfg = dict(steps=12, batch=64, final_batch=128, seed=0)
     return {b: run_rlhf(RunConfig(beta=b, **cfg)) for b in (0.0, 1.0)}
 
 
@@ -39,6 +39,7 @@ def test_logged_metrics_are_consistent(short_runs):
     for run in short_runs.values():
         steps = run["steps"]
         assert [s["step"] for s in steps] == list(range(13))
+        assert [s["samples"] for s in steps] == [64] * 12 + [128]
         for s in steps:
             assert 0 <= s["gold"] <= s["proxy"]
             assert 0 <= s["grammatical"] <= 1 and 1 <= s["length"] <= 32
@@ -48,8 +49,8 @@ def test_logged_metrics_are_consistent(short_runs):
 
 def test_cli_demo_writes_report(tmp_path, capsys):
     out = tmp_path / "demo"
-    argv = ["demo", "--beta", "0", "0.3", "--steps", "2", "--batch", "8", "--jobs", "2",
-            "--out", str(out)]
+    argv = ["demo", "--beta", "0", "0.3", "--steps", "2", "--batch", "8", "--final-batch", "8",
+            "--jobs", "1", "--out", str(out)]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "| start |" in text and str(out / "report.md") in text
@@ -61,10 +62,28 @@ def test_cli_demo_writes_report(tmp_path, capsys):
     assert (out / "demo.png").stat().st_size > 10_000
 
 
+def test_worker_reports_progress_and_result():
+    # the function each parallel process runs, here in-process with a plain queue
+    import queue
+
+    from klpenalty.demo.runner import _worker
+
+    q = queue.Queue()
+    _worker(3, dict(beta=0.1, steps=1, batch=4, final_batch=4), None, q)
+    msgs = [q.get_nowait() for _ in range(q.qsize())]
+    assert [m[0] for m in msgs] == ["step", "step", "done"]
+    assert all(m[1] == 3 for m in msgs) and msgs[1][2] == 1
+    assert set(msgs[0][3]) == {"proxy", "gold", "grammatical", "kl"}
+    assert len(msgs[2][2]["steps"]) == 2
+    _worker(0, dict(beta=-1.0), None, q)  # a failing run reports its traceback
+    kind, index, text = q.get_nowait()
+    assert kind == "error" and index == 0 and "beta" in text
+
+
 def test_cli_adaptive_runs_in_process(tmp_path):
     out = tmp_path / "adaptive"
     argv = ["demo", "--beta", "0.2", "--adaptive", "5", "--horizon", "16", "--steps", "2",
-            "--batch", "8", "--jobs", "1", "--no-plots", "--out", str(out)]
+            "--batch", "8", "--final-batch", "8", "--jobs", "1", "--no-plots", "--out", str(out)]
     assert main(argv) == 0
     run = json.loads((out / "metrics.json").read_text())["runs"][0]
     assert run["config"]["adaptive_target"] == 5.0

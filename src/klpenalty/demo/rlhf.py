@@ -53,6 +53,8 @@ class RunConfig:
         minibatches: minibatches per epoch.
         clip: PPO clip range ε.
         reward_scale: the sequence score is ``reward_scale × count("helpful")``.
+        final_batch: texts sampled for the last logged step (after the last update), larger
+            than ``batch`` so the final table is less noisy.
         seed: seeds torch and the sampler; the same for every β, so runs differ only by β.
         label: name in the report (default from β).
     """
@@ -68,6 +70,7 @@ class RunConfig:
     minibatches: int = 1
     clip: float = 0.2
     reward_scale: float = 1.0
+    final_batch: int = 512
     seed: int = 0
     label: str = field(default="")
 
@@ -118,7 +121,8 @@ def run_rlhf(
 
     Returns:
         ``{"config", "steps": [metrics per step, step 0 = before any update], "samples":
-        [three texts of the final batch], "seconds"}``. Metrics: proxy, gold, grammatical
+        [three texts of the final batch], "seconds"}``. Metrics (each step on ``batch`` fresh
+        samples, the last on ``final_batch``): proxy, gold, grammatical
         (fractions), kl (exact sequence KL in nats, mean over texts), k1 (its sampled
         estimate), ref_nll (reference NLL per generated token), length, finished (fraction that
         emitted ``<eos>``), distinct1, distinct2, beta, and one sample text.
@@ -138,7 +142,8 @@ def run_rlhf(
     texts: list[list[str]] = []
 
     for step in range(cfg.steps + 1):
-        tokens, mask = sample(policy, cfg.batch, cfg.max_new, vocab, gen)
+        n = cfg.batch if step < cfg.steps else max(cfg.batch, cfg.final_batch)
+        tokens, mask = sample(policy, n, cfg.max_new, vocab, gen)
         length = int(mask.sum(1).max())
         tokens, mask = tokens[:, : length + 1], mask[:, :length]  # (B, 1+T), (B, T)
         inp = tokens[:, :-1]  # (B, T)
@@ -160,16 +165,17 @@ def run_rlhf(
         metrics = {
             "step": step,
             "proxy": float(proxy.mean()),
-            "gold": sum(s.gold for s in scores) / cfg.batch,
-            "grammatical": sum(s.grammatical for s in scores) / cfg.batch,
+            "gold": sum(s.gold for s in scores) / n,
+            "grammatical": sum(s.grammatical for s in scores) / n,
             "kl": float(seq_kl.mean()),
             "k1": float(k1.sum(-1).mean()),
             "ref_nll": float(-torch.where(mask, ref_lp, torch.zeros_like(ref_lp)).sum() / n_tok),
-            "length": float(n_tok) / cfg.batch,
-            "finished": sum(bool(t) and t[-1] == EOS for t in texts) / cfg.batch,
+            "length": float(n_tok) / n,
+            "finished": sum(bool(t) and t[-1] == EOS for t in texts) / n,
             "distinct1": distinct_n(texts, 1),
             "distinct2": distinct_n(texts, 2),
             "beta": controller.value,
+            "samples": n,
             "sample": " ".join(texts[0]),
         }
         log.append(metrics)

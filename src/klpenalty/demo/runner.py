@@ -39,6 +39,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr", type=float, default=d.lr, help=f"Adam learning rate (default {d.lr:g})")
     p.add_argument("--epochs", type=int, default=d.epochs,
                    help=f"PPO epochs per batch (default {d.epochs})")
+    p.add_argument("--final-batch", type=int, default=d.final_batch,
+                   help=f"samples for the final evaluation (default {d.final_batch})")
     p.add_argument("--reward-scale", type=float, default=d.reward_scale,
                    help="score = scale × count('helpful') (default 1)")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed (default 0)")
@@ -63,10 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class _Progress:
     """One status line per run; redrawn in place on a terminal, else printed every 10 steps."""
 
-    def __init__(self, labels: list[str], steps: int, stream=sys.stdout) -> None:
+    def __init__(self, labels: list[str], steps: int, stream=None) -> None:
         self.labels = labels
         self.steps = steps
-        self.stream = stream
+        self.stream = stream = stream if stream is not None else sys.stdout
         self.tty = stream.isatty()
         self.lines = [self._fmt(lab, None, None) for lab in labels]
         self.last_draw = 0.0
@@ -208,6 +210,7 @@ def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     base = RunConfig(
         horizon=args.horizon, steps=args.steps, batch=args.batch, max_new=args.max_new,
         lr=args.lr, epochs=args.epochs, reward_scale=args.reward_scale, seed=args.seed,
+        final_batch=args.final_batch,
     )
 
     def make(beta: float) -> RunConfig:

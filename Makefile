@@ -19,8 +19,9 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
+# `make demo DEMO_ARGS="--sweep"` passes options through to `klpenalty demo`
 demo: $(STAMP)
-	$(VENV)/bin/klpenalty demo
+	$(VENV)/bin/klpenalty demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -22,7 +22,7 @@ def test_reward_to_go():
 @pytest.fixture(scope="module")
 def short_runs():
     torch.set_num_threads(1)
-    cfg = dict(steps=12, batch=64, final_batch=128, seed=0)
+    cfg = dict(steps=12, batch=64, final_batch=256, seed=0)
     return {b: run_rlhf(RunConfig(beta=b, **cfg)) for b in (0.0, 1.0)}
 
 
@@ -39,7 +39,7 @@ def test_logged_metrics_are_consistent(short_runs):
     for run in short_runs.values():
         steps = run["steps"]
         assert [s["step"] for s in steps] == list(range(13))
-        assert [s["samples"] for s in steps] == [64] * 12 + [128]
+        assert [s["samples"] for s in steps] == [64] * 12 + [256]
         for s in steps:
             assert 0 <= s["gold"] <= s["proxy"]
             assert 0 <= s["grammatical"] <= 1 and 1 <= s["length"] <= 32

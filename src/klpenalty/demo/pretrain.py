@@ -106,7 +106,7 @@ def pretrain(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if progress is not None:
-            progress(step + 1, steps, float(loss))
+            progress(step + 1, steps, float(loss.detach()))
     model.eval()
     # held-out documents: model NLL per token vs the grammar's own (its entropy rate)
     val_rng = random.Random(seed + 12345)

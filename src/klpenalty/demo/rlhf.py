@@ -62,7 +62,7 @@ class RunConfig:
     beta: float = 0.1
     adaptive_target: float | None = None
     horizon: float = 256.0
-    steps: int = 60
+    steps: int = 40
     batch: int = 128
     max_new: int = 32
     lr: float = 1e-3
@@ -172,8 +172,9 @@ def run_rlhf(
             "ref_nll": float(-torch.where(mask, ref_lp, torch.zeros_like(ref_lp)).sum() / n_tok),
             "length": float(n_tok) / n,
             "finished": sum(bool(t) and t[-1] == EOS for t in texts) / n,
-            "distinct1": distinct_n(texts, 1),
-            "distinct2": distinct_n(texts, 2),
+            # distinct-n depends on how many texts it is taken over: always cfg.batch of them
+            "distinct1": distinct_n(texts[: cfg.batch], 1),
+            "distinct2": distinct_n(texts[: cfg.batch], 2),
             "beta": controller.value,
             "samples": n,
             "sample": " ".join(texts[0]),

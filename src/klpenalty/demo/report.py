@@ -169,6 +169,12 @@ def write_report(
         "",
         final_table(runs),
         "",
+        f"`start`: the reference's own samples (step 0, {start['samples'] if start else 0} texts); "
+        f"other rows: {runs[-1]['steps'][-1]['samples'] if runs else 0} fresh samples from the "
+        "final policy. `grammatical`: a complete document, or a grammatical prefix cut off at "
+        "the length limit. `gold`: the `helpful`s of grammatical text (all of them if the text "
+        "is grammatical, else those in the sentences before the first error).",
+        "",
     ]
     if sweep_runs:
         lines += ["## β sweep", "", final_table(sorted(

@@ -35,6 +35,23 @@ def test_penalty_keeps_kl_low_and_text_grammatical(short_runs):
     assert leashed["grammatical"] >= 0.9
 
 
+def test_exact_kl_penalty_done_right_also_keeps_the_leash(short_runs):
+    # kl="full": exact KL of later positions in the return, current one in the loss. (Used
+    # wrongly, as a detached reward at its own position, the exact KL taught the prototype's
+    # policy to stop at once; see docs.) Done right it keeps the length and the grammar.
+    run = run_rlhf(RunConfig(beta=1.0, kl="full", steps=12, batch=64, final_batch=256, seed=0))
+    end = run["steps"][-1]
+    assert end["kl"] * 5 <= short_runs[0.0]["steps"][-1]["kl"]
+    assert end["grammatical"] >= 0.9
+    assert end["length"] >= 0.7 * run["steps"][0]["length"]
+    assert run["config"]["kl"] == "full"
+
+
+def test_run_config_rejects_unknown_kl_mode():
+    with pytest.raises(ValueError, match="kl must be one of"):
+        RunConfig(kl="exact")
+
+
 def test_logged_metrics_are_consistent(short_runs):
     for run in short_runs.values():
         steps = run["steps"]

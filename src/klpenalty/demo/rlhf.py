@@ -3,7 +3,15 @@
 One run: sample a batch from the policy, score it (proxy reward = number of ``helpful``),
 shape per-token rewards with :func:`klpenalty.shaped_rewards` (−β·k1 at every generated token,
 the score on the last one), take the reward-to-go with a per-position baseline, and do a few
-PPO-clip epochs. The KL that is *reported* is exact: the sum over the sampled path of
+PPO-clip epochs.
+
+With ``kl="full"`` the penalty uses the exact per-position KL instead of k1, correctly: the
+KL at position t depends on the prefix only, not on the token sampled at t, so it cannot be a
+per-token reward at t. The exact KL of position t + 1 (which the token at t does influence)
+goes into the reward at t, so the return carries the KL of later positions, and the
+differentiable exact KL of each visited position is added to the loss.
+
+Either way, the KL that is *reported* is exact: the sum over the sampled path of
 :func:`klpenalty.full_kl`, the full-vocabulary KL(π‖ρ) of every next-token distribution.
 
 Shape letters: B batch, T generated tokens, V vocabulary.
@@ -33,7 +41,9 @@ from .model import sample
 from .pretrain import load_checkpoint
 from .text import distinct_n, score_text
 
-__all__ = ["RunConfig", "run_rlhf", "reward_to_go"]
+__all__ = ["RunConfig", "run_rlhf", "reward_to_go", "KL_MODES"]
+
+KL_MODES = ("k1", "full")
 
 
 @dataclass
@@ -42,6 +52,8 @@ class RunConfig:
 
     Attributes:
         beta: KL coefficient (the initial one with ``adaptive_target``).
+        kl: ``"k1"`` (default) puts −β·(log π − log ρ) of each sampled token in the reward;
+            ``"full"`` uses the exact full-vocabulary KL as described in the module docstring.
         adaptive_target: if set, an :class:`klpenalty.AdaptiveKLController` steers the exact
             sequence KL toward this many nats, starting from ``beta`` (> 0).
         horizon: the controller's horizon, in samples.
@@ -60,6 +72,7 @@ class RunConfig:
     """
 
     beta: float = 0.1
+    kl: str = "k1"
     adaptive_target: float | None = None
     horizon: float = 256.0
     steps: int = 40
@@ -75,9 +88,12 @@ class RunConfig:
     label: str = field(default="")
 
     def __post_init__(self) -> None:
+        if self.kl not in KL_MODES:
+            raise ValueError(f"kl must be one of {KL_MODES}, got {self.kl!r}")
         if not self.label:
             self.label = (
-                f"β={self.beta:g}" if self.adaptive_target is None
+                (f"β={self.beta:g}" if self.kl == "k1" else f"β={self.beta:g} (full KL)")
+                if self.adaptive_target is None
                 else f"adaptive {self.adaptive_target:g} nats (β₀={self.beta:g})"
             )
 
@@ -96,15 +112,18 @@ def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, g, torch.zeros_like(g))
 
 
-def _advantages(returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-position batch-mean baseline, then whitening over the real tokens."""
+def _advantages(returns: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-position batch-mean baseline, then whitening over the real tokens.
+
+    Returns the (B, T) advantages and the scale they were divided by (a scalar tensor)."""
     m = mask.to(returns.dtype)
     baseline = (returns * m).sum(0) / m.sum(0).clamp_min(1.0)  # (T,)
     adv = (returns - baseline) * m
     n = m.sum()
     mean = adv.sum() / n
     var = ((adv - mean) * m).square().sum() / n
-    return (adv - mean) / (var.sqrt() + 1e-8) * m
+    scale = var.sqrt() + 1e-8
+    return (adv - mean) / scale * m, scale
 
 
 def run_rlhf(
@@ -156,7 +175,8 @@ def run_rlhf(
             old_lp = token_logprobs(pol_logits, tgt)  # (B, T)
             ref_lp = token_logprobs(ref_logits, tgt)  # (B, T)
             k1 = torch.where(mask, sampled_kl(old_lp, ref_lp, "k1"), torch.zeros_like(old_lp))
-            seq_kl = full_kl(pol_logits, ref_logits, mask=mask).sum(-1)  # (B,) exact, nats
+            exact = full_kl(pol_logits, ref_logits, mask=mask)  # (B, T), 0 where masked
+            seq_kl = exact.sum(-1)  # (B,) exact sequence KL along the sampled path, nats
 
         texts = [vocab.decode(row[1:]) for row in tokens]
         scores = [score_text(t, recognizer) for t in texts]
@@ -185,20 +205,31 @@ def run_rlhf(
         if step == cfg.steps:
             break
 
-        # per-token rewards: −β·k1 on every generated token, the score on the last one
-        rewards = shaped_rewards(cfg.reward_scale * proxy, k1, mask, controller.value)
-        adv = _advantages(reward_to_go(rewards, mask), mask)  # (B, T)
+        beta = controller.value
+        if cfg.kl == "k1":  # −β·k1 on every generated token, the score on the last one
+            kl_reward = k1
+        else:  # the exact KL of position t + 1 is the penalty for the token sampled at t
+            kl_reward = torch.zeros_like(exact)
+            kl_reward[:, :-1] = exact[:, 1:]
+        rewards = shaped_rewards(cfg.reward_scale * proxy, kl_reward, mask, beta)
+        adv, scale = _advantages(reward_to_go(rewards, mask), mask)  # (B, T), ()
         order = torch.arange(cfg.batch)
         for _ in range(cfg.epochs):
             if cfg.minibatches > 1:
                 order = torch.randperm(cfg.batch)
             for mb in order.chunk(cfg.minibatches):
-                lp = token_logprobs(policy(inp[mb]), tgt[mb])  # (b, T)
+                logits = policy(inp[mb])  # (b, T, V)
+                lp = token_logprobs(logits, tgt[mb])  # (b, T)
                 ratio = torch.exp(lp - old_lp[mb])
                 a = adv[mb]
                 surrogate = torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a)
                 m = mask[mb]
                 loss = -torch.where(m, surrogate, torch.zeros_like(surrogate)).sum() / m.sum()
+                if cfg.kl == "full" and beta > 0:
+                    # the direct gradient of Σ_t KL_t, on the same scale as the whitened
+                    # policy-gradient term (both divided by the advantages' scale)
+                    kl_now = full_kl(logits, ref_logits[mb], mask=m)  # (b, T)
+                    loss = loss + beta * kl_now.sum() / (scale * m.sum())
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)

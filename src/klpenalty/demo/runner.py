@@ -26,6 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = RunConfig()
     p.add_argument("--beta", type=float, nargs="+", default=list(DEFAULT_BETAS),
                    help="KL coefficients, one run (process) each (default: 0 0.1 0.3)")
+    p.add_argument("--kl", choices=("k1", "full"), default="k1",
+                   help="KL penalty in the reward: k1 = β·(log π − log ρ) per sampled token "
+                        "(default); full = the exact full-vocabulary KL, done correctly (the KL "
+                        "of later positions in the return, the current one in the loss)")
     p.add_argument("--adaptive", type=float, metavar="TARGET", default=None,
                    help="use AdaptiveKLController aiming at TARGET nats for every β > 0 "
                         "(β is then its initial value; β = 0 stays an unpenalised baseline)")
@@ -210,7 +214,7 @@ def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     base = RunConfig(
         horizon=args.horizon, steps=args.steps, batch=args.batch, max_new=args.max_new,
         lr=args.lr, epochs=args.epochs, reward_scale=args.reward_scale, seed=args.seed,
-        final_batch=args.final_batch,
+        final_batch=args.final_batch, kl=args.kl,
     )
 
     def make(beta: float) -> RunConfig:
@@ -223,7 +227,7 @@ def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     sweep_configs = []
     if args.sweep:
         sweep_configs = [
-            replace(base, beta=b, label="") for b in SWEEP_BETAS
+            replace(base, beta=b, adaptive_target=None, label="") for b in SWEEP_BETAS
             if not any(c.beta == b and c.adaptive_target is None for c in configs)
         ]
     everything = configs + sweep_configs

@@ -106,3 +106,4 @@ def test_cli_adaptive_runs_in_process(tmp_path):
     assert run["config"]["adaptive_target"] == 5.0
     betas = [s["beta"] for s in run["steps"]]
     assert betas[0] == 0.2 and betas[1] != 0.2  # the controller moved β
+    assert f"→ β={betas[-1]:.3g}" in (out / "report.md").read_text()

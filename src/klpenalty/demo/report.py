@@ -31,12 +31,15 @@ def final_table(runs: Sequence[dict]) -> str:
 
     def row(label: str, m: dict) -> str:
         cells = [fmt.format(m[key]) for key, _, fmt in COLUMNS]
-        return f"| {label} | " + " | ".join(cells).replace("%", "%") + " |"
+        return f"| {label} | " + " | ".join(cells) + " |"
 
     if runs:
         rows.append(row("start", runs[0]["steps"][0]))
     for r in runs:
-        rows.append(row(r["config"]["label"].replace("β=", ""), r["steps"][-1]))
+        label = r["config"]["label"].replace("β=", "")
+        if r["config"]["adaptive_target"] is not None:
+            label += f" → β={r['steps'][-1]['beta']:.3g}"
+        rows.append(row(label, r["steps"][-1]))
     return "\n".join(rows)
 
 

@@ -74,19 +74,19 @@ class _Progress:
         self.steps = steps
         self.stream = stream = stream if stream is not None else sys.stdout
         self.tty = stream.isatty()
+        self.width = max(len(lab) for lab in labels)
         self.lines = [self._fmt(lab, None, None) for lab in labels]
         self.last_draw = 0.0
         self.drawn = False
-        self.width = max(len(lab) for lab in labels)
 
     def _fmt(self, label: str, step: int | None, m: dict | None) -> str:
         if m is None:
-            return f"{label}  waiting"
+            return f"{label:>{self.width}}  starting"
         n = 20
         k = round(n * step / max(1, self.steps))
         bar = "#" * k + "-" * (n - k)
         return (
-            f"{label:>{getattr(self, 'width', 0)}} [{bar}] {step:>3}/{self.steps}  "
+            f"{label:>{self.width}} [{bar}] {step:>3}/{self.steps}  "
             f"proxy {m['proxy']:5.2f}  gold {m['gold']:5.2f}  gram {m['grammatical']:4.0%}  "
             f"KL {m['kl']:6.1f}"
         )

@@ -1,4 +1,4 @@
-"""Command line: ``klpenalty env``."""
+"""Command line: ``klpenalty env | demo``."""
 
 from __future__ import annotations
 
@@ -23,17 +23,34 @@ def _env(_: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from klpenalty.demo.runner import run_demo
+
+    return run_demo(args, argv=getattr(args, "argv", None))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="klpenalty", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="print versions and available backends")
     env.set_defaults(func=_env)
+    from klpenalty.demo.runner import add_arguments as _demo_arguments
+
+    demo = sub.add_parser(
+        "demo",
+        help="RLHF on a tiny language model with and without the KL penalty (about a minute)",
+        description="PPO on a tiny GPT whose reward counts 'helpful', for several KL "
+        "coefficients in parallel; writes demo.png, report.md and metrics.json.",
+    )
+    _demo_arguments(demo)
+    demo.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.func(args)
 
 

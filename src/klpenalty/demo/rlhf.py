@@ -31,6 +31,7 @@ from klpenalty import (
     AdaptiveKLController,
     FixedKLController,
     full_kl,
+    next_token_kl,
     sampled_kl,
     shaped_rewards,
     token_logprobs,
@@ -209,8 +210,7 @@ def run_rlhf(
         if cfg.kl == "k1":  # −β·k1 on every generated token, the score on the last one
             kl_reward = k1
         else:  # the exact KL of position t + 1 is the penalty for the token sampled at t
-            kl_reward = torch.zeros_like(exact)
-            kl_reward[:, :-1] = exact[:, 1:]
+            kl_reward = next_token_kl(exact, mask)
         rewards = shaped_rewards(cfg.reward_scale * proxy, kl_reward, mask, beta)
         adv, scale = _advantages(reward_to_go(rewards, mask), mask)  # (B, T), ()
         order = torch.arange(cfg.batch)

@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.klpenalty-installed
 
-.PHONY: test install clean
+.PHONY: test install demo clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# `make demo DEMO_ARGS="--sweep"` passes options through to `klpenalty demo`
+demo: $(STAMP)
+	$(VENV)/bin/klpenalty demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -6,6 +6,14 @@ Shape letters in every docstring: B batch, T sequence, V vocabulary, N rows.
 from .controllers import AdaptiveKLController, FixedKLController
 from .estimators import ESTIMATORS, sampled_kl
 from .functional import full_kl, kl_penalized_reward, token_logprobs
+from .gradients import (
+    KLRewardAndLoss,
+    full_kl_reward_and_loss,
+    k2_loss,
+    k3_loss,
+    k3_ratio_loss,
+    next_token_kl,
+)
 from .shaping import shaped_rewards
 
 __version__ = "0.1.0"
@@ -20,6 +28,13 @@ __all__ = [
     "ESTIMATORS",
     # reward shaping
     "shaped_rewards",
+    # KL gradients: loss forms and reward placements (see klpenalty.gradients)
+    "k2_loss",
+    "k3_ratio_loss",
+    "k3_loss",
+    "next_token_kl",
+    "full_kl_reward_and_loss",
+    "KLRewardAndLoss",
     # KL coefficient controllers
     "FixedKLController",
     "AdaptiveKLController",

@@ -157,17 +157,24 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def raise_if_nan(result: torch.Tensor, named_inputs: dict[str, torch.Tensor]) -> None:
     """Raise ``ValueError`` if ``result`` (N,) holds NaN, naming the input with NaN in those rows.
 
-    NaN in any logit of a row makes that row's log-sum-exp NaN, so checking the (N,) result
-    costs O(N) instead of another pass over the (N, V) logits.
+    ``named_inputs`` maps argument names to the caller's (..., V) tensors. A NaN logit makes its
+    row's result NaN, so checking the (N,) result costs O(N) instead of another pass over the
+    (N, V) logits.
     """
     bad = torch.isnan(result)
     if not bool(bad.any()):
         return
     rows = bad.nonzero().flatten()
+    leading = next(iter(named_inputs.values())).shape[:-1]
+    first = tuple(int(i) for i in torch.unravel_index(rows[0], leading)) if leading else ()
     for name, t in named_inputs.items():
-        if bool(torch.isnan(t[rows]).any()):
+        if bool(torch.isnan(t.reshape(-1, t.shape[-1])[rows]).any()):
             raise ValueError(
                 f"{name} contains NaN ({describe(t)}) in {rows.numel()} counted position(s), "
-                f"first flat row index {int(rows[0])}"
+                f"the first at index {first}"
             )
-    raise ValueError(f"the result is NaN in {rows.numel()} position(s); inputs hold no NaN there")
+    raise ValueError(
+        f"the result is NaN in {rows.numel()} counted position(s), the first at index {first}, "
+        "although the inputs hold no NaN there: a row whose logits are all -inf (or hold "
+        "+inf) defines no distribution; mask such positions out"
+    )

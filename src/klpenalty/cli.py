@@ -1,4 +1,4 @@
-"""Command line: ``klpenalty env | bench``."""
+"""Command line: ``klpenalty env | bench | demo``."""
 
 from __future__ import annotations
 
@@ -65,6 +65,12 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from klpenalty.demo.runner import run_demo
+
+    return run_demo(args, argv=getattr(args, "argv", None))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="klpenalty", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,12 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--markdown", default=None, help="append the table to this markdown file")
     b.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     b.set_defaults(func=_bench)
+    from klpenalty.demo.runner import add_arguments as _demo_arguments
+
+    demo = sub.add_parser(
+        "demo",
+        help="RLHF on a tiny language model with and without the KL penalty (about a minute)",
+        description="PPO on a tiny GPT whose reward counts 'helpful', for several KL "
+        "coefficients in parallel; writes demo.png, report.md and metrics.json.",
+    )
+    _demo_arguments(demo)
+    demo.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.func(args)
 
 

@@ -17,7 +17,9 @@ Each value is a one-sample *estimate* of KL(π‖ρ) at that position, not the K
 per-position KL is :func:`klpenalty.full_kl`. "Unbiased" refers to the value under on-policy
 sampling. The *gradient* of an estimate is a different question: for example the autograd
 gradient of k1 has expectation 0 and that of k3 is the gradient of the forward KL(ρ‖π). Use k1
-as a detached reward (see :func:`klpenalty.shaped_rewards`) for the reverse-KL policy gradient.
+as a detached reward (see :func:`klpenalty.shaped_rewards`) for the reverse-KL policy gradient;
+:mod:`klpenalty.gradients` has the loss forms (``k2_loss``, ``k3_ratio_loss``, ``k3_loss``)
+with the gradient each one gives.
 """
 
 from __future__ import annotations

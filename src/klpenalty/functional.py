@@ -63,7 +63,7 @@ def full_kl(
     x = policy_logits.reshape(-1, vocab)  # (N, V)
     y = ref_logits.reshape(-1, vocab)  # (N, V)
     kl = get_backend(backend, x.device).full_kl(x, y, mask, temperature)  # (N,)
-    v.raise_if_nan(kl.detach(), {"policy_logits": x, "ref_logits": y})
+    v.raise_if_nan(kl.detach(), {"policy_logits": policy_logits, "ref_logits": ref_logits})
     return kl.reshape(leading)
 
 
@@ -90,7 +90,8 @@ def kl_penalized_reward(
 
     Note that the KL at position t does not depend on the token sampled at t: as a *detached*
     per-token reward in a policy-gradient loss it does not give the gradient of the sequence
-    KL. Differentiate through it (it carries gradients) or see the gradient docs.
+    KL (it misses the pathwise term), and differentiating it alone misses the future term.
+    :func:`klpenalty.full_kl_reward_and_loss` splits the exact KL into both terms.
 
     Args:
         policy_logits: (..., V) any float dtype.
@@ -150,5 +151,5 @@ def token_logprobs(
     x = logits.reshape(-1, vocab)  # (N, V)
     tok = tokens.reshape(-1).long()  # (N,)
     out = get_backend(backend, x.device).token_logprobs(x, tok, temperature)  # (N,)
-    v.raise_if_nan(out.detach(), {"logits": x})
+    v.raise_if_nan(out.detach(), {"logits": logits})
     return out.reshape(leading)

@@ -41,7 +41,9 @@ def shaped_rewards(
     ``−beta · kl[..., t]``; padding gets exactly 0; and ``scores[...]`` is added at the **last**
     True position of each row (not on the padding after it). With ``kl`` the sampled-token k1
     estimate (:func:`klpenalty.sampled_kl`) used as a detached reward, the policy-gradient of
-    the return is an unbiased gradient of the sequence KL(π‖ρ).
+    the return is an unbiased gradient of the sequence KL(π‖ρ). For the exact KL pass the
+    ``reward_kl`` of :func:`klpenalty.full_kl_reward_and_loss` (the KL of the next position),
+    not the KL itself, and put its ``loss_kl`` in the loss.
 
     Example (3 real tokens, k1 = [0.5, −0.5, −1.5], β = 0.1, score 2.0):
 

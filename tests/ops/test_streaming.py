@@ -259,19 +259,42 @@ def test_nonnegative_and_shift_invariant():
     torch.testing.assert_close(shifted, kl, atol=2e-5, rtol=1e-4)
 
 
-def test_masked_garbage_rows_and_policy_without_mass():
+def test_masked_garbage_rows_and_rows_without_a_distribution():
     x, y = _logits((3, 8), torch.float32, seed=14)
     x[0] = NINF  # masked: anything goes
     y[1] = NINF  # masked: reference has no mass
-    x[2] = NINF  # counted: a policy row with no mass contributes 0 (0·log 0), like the reference
     x.requires_grad_()
     y.requires_grad_()
     mask = torch.tensor([False, False, True])
     kl = klpenalty.full_kl(x, y, mask=mask)
-    assert kl.tolist() == [0.0, 0.0, 0.0]
-    assert kl.tolist()[2] == full_kl_reference(x.detach(), y.detach())[2].item()
+    assert kl[:2].tolist() == [0.0, 0.0]
+    torch.testing.assert_close(kl[2].double(), full_kl_reference(x[2].detach(), y[2].detach()))
     gx, gy = torch.autograd.grad(kl, (x, y), torch.ones(3))
-    assert torch.all(gx == 0) and torch.all(gy == 0)
+    assert torch.all(gx[:2] == 0) and torch.all(gy[:2] == 0)
+    # a counted row of all −inf defines no distribution: an error naming the cause, not NaN
+    with pytest.raises(ValueError, match="all -inf"):
+        klpenalty.full_kl(x.detach().masked_fill(torch.ones(8, dtype=torch.bool), NINF), y.detach())
+    with pytest.raises(ValueError, match="all -inf"):
+        klpenalty.full_kl(x.detach(), y.detach().masked_fill(torch.ones(8, dtype=torch.bool), NINF))
+    with pytest.raises(ValueError, match="all -inf"):
+        klpenalty.token_logprobs(torch.full((2, 3), NINF), torch.zeros(2, dtype=torch.long))
+
+
+def test_large_logits_keep_float32_accuracy():
+    """Shifts are subtracted in logit units: logits of ±1e4 lose nothing to a large LSE."""
+    x, y = _logits((4, 50), torch.float64, seed=17)
+    for shift in (1e4, -1e4):
+        xs, ys = (x + shift).float(), (y + shift).float()
+        want = full_kl_reference(xs, ys)
+        assert want.isfinite().all()
+        for kw in (dict(), dict(vocab_chunk=7)):
+            got = streaming.full_kl(xs, ys, None, 0.9, **kw)
+            want_t = full_kl_reference(xs, ys, 0.9)
+            torch.testing.assert_close(got.double(), want_t, atol=2e-6, rtol=1e-5)
+        tokens = torch.arange(4)
+        lp = streaming.token_logprobs(xs, tokens, 1.0, vocab_chunk=7)
+        want_lp = token_logprobs_reference(xs, tokens)
+        torch.testing.assert_close(lp.double(), want_lp, atol=2e-6, rtol=1e-6)
 
 
 def test_nan_logits_raise():

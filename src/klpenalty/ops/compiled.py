@@ -42,47 +42,49 @@ def _fwd_math(x, y, t):  # x, y: (r, c) raw tiles; t: 0-d compute-dtype tensor (
     xf = x.to(t.dtype)
     yf = y.to(t.dtype)
     zero = torch.zeros((), dtype=t.dtype, device=t.device)
-    mx = xf.amax(-1) / t
-    my = yf.amax(-1) / t
-    mx = torch.where(torch.isfinite(mx), mx, zero)
+    mx = xf.amax(-1)
+    my = yf.amax(-1)
+    mx = torch.where(torch.isfinite(mx), mx, zero)  # shifts in logit units, as in streaming.py
     my = torch.where(torch.isfinite(my), my, zero)
-    # exp(v/T − m) as exp2(v·log2e/T − m·log2e): vectorised exp2 is the cheaper instruction mix
-    e = torch.exp2(xf * (_LOG2E / t) - (mx * _LOG2E).unsqueeze(-1))
+    # exp((v − m)/T) as exp2((v − m)·log2e/T): vectorised exp2 is the cheaper instruction mix
+    e = torch.exp2((xf - mx.unsqueeze(-1)) * (_LOG2E / t))
     sx = e.sum(-1)
-    sy = torch.exp2(yf * (_LOG2E / t) - (my * _LOG2E).unsqueeze(-1)).sum(-1)
+    sy = torch.exp2((yf - my.unsqueeze(-1)) * (_LOG2E / t)).sum(-1)
     a = torch.where(e > 0, e * (xf - yf), zero).sum(-1)  # 0·log 0 = 0; +inf where q = 0 < p
     # rows holding non-finite logits: the eager backward needs the flag if it ever takes over
     bad = (~torch.isfinite(xf) | ~torch.isfinite(yf)).any(-1)
     return mx, sx, a, my, sy, bad
 
 
-def _bwd_x_math(x, y, t, lse_x, u, fx):  # -> (r, c) gradient tile in x's dtype
+def _p(v, t, m, log_s):  # e^{(v − m)/T − log s} for a tile v in compute dtype
+    return torch.exp2(((v - m.unsqueeze(-1)) / t - log_s.unsqueeze(-1)) * _LOG2E)
+
+
+def _bwd_x_math(x, y, t, mx, lsx, u, fx):  # -> (r, c) gradient tile in x's dtype
     xf = x.to(t.dtype)
     yf = y.to(t.dtype)
     zero = torch.zeros((), dtype=t.dtype, device=t.device)
-    p = torch.exp(xf / t - lse_x.unsqueeze(-1))
+    p = _p(xf, t, mx, lsx)
     gx = torch.where(p > 0, p * ((xf - yf) - u.unsqueeze(-1)), zero) * fx.unsqueeze(-1)
     return torch.where(fx.unsqueeze(-1) != 0, gx, zero).to(x.dtype)
 
 
-def _bwd_y_math(x, y, t, lse_x, lse_y, fy):  # -> (r, c) gradient tile in y's dtype
+def _bwd_y_math(x, y, t, mx, lsx, my, lsy, fy):  # -> (r, c) gradient tile in y's dtype
     zero = torch.zeros((), dtype=t.dtype, device=t.device)
-    p = torch.exp(x.to(t.dtype) / t - lse_x.unsqueeze(-1))
-    q = torch.exp(y.to(t.dtype) / t - lse_y.unsqueeze(-1))
-    gy = torch.nan_to_num(q - p, nan=0.0) * fy.unsqueeze(-1)
+    d = _p(y.to(t.dtype), t, my, lsy) - _p(x.to(t.dtype), t, mx, lsx)  # q − p
+    gy = torch.nan_to_num(d, nan=0.0) * fy.unsqueeze(-1)
     return torch.where(fy.unsqueeze(-1) != 0, gy, zero).to(y.dtype)
 
 
 def _lse_math(x, t):
     xf = x.to(t.dtype)
-    m = xf.amax(-1) / t
+    m = xf.amax(-1)
     m = torch.where(torch.isfinite(m), m, torch.zeros((), dtype=t.dtype, device=t.device))
-    return m, torch.exp(xf / t - m.unsqueeze(-1)).sum(-1)
+    return m, torch.exp2((xf - m.unsqueeze(-1)) * (_LOG2E / t)).sum(-1)
 
 
-def _lp_bwd_math(x, t, lse, fx):
-    p = torch.exp(x.to(t.dtype) / t - lse.unsqueeze(-1))
-    return (-(p * fx.unsqueeze(-1))).to(x.dtype)
+def _lp_bwd_math(x, t, m, log_s, fx):
+    return (-(_p(x.to(t.dtype), t, m, log_s) * fx.unsqueeze(-1))).to(x.dtype)
 
 
 def _guarded(compiled_fn, eager_fn):
@@ -112,18 +114,19 @@ def _make_tiles() -> TileOps:
     def fwd(x, y, temperature, dtype, ws):
         return fwd_c(x, y, _t(temperature, dtype, x.device))
 
-    def bwd(x, y, temperature, dtype, ws, lse_x, lse_y, u, fx, fy, gx, gy, unclean):
+    def bwd(x, y, temperature, dtype, ws, st, fx, fy, gx, gy, unclean):
         t = _t(temperature, dtype, x.device)
+        mx, lsx, my, lsy, u = st
         if gx is not None:
-            gx.copy_(bwd_x_c(x, y, t, lse_x, u, fx))
+            gx.copy_(bwd_x_c(x, y, t, mx, lsx, u, fx))
         if gy is not None:
-            gy.copy_(bwd_y_c(x, y, t, lse_x, lse_y, fy))
+            gy.copy_(bwd_y_c(x, y, t, mx, lsx, my, lsy, fy))
 
     def lse(x, temperature, dtype, ws):
         return lse_c(x, _t(temperature, dtype, x.device))
 
-    def lp_bwd(x, temperature, dtype, ws, lse_row, g, gx):
-        gx.copy_(lp_bwd_c(x, _t(temperature, dtype, x.device), lse_row, g))
+    def lp_bwd(x, temperature, dtype, ws, m, log_s, fx, gx):
+        gx.copy_(lp_bwd_c(x, _t(temperature, dtype, x.device), m, log_s, fx))
 
     e = EAGER_TILES
     return TileOps(

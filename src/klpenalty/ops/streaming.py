@@ -118,14 +118,24 @@ class _Workspace:
 _LOG2E = math.log2(math.e)
 
 
-def _exp_shifted(out: torch.Tensor, t: torch.Tensor, temperature: float, shift: torch.Tensor):
-    """out ← exp(t/T − shift) for a tile t (r, c) and a per-row shift (r,), all in out's dtype.
+def _exp_shifted(
+    out: torch.Tensor,
+    t: torch.Tensor,
+    temperature: float,
+    shift: torch.Tensor,
+    log_norm: torch.Tensor | None = None,
+):
+    """out ← exp((t − shift)/T − log_norm) for a tile t (r, c), per-row shift and log_norm (r,).
 
-    Written as exp2(t·(log2 e/T) − shift·log2 e): one fused multiply-add pass that also applies
-    the temperature, then ATen's exp2, which measured about twice as fast as its exp on CPU.
-    Rounding is the same order as in (t/T − shift).
+    ``shift`` is in the logits' own units (a row max), so t − shift is exact for nearby values
+    even when the logits are large (±1e4). Then one multiply(-add) pass applies 1/T, log2 e and
+    the normaliser, and ATen's exp2 (measured about twice as fast as its exp on CPU) finishes.
     """
-    torch.add((shift * -_LOG2E).unsqueeze(-1), t, alpha=_LOG2E / temperature, out=out)
+    torch.sub(t, shift.unsqueeze(-1), out=out)
+    if log_norm is None:
+        out.mul_(_LOG2E / temperature)
+    else:
+        torch.add((log_norm * -_LOG2E).unsqueeze(-1), out, alpha=_LOG2E / temperature, out=out)
     return out.exp2_()
 
 
@@ -139,21 +149,18 @@ def _upcast(t: torch.Tensor, dtype: torch.dtype, ws: _Workspace, name: str) -> t
     return ws.get(name, *t.shape).copy_(t)
 
 
-def _row_max(t: torch.Tensor, temperature: float, dtype: torch.dtype) -> torch.Tensor:
-    """max(t/T) per row in ``dtype`` (exact: the max of low-precision values is one of them)."""
-    m = t.amax(-1)
-    if m.dtype != dtype:
-        m = m.to(dtype)
-    return m / temperature if temperature != 1.0 else m
+def _row_max(t: torch.Tensor) -> torch.Tensor:
+    """Row max of a tile in its compute dtype, as a shift: 0 where not finite (−inf/NaN/+inf)."""
+    return _finite_or_zero(t.amax(-1))
 
 
 # ----------------------------------------------------------------------------- eager tile math
 def _fwd_tile_eager(x, y, temperature, dtype, ws):
     """Online state of one raw (r, c) tile.
 
-    Returns (r,) tensors m_x, s_x (shift and Σ e^{x/T − m_x}), A = Σ e^{x/T − m_x}·(x − y)
-    (not divided by T), m_y, s_y, and ``unclean``: None when every product was finite, else an
-    (r,) bool tensor of the rows that needed the careful 0·log 0 path (−inf or NaN logits).
+    Returns (r,) tensors m_x, s_x (shift in logit units and Σ e^{(x − m_x)/T}),
+    A = Σ e^{(x − m_x)/T}·(x − y) (not divided by T), m_y, s_y, and ``unclean``: None when
+    every product was finite, else an (r,) bool tensor of the rows that needed the careful 0·log 0 path (−inf or NaN logits).
     A = +inf marks policy mass where the reference has none.
     """
     r, c = x.shape
@@ -161,8 +168,8 @@ def _fwd_tile_eager(x, y, temperature, dtype, ws):
     y = _upcast(y, dtype, ws, "y")
     e = ws.get("e", r, c)
     f = ws.get("f", r, c)
-    mx = _finite_or_zero(_row_max(x, temperature, dtype))
-    my = _finite_or_zero(_row_max(y, temperature, dtype))
+    mx = _row_max(x)
+    my = _row_max(y)
     sx = _exp_shifted(e, x, temperature, mx).sum(-1)
     sy = _exp_shifted(f, y, temperature, my).sum(-1)
     torch.sub(x, y, out=f).mul_(e)  # e·(x − y)
@@ -178,11 +185,11 @@ def _fwd_tile_eager(x, y, temperature, dtype, ws):
     return mx, sx, f.sum(-1), my, sy, unclean
 
 
-def _bwd_tile_eager(x, y, temperature, dtype, ws, lse_x, lse_y, u, fx, fy, gx, gy, unclean):
+def _bwd_tile_eager(x, y, temperature, dtype, ws, st, fx, fy, gx, gy, unclean):
     """Gradient tiles of Σ_rows g·KL.
 
     gx ← p·((x − y) − u)·fx with fx = g/T², u = E_p[x − y];
-    gy ← (q − p)·fy with fy = g/T.
+    gy ← (q − p)·fy with fy = g/T. ``st`` = (m_x, log s_x, m_y, log s_y, u), each (r,).
     Rows whose factor is 0 (masked) get exactly 0 when ``unclean`` (garbage logits allowed).
     """
     r, c = x.shape
@@ -190,7 +197,8 @@ def _bwd_tile_eager(x, y, temperature, dtype, ws, lse_x, lse_y, u, fx, fy, gx, g
     y = _upcast(y, dtype, ws, "y")
     e = ws.get("e", r, c)
     f = ws.get("f", r, c)
-    _exp_shifted(e, x, temperature, lse_x)  # p
+    mx, lsx, my, lsy, u = st
+    _exp_shifted(e, x, temperature, mx, lsx)  # p
     if gx is not None:
         torch.sub(x, y, out=f).sub_(u.unsqueeze(-1)).mul_(e)
         f2 = fx.unsqueeze(-1)
@@ -201,7 +209,7 @@ def _bwd_tile_eager(x, y, temperature, dtype, ws, lse_x, lse_y, u, fx, fy, gx, g
         else:
             torch.mul(f, f2, out=gx)
     if gy is not None:
-        _exp_shifted(f, y, temperature, lse_y).sub_(e)  # q − p
+        _exp_shifted(f, y, temperature, my, lsy).sub_(e)  # q − p
         f2 = fy.unsqueeze(-1)
         if unclean:
             f.nan_to_num_(nan=0.0)
@@ -212,18 +220,18 @@ def _bwd_tile_eager(x, y, temperature, dtype, ws, lse_x, lse_y, u, fx, fy, gx, g
 
 
 def _lse_tile_eager(x, temperature, dtype, ws):
-    """Online (m, s) of one raw tile for the log-sum-exp of x/T."""
+    """Online (m, s) of one raw tile: shift m (logit units) and s = Σ e^{(x − m)/T}."""
     x = _upcast(x, dtype, ws, "x")
     e = ws.get("e", *x.shape)
-    m = _finite_or_zero(_row_max(x, temperature, dtype))
+    m = _row_max(x)
     return m, _exp_shifted(e, x, temperature, m).sum(-1)
 
 
-def _lp_bwd_tile_eager(x, temperature, dtype, ws, lse, fx, gx):
-    """gx ← −p·fx for one tile, fx = g/T (the +fx at the token is added by the caller)."""
+def _lp_bwd_tile_eager(x, temperature, dtype, ws, m, log_s, fx, gx):
+    """gx ← −p·fx for one tile, p = e^{(x − m)/T − log s}, fx = g/T (+fx at the token: caller)."""
     x = _upcast(x, dtype, ws, "x")
     e = ws.get("e", *x.shape)
-    _exp_shifted(e, x, temperature, lse)
+    _exp_shifted(e, x, temperature, m, log_s)
     torch.mul(e, (-fx).unsqueeze(-1), out=gx)
 
 
@@ -248,11 +256,11 @@ EAGER_TILES = TileOps(
 
 
 # ----------------------------------------------------------------------------- merge helpers
-def _merge(m0, s0, m1, s1, *others):
-    """Merge two online states: returns M, s, and the pairs in ``others`` rescaled like s."""
+def _merge(temperature, m0, s0, m1, s1, *others):
+    """Merge two online states (shifts in logit units): M, s, and ``others`` rescaled like s."""
     m = torch.maximum(m0, m1)
-    a0 = torch.exp(m0 - m)
-    a1 = torch.exp(m1 - m)
+    a0 = torch.exp((m0 - m) / temperature)
+    a1 = torch.exp((m1 - m) / temperature)
     out = [m, s0 * a0 + s1 * a1]
     for o0, o1 in others:
         out.append(o0 * a0 + o1 * a1)
@@ -283,8 +291,9 @@ def _kl_forward(x, y, temperature, rows, cols, ops: TileOps):
             # merge with the previous vocabulary chunks; +inf is carried separately
             pinf = torch.isposinf(state[2]) | torch.isposinf(a)
             a0 = state[2].masked_fill(pinf, 0.0)
-            m_x, s_x, a_acc = _merge(state[0], state[1], mx, sx, (a0, a.masked_fill(pinf, 0.0)))
-            m_y, s_y = _merge(state[3], state[4], my, sy)
+            a1 = a.masked_fill(pinf, 0.0)
+            m_x, s_x, a_acc = _merge(temperature, state[0], state[1], mx, sx, (a0, a1))
+            m_y, s_y = _merge(temperature, state[3], state[4], my, sy)
             bad = bad if state[5] is None else state[5] if bad is None else state[5] | bad
             state = [m_x, s_x, a_acc.masked_fill_(pinf, _INF), m_y, s_y, bad]
         for i in range(6):
@@ -300,14 +309,17 @@ def _kl_forward(x, y, temperature, rows, cols, ops: TileOps):
         )
     pinf = torch.isposinf(a)
     mean_d = (a / sx).masked_fill_(pinf, _INF)  # E_p[x − y] (not divided by T)
-    kl = mean_d / temperature + (my - mx) + torch.log(sy / sx)
-    # no policy mass at all (a row of −inf): nothing to pay, like 0·log 0
-    kl = kl.masked_fill_(sx == 0, 0.0).clamp_min_(0.0)  # exact KL ≥ 0; NaN stays NaN
-    lse_x = mx + torch.log(sx)
-    lse_y = my + torch.log(sy)
-    unclean = unclean | pinf | ~torch.isfinite(mean_d) | ~torch.isfinite(lse_x)
-    unclean |= ~torch.isfinite(lse_y)
-    return kl, lse_x, lse_y, mean_d, unclean, dtype
+    # KL = E_p[d]/T + LSE_y − LSE_x with LSE = m/T + log s; the difference of maxima is exact
+    kl = mean_d / temperature + (my - mx) / temperature + torch.log(sy / sx)
+    kl = kl.clamp_min_(0.0)  # exact KL ≥ 0; NaN stays NaN
+    # a row of all −inf (no mass), or holding +inf or NaN, defines no distribution: NaN, which
+    # the public functions report as an error naming the input (masked rows become 0 later)
+    valid = (sx > 0) & torch.isfinite(sx) & (sy > 0) & torch.isfinite(sy)
+    kl = kl.masked_fill_(~valid, float("nan"))
+    lsx = torch.log(sx).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    lsy = torch.log(sy).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    unclean = unclean | pinf | ~torch.isfinite(mean_d) | ~valid
+    return kl, (mx, lsx, my, lsy, mean_d), valid, unclean, dtype
 
 
 class _StreamingFullKL(torch.autograd.Function):
@@ -315,10 +327,10 @@ class _StreamingFullKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, y, mask, temperature: float, rows: int, cols: int, ops: TileOps):
-        kl, lse_x, lse_y, mean_d, unclean, dtype = _kl_forward(x, y, temperature, rows, cols, ops)
+        kl, st, valid, unclean, dtype = _kl_forward(x, y, temperature, rows, cols, ops)
         if mask is not None:
             kl = kl.masked_fill_(~mask, 0.0)
-        ctx.save_for_backward(x, y, lse_x, lse_y, mean_d, unclean, mask)
+        ctx.save_for_backward(x, y, *st, valid, unclean, mask)
         ctx.temperature = temperature
         ctx.tile = (rows, cols)
         ctx.ops = ops
@@ -327,21 +339,18 @@ class _StreamingFullKL(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_kl):  # grad_kl: (N,)
-        x, y, lse_x, lse_y, mean_d, unclean, mask = ctx.saved_tensors
+        x, y, mx, lsx, my, lsy, mean_d, valid, unclean, mask = ctx.saved_tensors
         need_x, need_y = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         t = ctx.temperature
         rows, cols = ctx.tile
         n, v = x.shape
-        dtype = lse_x.dtype
+        dtype = mx.dtype
         g = grad_kl.to(dtype)  # (N,)
         if mask is not None:
             g = g.masked_fill(~mask, 0.0)
-        # a row without policy mass (all −inf) has KL ≡ 0 around it: zero gradient
-        g = g.masked_fill(lse_x == _NINF, 0.0)
+        g = g.masked_fill(~valid, 0.0)  # rows without a distribution (necessarily masked)
         fx = g / (t * t)  # ∂KL/∂x = p·((x − y) − E_p[x − y])/T²
         fy = g / t  # ∂KL/∂y = (q − p)/T
-        lse_x = _finite_or_zero(lse_x)
-        lse_y = _finite_or_zero(lse_y)
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device) if need_x else None
         grad_y = torch.empty(y.shape, dtype=y.dtype, device=y.device) if need_y else None
         ws = _Workspace(rows, cols, dtype, x.device)
@@ -355,9 +364,7 @@ class _StreamingFullKL(torch.autograd.Function):
                     t,
                     dtype,
                     ws,
-                    lse_x[r0:r1],
-                    lse_y[r0:r1],
-                    mean_d[r0:r1],
+                    (mx[r0:r1], lsx[r0:r1], my[r0:r1], lsy[r0:r1], mean_d[r0:r1]),
                     fx[r0:r1],
                     fy[r0:r1],
                     grad_x[r0:r1, c0:c1] if need_x else None,
@@ -375,16 +382,21 @@ class _StreamingTokenLogprobs(torch.autograd.Function):
         n, v = x.shape
         dtype = _compute_dtype(x)
         ws = _Workspace(rows, cols, dtype, x.device)
-        lse = torch.empty(n, dtype=dtype, device=x.device)
+        ms, ss = [], []
         for r0, r1, col_ranges in _tiles(n, v, rows, cols):
             state = None
             for c0, c1 in col_ranges:
                 m, s = ops.lse(x[r0:r1, c0:c1], temperature, dtype, ws)
-                state = (m, s) if state is None else _merge(state[0], state[1], m, s)
-            lse[r0:r1] = state[0] + torch.log(state[1])
-        picked = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(dtype) / temperature  # (N,)
-        out = picked - lse
-        ctx.save_for_backward(x, tokens, lse, out)
+                state = (m, s) if state is None else _merge(temperature, state[0], state[1], m, s)
+            ms.append(state[0])
+            ss.append(state[1])
+        m, log_s = torch.cat(ms), torch.log(torch.cat(ss))  # (N,)
+        picked = x.gather(-1, tokens.unsqueeze(-1)).squeeze(-1).to(dtype)  # (N,)
+        # (x_t − m)/T − log s: the shifted difference is exact for nearby logits, even at ±1e4.
+        # An all −inf row (s = 0) gives NaN, reported by the public function.
+        out = (picked - m) / temperature - log_s
+        out = out.masked_fill_(log_s == _NINF, float("nan"))
+        ctx.save_for_backward(x, tokens, m, log_s.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), out)
         ctx.temperature = temperature
         ctx.tile = (rows, cols)
         ctx.ops = ops
@@ -393,19 +405,25 @@ class _StreamingTokenLogprobs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):  # grad_out: (N,)
-        x, tokens, lse, out = ctx.saved_tensors
+        x, tokens, m, log_s, out = ctx.saved_tensors
         t = ctx.temperature
         rows, cols = ctx.tile
         n, v = x.shape
-        dtype = lse.dtype
+        dtype = m.dtype
         fx = grad_out.to(dtype) / t  # (N,)
-        lse_s = _finite_or_zero(lse)
         grad_x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         ws = _Workspace(rows, cols, dtype, x.device)
         for r0, r1, col_ranges in _tiles(n, v, rows, cols):
             for c0, c1 in col_ranges:
                 ctx.ops.lp_bwd(
-                    x[r0:r1, c0:c1], t, dtype, ws, lse_s[r0:r1], fx[r0:r1], grad_x[r0:r1, c0:c1]
+                    x[r0:r1, c0:c1],
+                    t,
+                    dtype,
+                    ws,
+                    m[r0:r1],
+                    log_s[r0:r1],
+                    fx[r0:r1],
+                    grad_x[r0:r1, c0:c1],
                 )
         # at the sampled token: (1 − p_token)·g/T = −expm1(log p_token)·g/T, in `dtype`
         at_token = (-torch.expm1(out)) * fx

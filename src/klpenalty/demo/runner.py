@@ -1,0 +1,261 @@
+"""``klpenalty demo``: pretrain (optionally), run RLHF for several β in parallel, report."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+import traceback
+from dataclasses import asdict, replace
+from pathlib import Path
+
+__all__ = ["add_arguments", "run_demo", "DEFAULT_BETAS", "SWEEP_BETAS"]
+
+# Pinned together with the shipped reference checkpoint: a `helpful` the reference would not
+# write costs about β × 10 nats against +1 reward, so β ≈ 0.1 is break-even.
+DEFAULT_BETAS = (0.0, 0.1, 0.3)
+SWEEP_BETAS = (0.0, 0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``klpenalty demo`` options."""
+    from .rlhf import RunConfig
+
+    d = RunConfig()
+    p.add_argument("--beta", type=float, nargs="+", default=list(DEFAULT_BETAS),
+                   help="KL coefficients, one run (process) each (default: 0 0.1 0.3)")
+    p.add_argument("--kl", choices=("k1", "full"), default="k1",
+                   help="KL penalty in the reward: k1 = β·(log π − log ρ) per sampled token "
+                        "(default); full = the exact full-vocabulary KL, done correctly (the KL "
+                        "of later positions in the return, the current one in the loss)")
+    p.add_argument("--adaptive", type=float, metavar="TARGET", default=None,
+                   help="use AdaptiveKLController aiming at TARGET nats for every β > 0 "
+                        "(β is then its initial value; β = 0 stays an unpenalised baseline)")
+    p.add_argument("--horizon", type=float, default=d.horizon,
+                   help=f"adaptive controller horizon in samples (default {d.horizon:g})")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"PPO steps (default {d.steps})")
+    p.add_argument("--batch", type=int, default=d.batch,
+                   help=f"samples per step (default {d.batch})")
+    p.add_argument("--max-new", type=int, default=d.max_new,
+                   help=f"generation length limit (default {d.max_new}, at most 32)")
+    p.add_argument("--lr", type=float, default=d.lr, help=f"Adam learning rate (default {d.lr:g})")
+    p.add_argument("--epochs", type=int, default=d.epochs,
+                   help=f"PPO epochs per batch (default {d.epochs})")
+    p.add_argument("--final-batch", type=int, default=d.final_batch,
+                   help=f"samples for the final evaluation (default {d.final_batch})")
+    p.add_argument("--reward-scale", type=float, default=d.reward_scale,
+                   help="score = scale × count('helpful') (default 1)")
+    p.add_argument("--seed", type=int, default=d.seed, help="random seed (default 0)")
+    p.add_argument("--out", type=Path, default=Path("klpenalty-demo"),
+                   help="report folder (default ./klpenalty-demo)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="parallel processes (default: one per run; 1 = in this process)")
+    p.add_argument("--sweep", action="store_true",
+                   help=f"also run β in {list(SWEEP_BETAS)} and draw gold vs √KL for all runs")
+    p.add_argument("--ref", type=Path, default=None,
+                   help="reference checkpoint (default: the one shipped in the package)")
+    p.add_argument("--pretrain", action="store_true",
+                   help="first rebuild the reference (deterministic, about a minute) into "
+                        "OUT/ref.pt and use it")
+    p.add_argument("--pretrain-only", action="store_true",
+                   help="rebuild the reference into OUT/ref.pt and stop")
+    p.add_argument("--pretrain-steps", type=int, default=600,
+                   help="pretraining steps (default 600, as the shipped checkpoint)")
+    p.add_argument("--no-plots", action="store_true", help="skip the figures")
+
+
+class _Progress:
+    """One status line per run; redrawn in place on a terminal, else printed every 10 steps."""
+
+    def __init__(self, labels: list[str], steps: int, stream=None) -> None:
+        self.labels = labels
+        self.steps = steps
+        self.stream = stream = stream if stream is not None else sys.stdout
+        self.tty = stream.isatty()
+        self.width = max(len(lab) for lab in labels)
+        self.lines = [self._fmt(lab, None, None) for lab in labels]
+        self.last_draw = 0.0
+        self.drawn = False
+
+    def _fmt(self, label: str, step: int | None, m: dict | None) -> str:
+        if m is None:
+            return f"{label:>{self.width}}  starting"
+        n = 20
+        k = round(n * step / max(1, self.steps))
+        bar = "#" * k + "-" * (n - k)
+        return (
+            f"{label:>{self.width}} [{bar}] {step:>3}/{self.steps}  "
+            f"proxy {m['proxy']:5.2f}  gold {m['gold']:5.2f}  gram {m['grammatical']:4.0%}  "
+            f"KL {m['kl']:6.1f}"
+        )
+
+    def update(self, i: int, step: int, m: dict) -> None:
+        self.lines[i] = self._fmt(self.labels[i], step, m)
+        if self.tty:
+            now = time.monotonic()
+            if now - self.last_draw > 0.1 or step == self.steps:
+                self.draw()
+                self.last_draw = now
+        elif step % 10 == 0 or step == self.steps:
+            print(self.lines[i], file=self.stream, flush=True)
+
+    def draw(self) -> None:
+        if self.drawn:
+            self.stream.write(f"\x1b[{len(self.lines)}F")
+        self.stream.write("".join(f"\x1b[2K{line}\n" for line in self.lines))
+        self.stream.flush()
+        self.drawn = True
+
+
+def _worker(index: int, cfg: dict, ref_path, queue) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    from .rlhf import RunConfig, run_rlhf
+
+    try:
+        slim = ("proxy", "gold", "grammatical", "kl")
+        result = run_rlhf(
+            RunConfig(**cfg), ref_path,
+            progress=lambda s, m: queue.put(("step", index, s, {k: m[k] for k in slim})),
+        )
+        queue.put(("done", index, result))
+    except BaseException:  # report to the parent, which raises
+        queue.put(("error", index, traceback.format_exc()))
+
+
+def _run_all(configs: list, ref_path, jobs: int, progress: _Progress) -> list[dict]:
+    from .rlhf import run_rlhf
+
+    if jobs <= 1:
+        results = []
+        for i, cfg in enumerate(configs):
+            slim = lambda s, m, i=i: progress.update(i, s, m)  # noqa: E731
+            results.append(run_rlhf(cfg, ref_path, progress=slim))
+        return results
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")  # fork is unsafe once torch has started its thread pools
+    queue = ctx.Queue()
+    pending = list(enumerate(configs))
+    running: dict[int, object] = {}
+    results: dict[int, dict] = {}
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                i, cfg = pending.pop(0)
+                proc = ctx.Process(target=_worker, args=(i, asdict(cfg), ref_path, queue))
+                proc.start()
+                running[i] = proc
+            msg = queue.get()
+            if msg[0] == "step":
+                progress.update(msg[1], msg[2], msg[3])
+            elif msg[0] == "done":
+                results[msg[1]] = msg[2]
+                running.pop(msg[1]).join()
+            else:
+                raise RuntimeError(f"run {configs[msg[1]].label} failed:\n{msg[2]}")
+    finally:
+        for proc in running.values():
+            proc.terminate()
+            proc.join()
+    return [results[i] for i in range(len(configs))]
+
+
+def _pretrain(out: Path, steps: int, seed: int) -> Path:
+    import torch
+
+    from .pretrain import pretrain, save_checkpoint
+
+    torch.set_num_threads(1)
+    tty = sys.stdout.isatty()
+
+    def show(step: int, total: int, loss: float) -> None:
+        if (tty and step % 10 == 0) or step == total or (not tty and step % 100 == 0):
+            k = round(30 * step / total)
+            end = "\n" if step == total or not tty else "\r"
+            print(f"pretraining [{'#' * k}{'-' * (30 - k)}] {step}/{total} loss {loss:.3f}",
+                  end=end, flush=True)
+
+    t0 = time.perf_counter()
+    model, vocab, info = pretrain(steps=steps, seed=seed, progress=show)
+    path = save_checkpoint(model, vocab, info, out / "ref.pt")
+    print(
+        f"reference: {path} ({path.stat().st_size / 1e3:.0f} kB) in {time.perf_counter() - t0:.0f} s; "
+        f"held-out NLL {info['val_nll_per_token']:.3f} nats/token (grammar "
+        f"≈ {info['grammar_nll_per_token']:.3f}), {info['grammatical']:.1%} grammatical samples"
+    )
+    return path
+
+
+def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
+    """Run the demo from parsed ``klpenalty demo`` options; returns the exit code."""
+    import torch
+
+    from .pretrain import load_checkpoint
+    from .report import final_table, write_report
+    from .rlhf import RunConfig
+
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    if args.max_new > 32 or args.max_new < 1:
+        raise SystemExit("--max-new must be in [1, 32] (the model's context)")
+    ref_path = args.ref
+    if args.pretrain or args.pretrain_only:
+        ref_path = _pretrain(out, args.pretrain_steps, args.seed)
+        if args.pretrain_only:
+            return 0
+    _, _, ref_info = load_checkpoint(ref_path)
+
+    base = RunConfig(
+        horizon=args.horizon, steps=args.steps, batch=args.batch, max_new=args.max_new,
+        lr=args.lr, epochs=args.epochs, reward_scale=args.reward_scale, seed=args.seed,
+        final_batch=args.final_batch, kl=args.kl,
+    )
+
+    def make(beta: float) -> RunConfig:
+        if beta < 0:
+            raise SystemExit(f"--beta values must be >= 0, got {beta}")
+        target = args.adaptive if (args.adaptive is not None and beta > 0) else None
+        return replace(base, beta=beta, adaptive_target=target, label="")
+
+    configs = [make(b) for b in dict.fromkeys(args.beta)]
+    sweep_configs = []
+    if args.sweep:
+        sweep_configs = [
+            replace(base, beta=b, adaptive_target=None, label="") for b in SWEEP_BETAS
+            if not any(c.beta == b and c.adaptive_target is None for c in configs)
+        ]
+    everything = configs + sweep_configs
+    jobs = args.jobs if args.jobs is not None else len(everything)
+    print(
+        f"RLHF: {len(everything)} run(s) × {base.steps} PPO steps × {base.batch} samples, "
+        f"{min(jobs, len(everything))} process(es), 1 torch thread each, seed {base.seed}"
+    )
+    progress = _Progress([c.label for c in everything], base.steps)
+    results = _run_all(everything, str(ref_path) if ref_path else None, jobs, progress)
+    runs, sweep_runs = results[: len(configs)], results[len(configs):]
+
+    wall = time.perf_counter() - t0
+    command = "klpenalty " + (" ".join(shlex.quote(a) for a in argv) if argv else "demo")
+    meta = {
+        "command": command,
+        "wall_seconds": wall,
+        "config": {k: v for k, v in asdict(base).items() if k not in ("beta", "label")},
+        "reference": {"path": str(ref_path) if ref_path else "shipped", **ref_info},
+        "torch": str(torch.__version__),
+        "cpus": os.cpu_count(),
+    }
+    written = write_report(out, runs, meta, sweep_runs, plots=not args.no_plots)
+    print()
+    print(final_table(runs))
+    if sweep_runs:
+        print("\nβ sweep:")
+        print(final_table(sweep_runs))
+    print(f"\nreport: {written['report']}  ({', '.join(p.name for p in written.values())}) "
+          f"in {out}; {wall:.0f} s")
+    return 0

@@ -1,0 +1,542 @@
+"""One rank of the real gloo process groups that tests/test_distributed.py spawns.
+
+Run as ``python distributed_worker.py RANK WORLD STORE_FILE OUT_DIR``. The rank joins a gloo
+group through a FileStore (no ports), runs every check in ``CHECKS`` in order and writes
+``OUT_DIR/rank{RANK}.json``: for each check ``{"ok": bool, "data": ..., "error": traceback}``.
+Checks do their collectives first and their assertions last, so a failing assertion on one rank
+does not leave the others waiting in a collective; the process group has a short timeout so a
+hang turns into an error instead of blocking CI.
+
+Every rank builds the *whole* tensors from the same seed and keeps its vocabulary slice, so it
+can compare with the single-process functions on the gathered tensors without gathering
+(one check also gathers for real, to pin the rank-order layout).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import klpenalty
+from klpenalty import AdaptiveKLController, FixedKLController, full_kl, token_logprobs
+from klpenalty import distributed as kd
+from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
+
+VOCAB = 1001
+# uneven vocabulary splits of 1001 (the 4-way one has a slice of width 1)
+SPLITS = {1: [1001], 2: [400, 601], 3: [1, 500, 500], 4: [1, 300, 250, 450]}
+PG_TIMEOUT_S = 20
+
+# Tolerances. float32: the vocab-parallel forward groups the same float32 sums differently
+# (per shard, then across ranks) and uses A/s_x − log s_x + log s_y instead of Σp(log p − log q):
+# a few float32 ulps of terms of size ~1 (rtol 1e-5, atol 1e-6 as in the research notes' case
+# 3). Gradients are elementwise from LSEs that agree to that precision.
+F32 = dict(rtol=1e-5, atol=1e-6)
+# float32 gradients: two float32 computations of p·((log p − log q) − KL) from LSEs that agree
+# to a few ulps differ by ~1e-6 absolute on entries of ~0.1: the GRAD_TOLERANCES of
+# tests/conftest.py for float32 (atol 1e-5, rtol 1e-4).
+F32_GRAD = dict(rtol=1e-4, atol=1e-5)
+# bfloat16 inputs: the math is float32 on the same upcast values, so the values match as for
+# float32; the gradients are rounded to bfloat16 (8-bit significand) from float32 numbers that
+# differ in the last float32 bits, so they may land one bf16 ulp apart: rtol 2**-7.
+BF16_GRAD = dict(rtol=2**-7, atol=1e-6)
+# float64: both sides are float64 math, the difference is summation order (~1e-15 relative).
+F64 = dict(rtol=1e-10, atol=1e-12)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float):
+    """torch.testing.assert_close's rule (same dtype and shape, |a − e| ≤ atol + rtol·|e|,
+    infinities equal, NaN never close), without its first-call import of DTensor and sympy
+    (about 2 s of CPU per rank, the largest cost of these tests)."""
+    assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    a, e = actual.detach().double(), expected.detach().double()
+    with torch.no_grad():
+        ok = (a == e) | ((a - e).abs() <= atol + rtol * e.abs())
+    if not bool(ok.all()):
+        bad = (~ok).nonzero()
+        i = tuple(bad[0].tolist())
+        raise AssertionError(
+            f"{bad.shape[0]} / {a.numel()} elements not close (rtol={rtol}, atol={atol}); "
+            f"first at {i}: {a[i].item()} vs {e[i].item()}; "
+            f"max |diff| {(a - e).abs().nan_to_num(float('inf')).max().item()}"
+        )
+
+
+class Ctx:
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        widths = SPLITS[world]
+        self.starts = [sum(widths[:r]) for r in range(world)]
+        self.start = self.starts[rank]
+        self.end = self.start + widths[rank]
+
+    def shard(self, t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
+        s = t[..., self.start : self.end].detach().clone()
+        return s.requires_grad_(requires_grad)
+
+
+def gather_equal(t: torch.Tensor) -> bool:
+    """True iff ``t`` is bitwise the same on every rank (NaN included)."""
+    t = t.detach().reshape(-1).contiguous()  # (K,)
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return all(torch.equal(o.view(torch.uint8), t.view(torch.uint8)) for o in out)
+
+
+@contextlib.contextmanager
+def small_chunks(elements: int = 1500):
+    """Make the local passes run in chunks of a few rows (1500 // V_r), to cover chunking."""
+    old = kd._CHUNK_ELEMENTS
+    kd._CHUNK_ELEMENTS = elements
+    try:
+        yield
+    finally:
+        kd._CHUNK_ELEMENTS = old
+
+
+def _pair(seed: int, shape, dtype=torch.float32, spread: float = 1.0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, VOCAB, generator=g) * 3
+    y = x + torch.randn(*shape, VOCAB, generator=g) * spread
+    return x.to(dtype), y.to(dtype), g
+
+
+def _kl_vs_full(ctx: Ctx, dtype: torch.dtype, seed: int) -> dict:
+    x, y, g = _pair(seed, (3, 5), dtype)
+    mask = torch.rand(3, 5, generator=g) > 0.2
+    mask[0, 0] = False
+    x[0, 0, 7] = float("nan")  # a masked position may hold anything
+    w = torch.randn(3, 5, generator=g)  # grad_output other than ones
+    t = 0.7
+    xs, ys = ctx.shard(x, True), ctx.shard(y, True)
+    kl = kd.vocab_parallel_full_kl(xs, ys, mask=mask, temperature=t, vocab_start=ctx.start)
+    (kl * w).sum().backward()
+    same = gather_equal(kl)
+    xf, yf = x.clone().requires_grad_(), y.clone().requires_grad_()
+    ref = full_kl(xf, yf, mask=mask, temperature=t)
+    (ref * w).sum().backward()
+    assert same, "the KL differs across ranks"
+    assert kl.dtype == torch.float32 and kl.shape == (3, 5)
+    assert xs.grad.dtype == dtype and ys.grad.dtype == dtype
+    assert_close(kl, ref, **F32)
+    gtol = F32_GRAD if dtype == torch.float32 else BF16_GRAD
+    assert_close(xs.grad, xf.grad[..., ctx.start : ctx.end], **gtol)
+    assert_close(ys.grad, yf.grad[..., ctx.start : ctx.end], **gtol)
+    assert not torch.isnan(xs.grad).any()
+    assert torch.all(xs.grad[0, 0] == 0) and torch.all(ys.grad[0, 0] == 0)  # masked row
+    # error against the float64 truth no worse than single-process full_kl's (+ slack)
+    truth = torch.where(mask, full_kl_reference(x.nan_to_num(), y, t), 0.0)
+    err = (kl.double() - truth).abs().max().item()
+    err_single = (ref.double() - truth).abs().max().item()
+    assert err <= 2 * err_single + 1e-6, (err, err_single)
+    return {"max_abs_err_vs_f64": err, "single_process_err_vs_f64": err_single}
+
+
+def check_kl_float32(ctx: Ctx):
+    return _kl_vs_full(ctx, torch.float32, 1)
+
+
+def check_kl_bfloat16(ctx: Ctx):
+    with small_chunks():
+        return _kl_vs_full(ctx, torch.bfloat16, 2)
+
+
+def check_kl_float64_vs_reference(ctx: Ctx):
+    x, y, g = _pair(3, (4,), torch.float64, spread=2.0)
+    w = torch.randn(4, generator=g, dtype=torch.float64)
+    xs, ys = ctx.shard(x, True), ctx.shard(y, True)
+    kl = kd.vocab_parallel_full_kl(xs, ys, temperature=1.3)
+    (kl * w).sum().backward()
+    xf, yf = x.clone().requires_grad_(), y.clone().requires_grad_()
+    ref = full_kl_reference(xf, yf, 1.3)  # float64 autograd through the reference
+    (ref * w).sum().backward()
+    assert kl.dtype == torch.float64
+    assert_close(kl, ref, **F64)
+    assert_close(xs.grad, xf.grad[..., ctx.start : ctx.end], **F64)
+    assert_close(ys.grad, yf.grad[..., ctx.start : ctx.end], **F64)
+
+
+def check_kl_gathered_for_real(ctx: Ctx):
+    """Gather the shards with all_gather (rank order) and compare with full_kl on them."""
+    g = torch.Generator().manual_seed(100 + ctx.rank)  # different data on every rank
+    widths = SPLITS[ctx.world]
+    xs = torch.randn(2, 3, widths[ctx.rank], generator=g)
+    ys = torch.randn(2, 3, widths[ctx.rank], generator=g)
+    kl = kd.vocab_parallel_full_kl(xs, ys)
+    pad = max(widths)
+    both = torch.zeros(2, 2, 3, pad)  # gloo's all_gather wants equal sizes: pad, then cut
+    both[0, ..., : widths[ctx.rank]], both[1, ..., : widths[ctx.rank]] = xs, ys
+    parts = [torch.empty_like(both) for _ in widths]
+    dist.all_gather(parts, both)
+    x = torch.cat([p[0, ..., :w] for p, w in zip(parts, widths)], -1)  # (2, 3, V)
+    y = torch.cat([p[1, ..., :w] for p, w in zip(parts, widths)], -1)  # (2, 3, V)
+    assert_close(kl, full_kl(x, y), **F32)
+
+
+def check_kl_edge_cases(ctx: Ctx):
+    inf = float("inf")
+    x, y, g = _pair(4, (7,))
+    x[0, :600] = -inf  # some ranks hold only -inf in this row: local max -inf
+    x[1, ::3] = -inf
+    y[1, ::3] = -inf  # entries both models mask: 0·log 0 = 0, no NaN
+    y[2, 5] = -inf  # the policy has mass where the reference has none: +inf
+    y[3] = x[3]  # identical rows: exactly 0, zero gradient
+    x[4] = -inf
+    y[4] = float("nan")  # masked row with garbage
+    x[5] = -inf  # the policy has no mass at all: undefined, so masked here (else it raises)
+    x[6] = x[6] * 1e3  # huge logits: no overflow
+    mask = torch.ones(7, dtype=torch.bool)
+    mask[4] = False
+    mask[5] = False
+    w = torch.randn(7, generator=g)
+    w[2] = 0.0  # the +inf row gets no upstream gradient (its gradient is not finite)
+    xs, ys = ctx.shard(x, True), ctx.shard(y, True)
+    kl = kd.vocab_parallel_full_kl(xs, ys, mask=mask)
+    (kl * w).sum().backward()
+    xf, yf = x.clone().requires_grad_(), y.clone().requires_grad_()
+    ref = full_kl(xf, yf, mask=mask)
+    (ref * w).sum().backward()
+    assert kl[2] == inf, kl
+    assert kl[3] == 0 and kl[4] == 0 and kl[5] == 0, kl
+    assert torch.isfinite(kl[[0, 1, 6]]).all(), kl
+    assert_close(kl, ref, **F32)
+    for grad, full in ((xs.grad, xf.grad), (ys.grad, yf.grad)):
+        assert not torch.isnan(grad).any()
+        assert torch.all(grad[[2, 3, 4, 5]] == 0)
+        assert_close(grad, full[..., ctx.start : ctx.end], **F32_GRAD)
+
+
+def check_empty_and_one_dim(ctx: Ctx):
+    """No positions at all (N = 0), and a single leading dim."""
+    x = torch.zeros(0, 3, ctx.end - ctx.start, requires_grad=True)
+    kl = kd.vocab_parallel_full_kl(x, x.detach())
+    kl.sum().backward()
+    lp = kd.vocab_parallel_token_logprobs(
+        x, torch.zeros(0, 3, dtype=torch.long), vocab_start=ctx.start
+    )
+    xf, yf, _ = _pair(11, (5,))
+    kl1 = kd.vocab_parallel_full_kl(ctx.shard(xf), ctx.shard(yf), vocab_start=ctx.start)
+    assert kl.shape == (0, 3) and lp.shape == (0, 3) and x.grad.shape == x.shape
+    assert_close(kl1, full_kl(xf, yf), **F32)
+
+
+def _count_collectives():
+    calls = []
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+
+    def wrap(name):
+        def inner(*args, **kwargs):
+            t = args[0] if name == "all_reduce" else args[1]
+            op = kwargs.get("op", dist.ReduceOp.SUM)
+            calls.append((name, str(op).split(".")[-1], t.numel(), t.element_size(), str(t.device)))
+            return originals[name](*args, **kwargs)
+
+        return inner
+
+    for name in originals:
+        setattr(dist, name, wrap(name))
+
+    def restore():
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+    return calls, restore
+
+
+def check_communication_volume(ctx: Ctx):
+    """Count the collectives: 2 all-reduces forward, none backward, 1 tiny all-gather check."""
+    n = 6
+    x, y, _ = _pair(5, (2, 3))
+    xs, ys = ctx.shard(x, True), ctx.shard(y, True)
+    tok = torch.arange(n).reshape(2, 3) * 150
+    calls, restore = _count_collectives()
+    try:
+        kl = kd.vocab_parallel_full_kl(xs, ys, temperature=1.1)
+        fwd = list(calls)
+        kl.sum().backward()
+        bwd = calls[len(fwd) :]
+        start = len(calls)
+        kd.vocab_parallel_full_kl(xs.detach(), ys.detach(), check=False)
+        unchecked = calls[start:]
+        start = len(calls)
+        lp = kd.vocab_parallel_token_logprobs(xs, tok, vocab_start=ctx.start)
+        tok_fwd = calls[start:]
+        start = len(calls)
+        lp.sum().backward()
+        tok_bwd = calls[start:]
+    finally:
+        restore()
+    assert fwd == [
+        ("all_gather", "SUM", 23, 8, "cpu"),  # the config check record (op unused)
+        ("all_reduce", "MAX", 2 * n, 4, "cpu"),
+        ("all_reduce", "SUM", 3 * n, 4, "cpu"),
+    ], fwd
+    assert bwd == [] and tok_bwd == [], (bwd, tok_bwd)
+    assert [c[0] for c in unchecked] == ["all_reduce", "all_reduce"], unchecked
+    assert tok_fwd == [
+        ("all_gather", "SUM", 23, 8, "cpu"),
+        ("all_reduce", "MAX", n, 4, "cpu"),
+        ("all_reduce", "SUM", 2 * n, 4, "cpu"),
+    ], tok_fwd
+    per_pos = lambda cs: sum(c[2] * c[3] for c in cs if c[0] == "all_reduce") / n  # noqa: E731
+    return {
+        "full_kl_bytes_per_position": per_pos(fwd),
+        "token_bytes_per_position": per_pos(tok_fwd),
+    }
+
+
+def _tokens_vs_full(ctx: Ctx, dtype: torch.dtype, seed: int):
+    x, _, g = _pair(seed, (3, 4), dtype)
+    tokens = torch.randint(0, VOCAB, (3, 4), generator=g)
+    tokens[0, 0], tokens[0, 1], tokens[0, 2] = 0, VOCAB - 1, 1  # first/last ids, slice edges
+    w = torch.randn(3, 4, generator=g)
+    xs = ctx.shard(x, True)
+    lp = kd.vocab_parallel_token_logprobs(xs, tokens, vocab_start=ctx.start, temperature=0.9)
+    (lp * w).sum().backward()
+    same = gather_equal(lp)
+    xf = x.clone().requires_grad_()
+    ref = token_logprobs(xf, tokens, temperature=0.9)
+    (ref * w).sum().backward()
+    assert same
+    assert_close(lp, ref, **F32)
+    assert_close(lp.double(), token_logprobs_reference(x, tokens, 0.9), **F32)
+    gtol = F32_GRAD if dtype == torch.float32 else BF16_GRAD
+    assert_close(xs.grad, xf.grad[..., ctx.start : ctx.end], **gtol)
+
+
+def check_token_logprobs_float32(ctx: Ctx):
+    _tokens_vs_full(ctx, torch.float32, 6)
+
+
+def check_token_logprobs_bfloat16(ctx: Ctx):
+    with small_chunks():
+        _tokens_vs_full(ctx, torch.bfloat16, 7)
+
+
+def _dp_data(ctx: Ctx):
+    """Every rank's (values, mask) with a different batch size per rank, from one seed."""
+    g = torch.Generator().manual_seed(8)
+    data = []
+    for r in range(ctx.world):
+        b = 1 + 2 * r  # uneven local batch sizes
+        values = torch.rand(b, 6, generator=g) * 3
+        mask = torch.rand(b, 6, generator=g) > 0.4
+        values[~mask] = float("nan")  # padding may hold garbage
+        data.append((values, mask))
+    return data
+
+
+def check_global_masked_mean(ctx: Ctx):
+    data = _dp_data(ctx)
+    values, mask = data[ctx.rank]
+    values = values.clone().requires_grad_()
+    mean = kd.global_masked_mean(values, mask)
+    seq = kd.global_sequence_mean(values, mask)
+    same = gather_equal(mean) and gather_equal(seq)
+    (mean + 10 * seq).backward()
+    all_v = torch.cat([d[0] for d in data])
+    all_m = torch.cat([d[1] for d in data])
+    count = all_m.sum()
+    expect = all_v[all_m].double().mean()
+    per_seq = torch.where(all_m, all_v, 0.0).double().sum(-1)[all_m.any(-1)]
+    assert same
+    assert_close(mean.double(), expect, **F32)
+    assert_close(seq.double(), per_seq.mean(), **F32)
+    # d mean / d values = mask / global count; d seq / d values = mask / global #sequences
+    n_seq = all_m.any(-1).sum()
+    expect_grad = mask.float() / count + 10 * mask.float() / n_seq
+    assert_close(values.grad, expect_grad, **F32)
+    return {"mean": mean.item()}
+
+
+def check_controller_identical(ctx: Ctx):
+    ctl = AdaptiveKLController(0.1, target=6.0, horizon=100)
+    fixed = FixedKLController(0.05)
+    single = AdaptiveKLController(0.1, target=6.0, horizon=100)
+    g = torch.Generator().manual_seed(9)
+    betas, same = [], []
+    for step in range(5):
+        # per-rank sums and counts differ (rank r has r+1 sequences with a KL around 4..10)
+        sums = [float(torch.rand(1, generator=g) * 6 + 4) * (r + 1) for r in range(ctx.world)]
+        counts = [r + 1 for r in range(ctx.world)]
+        upd = kd.update_controller_globally(
+            ctl, torch.tensor(sums[ctx.rank]), counts[ctx.rank], counts[ctx.rank]
+        )
+        kd.update_controller_globally(fixed, sums[ctx.rank], counts[ctx.rank], counts[ctx.rank])
+        same.append(gather_equal(torch.tensor([ctl.value], dtype=torch.float64)))
+        total = 0.0
+        for s_ in sums:  # rank order, as the library sums
+            total += s_
+        single.update(total / sum(counts), sum(counts))
+        betas.append(upd.beta)
+        assert upd.beta == ctl.value and upd.n_steps == sum(counts)
+    assert all(same), same
+    assert ctl.value == single.value, (ctl.value, single.value)  # bit for bit
+    assert fixed.value == 0.05
+    assert betas[0] != 0.1  # the controller moved
+    return {"betas": betas}
+
+
+# ---- error paths: each returns {"type", "msg"}; the parent compares them across ranks --------
+
+
+def _expect_error(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as err:
+        # the group must still be in step: one more collective must go through on every rank
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        assert t.item() == dist.get_world_size()
+        return {"type": type(err).__name__, "msg": str(err)}
+    raise AssertionError("no error raised")
+
+
+def _shards(ctx: Ctx, shape=(2, 3)):
+    x, y, _ = _pair(10, shape)
+    return ctx.shard(x), ctx.shard(y)
+
+
+def check_err_leading_dims(ctx: Ctx):
+    shape = (2, 3) if ctx.rank != ctx.world - 1 else (2, 4)
+    xs, ys = _shards(ctx, shape)
+    return _expect_error(lambda: kd.vocab_parallel_full_kl(xs, ys))
+
+
+def check_err_vocab_gap(ctx: Ctx):
+    xs, ys = _shards(ctx)
+    start = ctx.start + (1 if ctx.rank == ctx.world - 1 else 0)
+    return _expect_error(lambda: kd.vocab_parallel_full_kl(xs, ys, vocab_start=start))
+
+
+def check_err_vocab_overlap(ctx: Ctx):
+    xs, ys = _shards(ctx)
+    tok = torch.zeros(2, 3, dtype=torch.long)
+    start = ctx.start - (1 if ctx.rank == 1 else 0)
+    return _expect_error(lambda: kd.vocab_parallel_token_logprobs(xs, tok, vocab_start=start))
+
+
+def check_err_vocab_order(ctx: Ctx):
+    """Slices that tile [0, V) but not in rank order (rank r holds slice r+1 mod world)."""
+    widths = SPLITS[ctx.world]
+    k = (ctx.rank + 1) % ctx.world
+    x = torch.randn(2, 3, widths[k])
+    tok = torch.zeros(2, 3, dtype=torch.long)
+    start = ctx.starts[k]
+    return _expect_error(lambda: kd.vocab_parallel_token_logprobs(x, tok, vocab_start=start))
+
+
+def check_err_dtype(ctx: Ctx):
+    xs, ys = _shards(ctx)
+    if ctx.rank == 0:
+        xs = xs.bfloat16()
+    return _expect_error(lambda: kd.vocab_parallel_full_kl(xs, ys))
+
+
+def check_err_mask(ctx: Ctx):
+    xs, ys = _shards(ctx)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[0, ctx.rank % 3] = False  # a different position on every rank
+    return _expect_error(lambda: kd.vocab_parallel_full_kl(xs, ys, mask=mask))
+
+
+def check_err_temperature(ctx: Ctx):
+    xs, ys = _shards(ctx)
+    return _expect_error(lambda: kd.vocab_parallel_full_kl(xs, ys, temperature=1.0 + ctx.rank))
+
+
+def check_err_tokens_differ(ctx: Ctx):
+    xs, _ = _shards(ctx)
+    tok = torch.zeros(2, 3, dtype=torch.long)
+    tok[1, 1] = ctx.rank
+    return _expect_error(lambda: kd.vocab_parallel_token_logprobs(xs, tok, vocab_start=ctx.start))
+
+
+def check_err_token_range(ctx: Ctx):
+    xs, _ = _shards(ctx)
+    tok = torch.full((2, 3), VOCAB)  # one past the end of the whole vocabulary
+    return _expect_error(lambda: kd.vocab_parallel_token_logprobs(xs, tok, vocab_start=ctx.start))
+
+
+def check_err_local_shape(ctx: Ctx):
+    xs, ys = _shards(ctx)
+    if ctx.rank == 1:
+        ys = ys[:, :2]  # policy and reference disagree on this rank only
+    return _expect_error(lambda: kd.vocab_parallel_full_kl(xs, ys))
+
+
+def check_err_nan(ctx: Ctx):
+    xs, ys = _shards(ctx)
+    if ctx.rank == ctx.world - 1:
+        xs[1, 2, 0] = float("nan")  # NaN at a counted position on one rank's slice
+    return _expect_error(lambda: kd.vocab_parallel_full_kl(xs, ys))
+
+
+def check_err_ref_all_neginf(ctx: Ctx):
+    xs, ys = _shards(ctx)
+    ys[1, 1] = -float("inf")  # the reference has no mass at all at a counted position
+    return _expect_error(lambda: kd.vocab_parallel_full_kl(xs, ys))
+
+
+def check_err_policy_all_neginf(ctx: Ctx):
+    xs, ys = _shards(ctx)
+    xs[0, 2] = -float("inf")  # the policy has no mass at all at a counted position
+    return _expect_error(lambda: kd.vocab_parallel_full_kl(xs, ys))
+
+
+def check_err_controller_beta(ctx: Ctx):
+    ctl = AdaptiveKLController(0.1 if ctx.rank else 0.2, target=6.0, horizon=100)
+    return _expect_error(lambda: kd.update_controller_globally(ctl, 5.0, 1, 1))
+
+
+def check_err_global_mean_empty(ctx: Ctx):
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    return _expect_error(lambda: kd.global_masked_mean(torch.ones(2, 3), mask))
+
+
+def check_err_global_mean_local(ctx: Ctx):
+    mask = torch.ones(2, 3 if ctx.rank else 4, dtype=torch.bool)  # wrong shape on rank 0
+    return _expect_error(lambda: kd.global_masked_mean(torch.ones(2, 3), mask))
+
+
+CHECKS = [name for name in dict(globals()) if name.startswith("check_")]
+
+
+def main(argv: list[str]) -> int:
+    rank, world, store, out_dir = int(argv[1]), int(argv[2]), argv[3], argv[4]
+    torch.set_num_threads(1)
+    t_init = time.perf_counter()
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=PG_TIMEOUT_S),
+    )
+    ctx = Ctx(rank, world)
+    results = {}
+    init_s = time.perf_counter() - t_init
+    for name in CHECKS:
+        t0 = time.perf_counter()
+        try:
+            data = globals()[name](ctx)
+            results[name] = {"ok": True, "data": data}
+        except Exception:  # noqa: BLE001 - reported to the parent, which fails the test
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+        results[name]["seconds"] = time.perf_counter() - t0
+    dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}.json", "w") as f:
+        json.dump({"klpenalty": klpenalty.__file__, "init_s": init_s, "results": results}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

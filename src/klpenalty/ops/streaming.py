@@ -6,7 +6,8 @@ For every row the forward keeps the online state of both models,
     m_x = max x,  s_x = Σ e^{x − m_x},  A = Σ e^{x − m_x}·(x − y),
     m_y = max y,  s_y = Σ e^{y − m_y}
 
-(x, y already divided by the temperature), and merges the states of successive vocabulary
+(written here for x, y already divided by the temperature; the code keeps the maxima in logit
+units and applies 1/T inside the exponent), and merges the states of successive vocabulary
 tiles (the merge is associative: M = max(m, m′), s = s·e^{m−M} + s′·e^{m′−M}, A rescaled with
 the same factor as s_x). At the end of a row
 
@@ -27,9 +28,11 @@ dtype:  ∂KL/∂x = p·((log p − log q) − KL)/T = p·(d − E_p[d])/T with 
 
 Numerics (DESIGN.md): math in float32 for float16/bfloat16/float32 inputs, float64 for float64
 inputs; 0·log 0 = 0 (entries that are −inf in the policy contribute nothing, also when the
-reference is −inf there); +inf where the policy has mass and the reference has none; a row with
-no policy mass at all (all −inf) gives 0; the result is clamped at 0 and is exactly 0 for
-identical logits; NaN logits give NaN (the public functions turn that into an error).
+reference is −inf there); +inf where the policy has mass and the reference has none; the
+result is clamped at 0 and is exactly 0 for identical logits; a row that defines no
+distribution (all −inf, or holding NaN/+inf) gives NaN, which the public functions turn into an
+error naming the cause unless the row is masked. Shifts are row maxima in logit units, so
+x − m is exact for nearby logits even at ±1e4 (no large log-sum-exp is subtracted).
 
 The tile math comes in two flavours with identical results up to rounding: eager PyTorch ops
 on reused buffers (this module, :data:`EAGER_TILES`) and ``torch.compile``-d pure functions

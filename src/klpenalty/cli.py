@@ -1,4 +1,4 @@
-"""Command line: ``klpenalty env | demo``."""
+"""Command line: ``klpenalty env | bench | demo``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,48 @@ def _env(_: argparse.Namespace) -> int:
     return 0
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    from klpenalty.bench import SHAPES
+
+    if text in SHAPES:
+        return SHAPES[text]
+    try:
+        dims = tuple(int(d) for d in text.replace("x", ",").split(","))
+    except ValueError:
+        dims = ()
+    if len(dims) != 3 or min(dims) < 1:
+        raise argparse.ArgumentTypeError(
+            f"shape must be B,T,V (three positive ints) or one of {list(SHAPES)}, got {text!r}"
+        )
+    return dims  # type: ignore[return-value]
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from klpenalty import bench
+
+    rows = []
+    for dtype in args.dtype:
+        rows += bench.run_benchmark(
+            args.shape,
+            dtype,
+            modes=tuple(args.mode),
+            names=args.providers,
+            repeats=args.repeats,
+            memory=not args.no_memory,
+            error=not args.no_error,
+            threads=args.threads,
+            log=(lambda s: print(s, file=sys.stderr)) if not args.quiet else None,
+        )
+    table = bench.format_table(rows)
+    print(table, end="")
+    if args.csv:
+        bench.write_csv(rows, args.csv)
+    if args.markdown:
+        with open(args.markdown, "a") as f:
+            f.write(table)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from klpenalty.demo.runner import run_demo
 
@@ -34,6 +76,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="print versions and available backends")
     env.set_defaults(func=_env)
+    b = sub.add_parser(
+        "bench",
+        help="time the exact KL: seed formula, F.kl_div, every backend, and the read floor",
+        description="Benchmark the exact KL at one shape (see benchmarks/README.md).",
+    )
+    b.add_argument(
+        "--shape", type=_shape, default=(4, 512, 32000), help="B,T,V or S1/S2/S3 (4,512,32000)"
+    )
+    b.add_argument("--dtype", nargs="+", choices=["fp32", "bf16", "fp16"], default=["fp32"])
+    b.add_argument("--mode", nargs="+", choices=["fwd", "fwdbwd"], default=["fwd", "fwdbwd"])
+    b.add_argument(
+        "--providers", nargs="+", default=None, help="default: seed, kl_div and every backend"
+    )
+    b.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
+    b.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    b.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    b.add_argument("--no-error", action="store_true", help="skip the float64 error check")
+    b.add_argument("--csv", default=None, help="append the rows to this CSV file")
+    b.add_argument("--markdown", default=None, help="append the table to this markdown file")
+    b.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    b.set_defaults(func=_bench)
     from klpenalty.demo.runner import add_arguments as _demo_arguments
 
     demo = sub.add_parser(

@@ -27,7 +27,7 @@ def full_kl(
     KL = Σ_v π(v)·(log π(v) − log ρ(v)) with π = softmax(policy_logits / T) and
     ρ = softmax(ref_logits / T), computed with a stable log-softmax in float32 (float64 for
     float64 inputs). This is the KL itself, not a sampled-token estimate. No (N, V) temporary
-    the size of the whole batch is allocated: rows are processed in chunks.
+    the size of the whole batch is allocated: the logits are streamed in cache-sized tiles.
 
     Numerics: 0·log 0 = 0 (vocabulary entries that are -inf in the policy contribute nothing);
     a token the policy can emit but the reference gives probability 0 makes KL = +inf; the
@@ -41,7 +41,10 @@ def full_kl(
         mask: optional (...) bool, True = this position counts. Masked positions return 0
             and get zero gradient; their logits may hold anything (even all -inf).
         temperature: > 0; divides both models' logits before the softmax.
-        backend: ``"auto"`` or a name from ``klpenalty.ops.dispatch.available_backends()``.
+        backend: ``"auto"`` (the streaming engine, on every device) or a name from
+            ``klpenalty.ops.dispatch.available_backends()``: ``"streaming"``, ``"compiled"``
+            (``torch.compile`` of the per-tile math; opt-in, its first call compiles for
+            seconds) or ``"eager"``. All give the same result up to float32 rounding.
 
     Returns:
         (...) float32 (float64 if either input is float64), differentiable. The gradient with

@@ -1,0 +1,365 @@
+"""Side-by-side benchmark of the exact KL: baselines, every klpenalty backend, and the floors.
+
+Used by ``klpenalty bench`` and ``benchmarks/bench_kl.py``. For one (B, T, V) shape and dtype it
+times, in one process with warm-up and interleaved rounds (median and min of the rounds):
+
+- ``seed``: the formula klpenalty replaces, log_softmax twice (in float32), exp, subtract,
+  multiply, sum: it materialises several (B, T, V) float32 tensors;
+- ``kl_div``: ``F.kl_div`` on two float32 ``log_softmax`` es (``log_target=True``);
+- every backend of :func:`klpenalty.ops.dispatch.available_backends`;
+- the floors: ``floor`` = reading both inputs once (``x.sum(); y.sum()``); for forward+backward
+  ``floor`` = that plus reading both again and writing one new tensor of the input's size
+  (``torch.add(x, y)``), the least a backward that returns a fresh gradient can do.
+
+It reports time ratios to the seed formula and to the floor, the peak extra memory as a multiple
+of one input tensor (peak RSS growth during one call, measured in a fresh subprocess per
+provider on Linux), and the max abs error of the per-position KL against the float64 reference
+(computed in row chunks).
+"""
+
+from __future__ import annotations
+
+import csv
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .ops.dispatch import available_backends
+from .ops.reference import full_kl_reference
+
+__all__ = [
+    "SHAPES",
+    "Row",
+    "seed_formula",
+    "kl_div_formula",
+    "make_inputs",
+    "providers",
+    "run_benchmark",
+    "format_table",
+    "write_csv",
+    "read_csv",
+]
+
+# The shapes of the issue: (B, T, V) of Llama-2 (32000), Llama-3 (128256), Qwen2 (151936).
+SHAPES = {"S1": (4, 512, 32000), "S2": (2, 1024, 128256), "S3": (1, 256, 151936)}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def seed_formula(policy_logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """The naive exact KL: (..., V) logits of any float dtype -> (...) float32.
+
+    log_softmax of both (upcast to float32), exp, subtract, multiply, sum: four to five
+    (..., V) float32 temporaries.
+    """
+    logp = torch.log_softmax(policy_logits.float(), dim=-1)
+    logq = torch.log_softmax(ref_logits.float(), dim=-1)
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
+def kl_div_formula(policy_logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """``F.kl_div`` on two float32 log-softmaxes: (..., V) -> (...) float32, KL(π‖ρ)."""
+    logp = torch.log_softmax(policy_logits.float(), dim=-1)
+    logq = torch.log_softmax(ref_logits.float(), dim=-1)
+    return F.kl_div(logq, logp, log_target=True, reduction="none").sum(-1)
+
+
+def _backend_fn(name: str) -> Callable:
+    from .functional import full_kl
+
+    return lambda x, y: full_kl(x, y, backend=name)
+
+
+def providers(names: list[str] | None = None) -> dict[str, Callable]:
+    """Name -> ``fn(policy_logits, ref_logits) -> (...) KL`` for the baselines and backends."""
+    table: dict[str, Callable] = {"seed": seed_formula, "kl_div": kl_div_formula}
+    for b in available_backends():
+        table[b] = _backend_fn(b)
+    if names is None:
+        return table
+    unknown = [n for n in names if n not in table]
+    if unknown:
+        raise ValueError(f"unknown provider(s) {unknown}; valid: {list(table)}")
+    return {n: table[n] for n in names}
+
+
+def make_inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0):
+    """Policy logits x ~ 2·N(0, 1) and reference y = x + 0.3·N(0, 1) (mean KL ≈ 0.045 nats).
+
+    Generated one leading slice at a time so that no float32 temporary of the full size exists.
+    """
+    g = torch.Generator().manual_seed(seed)
+    x = torch.empty(shape, dtype=dtype)
+    y = torch.empty(shape, dtype=dtype)
+    xf = x.view(-1, shape[-1])
+    yf = y.view(-1, shape[-1])
+    step = max(1, (1 << 22) // shape[-1])
+    for i in range(0, xf.shape[0], step):
+        a = torch.randn(xf[i : i + step].shape, generator=g) * 2.0
+        xf[i : i + step] = a
+        yf[i : i + step] = a + 0.3 * torch.randn(a.shape, generator=g)
+    return x, y
+
+
+def _floor_fn(mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable:
+    if mode == "fwd":
+        return lambda: (x.sum(), y.sum())
+    return lambda: (x.sum(), y.sum(), torch.add(x, y))
+
+
+def _exp_floor_fn(x: torch.Tensor, y: torch.Tensor, tile: int = 1 << 18) -> Callable:
+    """ATen's exp2 of every element of both inputs, a cache-sized tile at a time, into a reused
+    float32 buffer: the arithmetic any eager-PyTorch exact KL pays (two exps per pair)."""
+    xf, yf = x.reshape(-1), y.reshape(-1)
+    buf = torch.empty(min(tile, xf.numel()), dtype=torch.float32)
+
+    def run():
+        for t in (xf, yf):
+            for i in range(0, t.numel(), tile):
+                part = t[i : i + tile]
+                b = buf[: part.numel()]
+                if part.dtype != b.dtype:
+                    part = b.copy_(part)
+                torch.exp2(part, out=b)
+
+    return run
+
+
+def _call(fn: Callable, mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable:
+    if mode == "fwd":
+
+        def run():
+            with torch.no_grad():
+                return fn(x, y)
+
+        return run
+    xg = x.detach().requires_grad_()
+
+    def run_bwd():
+        fn(xg, y).sum().backward()
+        xg.grad = None
+
+    return run_bwd
+
+
+def _max_error(kl: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 64) -> float:
+    """max |kl − KL_float64| over positions, the reference computed ``rows`` rows at a time."""
+    v = x.shape[-1]
+    xf, yf, kf = x.reshape(-1, v), y.reshape(-1, v), kl.reshape(-1)
+    err = 0.0
+    for i in range(0, xf.shape[0], rows):
+        ref = full_kl_reference(xf[i : i + rows], yf[i : i + rows])
+        err = max(err, (kf[i : i + rows].double() - ref).abs().max().item())
+    return err
+
+
+@dataclass
+class Row:
+    """One line of the result table (times in ms; ratios are provider/floor and seed/provider)."""
+
+    shape: str
+    dtype: str
+    mode: str
+    provider: str
+    median_ms: float
+    min_ms: float
+    first_call_s: float
+    vs_seed: float | None = None
+    vs_floor: float | None = None
+    mem_x_input: float | None = None
+    max_err: float | None = None
+    threads: int = field(default_factory=torch.get_num_threads)
+
+
+# --------------------------------------------------------------------------- memory probe
+_PROBE = r"""
+import gc, json, sys, torch
+from klpenalty import bench
+shape, dtype, mode, name, threads = json.loads(sys.argv[1])
+torch.set_num_threads(threads)
+x, y = bench.make_inputs(tuple(shape), bench.DTYPES[dtype])
+run = bench._call(bench.providers([name])[name], mode, x, y)
+run()  # warm-up (thread pools, compilation)
+gc.collect()
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+peaks = []
+for _ in range(2):  # two measured calls; the larger growth is reported
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset the peak-RSS high-water mark to the current RSS
+    base = status("VmRSS:")
+    run()
+    peaks.append(status("VmHWM:") - base)
+    gc.collect()
+print(json.dumps(max(peaks) / x.nbytes))
+"""
+
+
+def _peak_memory(shape, dtype: str, mode: str, name: str, threads: int) -> float | None:
+    """Peak RSS growth during one call, in units of one input, from a fresh subprocess."""
+    if not os.path.exists("/proc/self/clear_refs"):
+        return None
+    args = json.dumps([list(shape), dtype, mode, name, threads])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, args], capture_output=True, text=True, env=env, timeout=3600
+    )
+    if proc.returncode != 0:
+        print(f"  memory probe for {name} failed: {proc.stderr.strip()[-300:]}", file=sys.stderr)
+        return None
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- the benchmark
+def run_benchmark(
+    shape: tuple[int, int, int],
+    dtype: str = "fp32",
+    modes: tuple[str, ...] = ("fwd", "fwdbwd"),
+    names: list[str] | None = None,
+    repeats: int = 5,
+    warmup: int = 1,
+    memory: bool = True,
+    error: bool = True,
+    threads: int | None = None,
+    shape_name: str | None = None,
+    log: Callable[[str], None] | None = print,
+) -> list[Row]:
+    """Benchmark every provider at one shape and dtype; returns one :class:`Row` per result.
+
+    Args:
+        shape: (B, T, V).
+        dtype: "fp32", "bf16" or "fp16" (the inputs' dtype).
+        modes: subset of ("fwd", "fwdbwd"); fwdbwd differentiates with respect to the policy.
+        names: providers to run (default: all of :func:`providers`).
+        repeats: timed interleaved rounds (medians reported) after ``warmup`` untimed calls.
+        memory: measure peak extra memory in a fresh subprocess per provider and mode.
+        error: max abs error of the forward KL against the float64 reference.
+        threads: torch threads (default: leave as is).
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    threads = torch.get_num_threads()
+    say = log or (lambda s: None)
+    label = shape_name or "x".join(map(str, shape))
+    table = providers(names)
+    x, y = make_inputs(tuple(shape), DTYPES[dtype])
+    rows: list[Row] = []
+    for mode in modes:
+        rows += _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say)
+    if error:
+        for row in rows:
+            if row.mode == "fwd" and row.provider not in ("floor", "exp floor"):
+                with torch.no_grad():
+                    row.max_err = _max_error(table[row.provider](x, y), x, y)
+    del x, y
+    gc.collect()
+    if memory:
+        for row in rows:
+            if row.provider not in ("floor", "exp floor"):
+                say(f"  {label} {dtype} {row.mode}: memory of {row.provider}")
+                row.mem_x_input = _peak_memory(shape, dtype, row.mode, row.provider, threads)
+    return rows
+
+
+def _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say) -> list[Row]:
+    fns = {n: _call(f, mode, x, y) for n, f in table.items()}
+    floors = {"floor": _floor_fn(mode, x, y)}
+    if mode == "fwd":
+        floors["exp floor"] = _exp_floor_fn(x, y)
+    fns = {**floors, **fns}
+    first: dict[str, float] = {}
+    for n, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        first[n] = time.perf_counter() - t0
+        for _ in range(max(0, warmup - 1)):
+            fn()
+        gc.collect()
+    times: dict[str, list[float]] = {n: [] for n in fns}
+    for r in range(repeats):
+        for n, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[n].append(time.perf_counter() - t0)
+        gc.collect()
+        say(f"  {label} {dtype} {mode}: round {r + 1}/{repeats}")
+    med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+    return [
+        Row(
+            label,
+            dtype,
+            mode,
+            n,
+            med[n],
+            min(times[n]) * 1e3,
+            first[n],
+            vs_seed=(med["seed"] / med[n]) if "seed" in med and n not in floors else None,
+            vs_floor=med[n] / med["floor"],
+            threads=threads,
+        )
+        for n in fns
+    ]
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def format_table(rows: list[Row]) -> str:
+    """A markdown table of the rows."""
+    head = (
+        "| shape | dtype | mode | provider | median ms | min ms | first call s "
+        "| × faster than seed | × floor | peak extra mem (× input) | max err vs fp64 |\n"
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+    )
+    lines = []
+    for r in rows:
+        name = f"*{r.provider}*" if r.provider in ("floor", "exp floor") else r.provider
+        lines.append(
+            f"| {r.shape} | {r.dtype} | {r.mode} | {name} | {r.median_ms:.1f} | {r.min_ms:.1f} "
+            f"| {r.first_call_s:.2f} | {_fmt(r.vs_seed, '.1f')} | {_fmt(r.vs_floor, '.2f')} "
+            f"| {_fmt(r.mem_x_input, '.3f')} | {_fmt(r.max_err, '.1e')} |"
+        )
+    return head + "\n".join(lines) + "\n"
+
+
+def read_csv(path: str) -> list[Row]:
+    """Rows written by :func:`write_csv` (to re-render a table)."""
+
+    def num(v: str):
+        return None if v in ("", "None") else float(v)
+
+    out = []
+    with open(path, newline="") as f:
+        for d in csv.DictReader(f):
+            out.append(
+                Row(
+                    d["shape"], d["dtype"], d["mode"], d["provider"],
+                    float(d["median_ms"]), float(d["min_ms"]), float(d["first_call_s"]),
+                    num(d["vs_seed"]), num(d["vs_floor"]), num(d["mem_x_input"]),
+                    num(d["max_err"]), int(d["threads"]),
+                )
+            )
+    return out
+
+
+def write_csv(rows: list[Row], path: str) -> None:
+    """Write (or append to) a CSV file with one line per row."""
+    new = not os.path.exists(path)
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        if new:
+            w.writeheader()
+        for r in rows:
+            w.writerow(asdict(r))

@@ -8,7 +8,7 @@ or value) with the argument's name, shape and dtype in the message. Nothing here
 from __future__ import annotations
 
 import math
-from numbers import Real
+from numbers import Integral, Real
 from typing import Sequence
 
 import torch
@@ -21,6 +21,8 @@ __all__ = [
     "check_per_token",
     "check_mask",
     "check_tokens",
+    "check_ignore_index",
+    "check_token_range",
     "check_temperature",
     "check_beta",
     "check_choice",
@@ -100,20 +102,39 @@ def check_mask(mask: object, leading: Sequence[int], device: torch.device) -> to
     return mask
 
 
-def check_tokens(tokens: object, leading: Sequence[int], vocab_size: int) -> torch.Tensor:
-    """Integer token ids of shape ``leading`` with values in [0, vocab_size)."""
+def check_tokens(tokens: object, leading: Sequence[int]) -> torch.Tensor:
+    """Integer token ids of shape ``leading`` (their range is checked by
+    :func:`check_token_range`, inside the op: it needs the values)."""
     tokens = _check_tensor("tokens", tokens)
     if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
         raise TypeError(f"tokens must be an integer tensor, got {describe(tokens)}")
     check_per_token("tokens", tokens, leading, floating=False)
-    if tokens.numel():
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= vocab_size:
-            raise ValueError(
-                f"tokens must lie in [0, {vocab_size}) (the vocabulary size), "
-                f"got values in [{lo}, {hi}] ({describe(tokens)})"
-            )
     return tokens
+
+
+def check_ignore_index(ignore_index: object) -> int:
+    """An int (HF labels use -100); it must be negative so that it is never a real token id."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, Integral):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if ignore_index >= 0:
+        raise ValueError(
+            f"ignore_index must be negative (a token id >= 0 is a real token), got {ignore_index}"
+        )
+    return int(ignore_index)
+
+
+def check_token_range(tokens: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
+    """Token ids in [0, vocab_size) or equal to ``ignore_index`` (reads the values: a sync)."""
+    if not tokens.numel():
+        return
+    bad = ((tokens < 0) | (tokens >= vocab_size)) & (tokens != ignore_index)
+    if bool(bad.any()):
+        first = tuple(int(i) for i in torch.unravel_index(bad.flatten().nonzero()[0, 0], tokens.shape))
+        raise ValueError(
+            f"tokens must lie in [0, {vocab_size}) (the vocabulary size) or equal "
+            f"ignore_index={ignore_index}; {int(bad.sum())} do not, the first "
+            f"{int(tokens[first])} at index {first} ({describe(tokens)})"
+        )
 
 
 def _as_real(name: str, value: object) -> float:

@@ -21,6 +21,7 @@ def full_kl(
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
     backend: str = "auto",
+    check: bool = True,
 ) -> torch.Tensor:
     """Exact categorical KL(π‖ρ) at every position, from logits.
 
@@ -41,30 +42,35 @@ def full_kl(
         mask: optional (...) bool, True = this position counts. Masked positions return 0
             and get zero gradient; their logits may hold anything (even all -inf).
         temperature: > 0; divides both models' logits before the softmax.
-        backend: ``"auto"`` (the streaming engine, on every device) or a name from
-            ``klpenalty.ops.dispatch.available_backends()``: ``"streaming"``, ``"compiled"``
-            (``torch.compile`` of the per-tile math; opt-in, its first call compiles for
-            seconds) or ``"eager"``. All give the same result up to float32 rounding.
+        backend: ``"auto"`` (the fastest available for the device) or a name from
+            ``klpenalty.ops.dispatch.available_backends()`` (``"streaming"``: the portable
+            engine, any device). All give the same result up to float32 rounding.
+        check: raise ValueError when a counted position's logits hold NaN or define no
+            distribution. It reads the (...) result on the host: one device synchronisation
+            per call, nothing per tile. ``check=False`` skips it (such positions give NaN).
 
     Returns:
-        (...) float32 (float64 if either input is float64), differentiable. The gradient with
-        respect to the policy logits is π·((log π − log ρ) − KL)/T, in the input's dtype.
+        (...) float32 (float64 if either input is float64), differentiable (also twice: a
+        second derivative recomputes the first with plain PyTorch ops, materialising (..., V)).
+        The gradient with respect to the policy logits is π·((log π − log ρ) − KL)/T, in the
+        input's dtype. An empty batch gives an empty result.
 
     Raises:
         TypeError: non-tensor or non-floating logits, non-bool mask.
-        ValueError: mismatched shapes, temperature ≤ 0, NaN in a counted position's logits.
+        ValueError: mismatched shapes, temperature ≤ 0, an unknown backend, NaN in a counted
+            position's logits (with ``check``).
     """
+    mask, temperature, impl = _check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
+    return impl.full_kl(policy_logits, ref_logits, mask, temperature, check=check)
+
+
+def _check_kl_args(policy_logits, ref_logits, mask, temperature, backend):
+    """Validate the arguments shared by the exact-KL functions; returns (mask, T, backend)."""
     v.check_logits_pair(policy_logits, ref_logits)
     temperature = v.check_temperature(temperature)
-    leading = policy_logits.shape[:-1]
-    vocab = policy_logits.shape[-1]
     if mask is not None:
-        mask = v.check_mask(mask, leading, policy_logits.device).reshape(-1)  # (N,)
-    x = policy_logits.reshape(-1, vocab)  # (N, V)
-    y = ref_logits.reshape(-1, vocab)  # (N, V)
-    kl = get_backend(backend, x.device).full_kl(x, y, mask, temperature)  # (N,)
-    v.raise_if_nan(kl.detach(), {"policy_logits": policy_logits, "ref_logits": ref_logits})
-    return kl.reshape(leading)
+        mask = v.check_mask(mask, policy_logits.shape[:-1], policy_logits.device)
+    return mask, temperature, get_backend(backend, policy_logits.device)
 
 
 def kl_penalized_reward(
@@ -76,6 +82,7 @@ def kl_penalized_reward(
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
     backend: str = "auto",
+    check: bool = True,
 ) -> torch.Tensor:
     """The shaped reward ``reward − beta · KL(π‖ρ)`` with the exact full-vocabulary KL.
 
@@ -101,19 +108,19 @@ def kl_penalized_reward(
             beta = 0 the KL is not computed and the reward comes back as is.
         mask: optional (...) bool, True = counts; where False the reward comes back unchanged.
         temperature: > 0; divides both models' logits before the softmax.
-        backend: as in :func:`full_kl`.
+        backend, check: as in :func:`full_kl`.
 
     Returns:
         (...) tensor, the dtype of ``reward`` promoted with float32 (float64 if any input is
         float64). Differentiable with respect to the logits (and reward).
     """
-    v.check_logits_pair(policy_logits, ref_logits)
+    mask, temperature, impl = _check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
     v.check_per_token("reward", reward, policy_logits.shape[:-1])
     beta = v.check_beta(beta)
     if beta == 0.0:  # no penalty; also avoids 0·inf = NaN where the KL is infinite
         dtype = torch.promote_types(reward.dtype, v.compute_dtype(policy_logits, ref_logits))
         return reward.to(dtype).clone()
-    kl = full_kl(policy_logits, ref_logits, mask=mask, temperature=temperature, backend=backend)
+    kl = impl.full_kl(policy_logits, ref_logits, mask, temperature, check=check)
     return reward - beta * kl
 
 
@@ -122,7 +129,9 @@ def token_logprobs(
     tokens: torch.Tensor,
     *,
     temperature: float = 1.0,
+    ignore_index: int = -100,
     backend: str = "auto",
+    check: bool = True,
 ) -> torch.Tensor:
     """log π(token) = log softmax(logits / T)[token] at every position.
 
@@ -131,25 +140,26 @@ def token_logprobs(
 
     Args:
         logits: (..., V) float16/bfloat16/float32/float64.
-        tokens: (...) integer token ids in [0, V).
+        tokens: (...) integer token ids in [0, V), or ``ignore_index``.
         temperature: > 0; use the temperature the tokens were sampled with.
+        ignore_index: negative int; positions whose token equals it (Hugging Face labels use
+            -100 for prompt and padding) give 0 and zero gradient, as in cross-entropy.
         backend: as in :func:`full_kl`.
+        check: raise ValueError for tokens out of range and NaN log-probs (one device
+            synchronisation per call); ``check=False`` skips it.
 
     Returns:
         (...) float32 (float64 for float64 logits), ≤ 0, differentiable with respect to logits
-        (gradient (onehot(token) − π)/T in the logits' dtype).
+        (gradient (onehot(token) − π)/T in the logits' dtype), also twice.
 
     Raises:
         TypeError: non-floating logits or non-integer tokens.
-        ValueError: shape mismatch, token out of range, temperature ≤ 0, NaN in logits.
+        ValueError: shape mismatch, temperature ≤ 0, ignore_index ≥ 0, and with ``check``:
+            token out of range, NaN in logits.
     """
     v.check_logits("logits", logits)
-    leading = logits.shape[:-1]
-    vocab = logits.shape[-1]
-    v.check_tokens(tokens, leading, vocab)
+    v.check_tokens(tokens, logits.shape[:-1])
     temperature = v.check_temperature(temperature)
-    x = logits.reshape(-1, vocab)  # (N, V)
-    tok = tokens.reshape(-1).long()  # (N,)
-    out = get_backend(backend, x.device).token_logprobs(x, tok, temperature)  # (N,)
-    v.raise_if_nan(out.detach(), {"logits": logits})
-    return out.reshape(leading)
+    ignore_index = v.check_ignore_index(ignore_index)
+    impl = get_backend(backend, logits.device)
+    return impl.token_logprobs(logits, tokens, temperature, ignore_index=ignore_index, check=check)

@@ -1,24 +1,20 @@
 """Backend choice for the exact-KL ops.
 
-A backend is a module-like object with two functions on flattened tensors:
+A backend is a module with two functions on (..., V) tensors, already validated:
 
-- ``full_kl(x, y, mask, temperature) -> (N,)`` with x, y (N, V), mask (N,) bool or None;
-- ``token_logprobs(x, tokens, temperature) -> (N,)`` with x (N, V), tokens (N,) int64.
+- ``full_kl(x, y, mask, temperature, *, check) -> (...)``;
+- ``token_logprobs(x, tokens, temperature, *, ignore_index, check) -> (...)``.
 
-Both return float32 (float64 for float64 inputs) and are differentiable.
+Both return float32 (float64 for float64 inputs), are differentiable (twice), and are built
+on the per-row state of :mod:`.engine` through ``torch.library`` custom ops.
 
 Backends:
 
-- ``"streaming"``: the single-pass tiled engine in eager PyTorch (:mod:`.streaming`). Any
-  device, no compilation, no warm-up. This is what ``"auto"`` picks.
-- ``"compiled"``: the same engine with its per-tile math compiled by ``torch.compile``
-  (:mod:`.compiled`). Opt-in: its first call in a fresh process compiles for tens of seconds on
-  a small CPU, and on the CPUs measured it was not faster than ``"streaming"`` (see
-  benchmarks/README.md). Falls back to ``"streaming"`` with a one-time warning if compiling fails.
-- ``"eager"``: the older row-chunked log-softmax implementation (:mod:`.eager`), kept as a
-  simple second opinion.
+- ``"streaming"``: the engine's tile loop in eager PyTorch (:mod:`.streaming`). Any device, no
+  compilation, no warm-up.
 
-``"auto"`` never reads environment variables.
+``"auto"`` picks the fastest backend available for the device (today: ``"streaming"``). It never
+reads environment variables.
 """
 
 from __future__ import annotations
@@ -27,12 +23,12 @@ from types import ModuleType
 
 import torch
 
-from . import compiled, eager, streaming
+from . import streaming
 
 __all__ = ["BACKENDS", "get_backend", "available_backends"]
 
-# name -> backend module. "auto" resolves to the first entry.
-BACKENDS: dict[str, ModuleType] = {"streaming": streaming, "compiled": compiled, "eager": eager}
+# name -> backend module
+BACKENDS: dict[str, ModuleType] = {"streaming": streaming}
 
 
 def available_backends() -> list[str]:
@@ -41,11 +37,7 @@ def available_backends() -> list[str]:
 
 
 def get_backend(name: str, device: torch.device) -> ModuleType:
-    """Resolve ``name`` (``"auto"`` or one of :func:`available_backends`) for ``device``.
-
-    ``"auto"`` is the eager streaming engine on every device: it needs no compiler, starts
-    instantly, and measured as fast as the compiled tiles on CPU (a GPU kernel is future work).
-    """
+    """Resolve ``name`` (``"auto"`` or one of :func:`available_backends`) for ``device``."""
     if name == "auto":
         return BACKENDS["streaming"]
     if name not in BACKENDS:

@@ -1,0 +1,139 @@
+"""Autograd and fake (meta) registration shared by every backend's custom ops.
+
+A backend provides two pairs of ``torch.library.custom_op`` s with fixed signatures:
+
+- ``full_kl(x, y, mask, temperature, check, tile_rows, tile_cols) -> (kl (...), stats (..., 6))``
+  and ``full_kl_backward(grad, x, y, stats, mask, temperature, need_x, need_y, tile_rows,
+  tile_cols) -> (grad_x (..., V) or empty, grad_y (..., V) or empty)``;
+- ``token_logprobs(x, tokens, temperature, ignore_index, check, tile_rows, tile_cols) ->
+  (logp (...), stats (..., 3))`` and ``token_logprobs_backward(grad, x, tokens, stats,
+  temperature, ignore_index, tile_rows, tile_cols) -> grad_x (..., V)``.
+
+:func:`register_full_kl` / :func:`register_token_logprobs` give them fake implementations (so
+``torch.compile`` traces through them with ``fullgraph=True``) and an autograd formula:
+the first derivative calls the backend's backward op; a second derivative (``create_graph=True``:
+Hessian-vector products, gradient penalties) recomputes the first derivative with differentiable
+PyTorch ops on the whole (..., V) tensor, so autograd differentiates it again. That path
+materialises (..., V) temporaries; it is exact, not fast.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .._validation import compute_dtype
+
+__all__ = ["register_full_kl", "register_token_logprobs", "masked_grad", "safe_tokens"]
+
+
+def masked_grad(grad: Tensor, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The upstream gradient in ``dtype``, exactly 0 where ``mask`` is False."""
+    g = grad.to(dtype)
+    return g if mask is None else g.masked_fill(~mask, 0.0)
+
+
+def safe_tokens(tokens: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """(ids usable for gather/scatter, ignored flags): ignored positions read id 0."""
+    ignored = tokens == ignore_index
+    return tokens.masked_fill(ignored, 0).long(), ignored
+
+
+# ------------------------------------------------------------------- differentiable formulas
+def _full_kl_grads_differentiable(
+    grad: Tensor, x: Tensor, y: Tensor, mask: Tensor | None, temperature: float
+) -> tuple[Tensor, Tensor]:
+    """π·((log π − log ρ) − KL)·g/T and (ρ − π)·g/T with differentiable ops, (..., V)."""
+    dtype = compute_dtype(x, y)
+    xs, ys = x.to(dtype) / temperature, y.to(dtype) / temperature
+    g = masked_grad(grad, mask, dtype)
+    if mask is not None:  # masked rows may hold garbage (all −inf): keep it out of the graph
+        keep = mask.unsqueeze(-1)
+        xs, ys = torch.where(keep, xs, 0.0), torch.where(keep, ys, 0.0)
+    logp, logq = torch.log_softmax(xs, -1), torch.log_softmax(ys, -1)
+    p = logp.exp()
+    live = p > 0  # 0·log 0 = 0, with no NaN in the unused branch's gradient either
+    diff = torch.where(live, logp, 0.0) - torch.where(live, logq, 0.0)
+    kl = (p * diff).sum(-1, keepdim=True)
+    scale = (g / temperature).unsqueeze(-1)
+    grad_x = (p * (diff - kl) * scale).to(x.dtype)
+    grad_y = ((logq.exp() - p) * scale).to(y.dtype)
+    return grad_x, grad_y
+
+
+def _token_logprobs_grad_differentiable(
+    grad: Tensor, x: Tensor, tokens: Tensor, temperature: float, ignore_index: int
+) -> Tensor:
+    """(onehot(token) − π)·g/T with differentiable ops, (..., V)."""
+    dtype = compute_dtype(x)
+    tok, ignored = safe_tokens(tokens, ignore_index)
+    g = grad.to(dtype).masked_fill(ignored, 0.0)
+    p = torch.softmax(x.to(dtype) / temperature, -1)
+    onehot = torch.zeros_like(p).scatter(-1, tok.unsqueeze(-1), 1.0)
+    return ((onehot - p) * (g / temperature).unsqueeze(-1)).to(x.dtype)
+
+
+# ------------------------------------------------------------------------------ registration
+def register_full_kl(fwd_op, bwd_op) -> None:
+    """Fake implementations and autograd for a backend's full_kl op pair."""
+
+    @fwd_op.register_fake
+    def _(x, y, mask, temperature, check, tile_rows, tile_cols):
+        dtype = compute_dtype(x, y)
+        leading = x.shape[:-1]
+        return x.new_empty(leading, dtype=dtype), x.new_empty((*leading, 6), dtype=dtype)
+
+    @bwd_op.register_fake
+    def _(grad, x, y, stats, mask, temperature, need_x, need_y, tile_rows, tile_cols):
+        gx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else x.new_empty(0)
+        gy = torch.empty_like(y, memory_format=torch.contiguous_format) if need_y else y.new_empty(0)
+        return gx, gy
+
+    def setup_context(ctx, inputs, output):
+        x, y, mask, temperature, _, tile_rows, tile_cols = inputs
+        ctx.save_for_backward(x, y, mask, output[1])
+        ctx.args = (temperature, tile_rows, tile_cols)
+
+    def backward(ctx, grad_kl, _grad_stats):
+        x, y, mask, stats = ctx.saved_tensors
+        need_x, need_y = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        temperature, tile_rows, tile_cols = ctx.args
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable first derivative
+            gx, gy = _full_kl_grads_differentiable(grad_kl, x, y, mask, temperature)
+        else:
+            gx, gy = bwd_op(
+                grad_kl, x, y, stats, mask, temperature, need_x, need_y, tile_rows, tile_cols
+            )
+        return (gx if need_x else None), (gy if need_y else None), None, None, None, None, None
+
+    fwd_op.register_autograd(backward, setup_context=setup_context)
+
+
+def register_token_logprobs(fwd_op, bwd_op) -> None:
+    """Fake implementations and autograd for a backend's token_logprobs op pair."""
+
+    @fwd_op.register_fake
+    def _(x, tokens, temperature, ignore_index, check, tile_rows, tile_cols):
+        dtype = compute_dtype(x)
+        leading = x.shape[:-1]
+        return x.new_empty(leading, dtype=dtype), x.new_empty((*leading, 3), dtype=dtype)
+
+    @bwd_op.register_fake
+    def _(grad, x, tokens, stats, temperature, ignore_index, tile_rows, tile_cols):
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+    def setup_context(ctx, inputs, output):
+        x, tokens, temperature, ignore_index, _, tile_rows, tile_cols = inputs
+        ctx.save_for_backward(x, tokens, output[1])
+        ctx.args = (temperature, ignore_index, tile_rows, tile_cols)
+
+    def backward(ctx, grad_out, _grad_stats):
+        x, tokens, stats = ctx.saved_tensors
+        temperature, ignore_index, tile_rows, tile_cols = ctx.args
+        if torch.is_grad_enabled():
+            gx = _token_logprobs_grad_differentiable(grad_out, x, tokens, temperature, ignore_index)
+        else:
+            gx = bwd_op(grad_out, x, tokens, stats, temperature, ignore_index, tile_rows, tile_cols)
+        return gx, None, None, None, None, None, None
+
+    fwd_op.register_autograd(backward, setup_context=setup_context)

@@ -1,0 +1,328 @@
+"""The one engine: per-row partial state → associative merge → finalize.
+
+Every exact-KL path of klpenalty computes the same per-row state over a slice of the vocabulary
+(a cache-sized tile in :mod:`.streaming`, one rank's shard in :mod:`klpenalty.distributed`),
+merges the states of the slices, and turns the merged state into the KL and the few per-row
+numbers its backward needs. This module owns that math; the backends own only the loop.
+
+Shape letters: N rows (positions), C columns of one vocabulary slice, V the whole vocabulary.
+
+**KL state** of a row over a slice S, for temperature T (:class:`KLState`)::
+
+    m_x = max_S x,   m_y = max_S y                      (maxima in logit units; −inf if none)
+    u = (x − m_x)/T, w = (y − m_y)/T                     (shifted, tempered: O(spread of the row))
+    s_x = Σ_S e^u,   s_y = Σ_S e^w,   a = Σ_S e^u·(u − w)
+
+with 0·log 0 = 0 (an entry with e^u = 0 adds nothing to ``a``, also where y = −inf) and
+a = +inf where the policy has mass and the reference has none.
+
+**Merge** (associative, commutative): rescale both states to the common maxima M and add.
+With δ = (m − M)/T ≤ 0 and α = e^{δ_x}, β = e^{δ_y}::
+
+    s_x ← α·s_x,   s_y ← β·s_y,   a ← α·(a + (δ_x − δ_y)·s_x)
+
+so every term stays of the size of the row's spread, never of its offset: policy and reference
+logits at opposite offsets of ±1e4 lose nothing. On one process the merge runs across tiles
+(:func:`kl_merge`); across ranks it is an all-reduce MAX of (m_x, m_y), :func:`kl_rescale`, and
+an all-reduce SUM of (s_x, s_y, a).
+
+**Finalize** (:func:`kl_finalize`)::
+
+    KL = a/s_x − log s_x + log s_y            (= E_π[u − w] − log s_x + log s_y, all O(spread))
+
+clamped at 0; exactly 0 for identical logits (then u ≡ w, a = 0 and s_x = s_y bit for bit).
+A row whose policy or reference has no mass (all −inf) or holds +inf/NaN defines no
+distribution: its KL is NaN (the public functions turn that into an error unless masked).
+
+**Stats for the backward**, (N, 6) in the compute dtype (:data:`STATS`): the shifts (finite
+maxima), log s_x, log s_y, E_π[u − w] = a/s_x and a flag for rows that need the careful
+0·log 0 arithmetic. With them a backend recomputes each tile of the gradient::
+
+    ∂KL/∂x = π·((u − w) − E_π[u − w])/T,      ∂KL/∂y = (ρ − π)/T
+
+**Log-sum-exp state** (:class:`LSEState`, for token log-probs): (m, s = Σ e^{(x − m)/T}), merged
+the same way; log π(t) = (x_t − m)/T − log s.
+
+Numerics: math in float32 for float16/bfloat16/float32 inputs, float64 for float64 inputs
+(:func:`klpenalty._validation.compute_dtype`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+
+__all__ = [
+    "KLState",
+    "LSEState",
+    "STATS",
+    "Workspace",
+    "finite_or_zero",
+    "kl_partial",
+    "kl_rescale",
+    "kl_merge",
+    "kl_finalize",
+    "kl_grad_tile",
+    "lse_partial",
+    "lse_rescale",
+    "lse_merge",
+    "lse_grad_tile",
+]
+
+_LOG2E = math.log2(math.e)
+_INF = float("inf")
+
+# Columns of the (N, 6) backward stats.
+STATS = ("shift_x", "log_s_x", "shift_y", "log_s_y", "mean_d", "careful")
+SHIFT_X, LOG_S_X, SHIFT_Y, LOG_S_Y, MEAN_D, CAREFUL = range(6)
+
+
+class KLState(NamedTuple):
+    """Per-row KL state over a vocabulary slice; each field (N,) in the compute dtype."""
+
+    m_x: torch.Tensor  # max policy logit (logit units), −inf if the slice has no policy mass
+    s_x: torch.Tensor  # Σ e^u
+    m_y: torch.Tensor  # max reference logit
+    s_y: torch.Tensor  # Σ e^w
+    a: torch.Tensor  # Σ e^u (u − w)
+
+
+class LSEState(NamedTuple):
+    """Per-row log-sum-exp state over a vocabulary slice; each field (N,)."""
+
+    m: torch.Tensor  # max logit (logit units)
+    s: torch.Tensor  # Σ e^{(x − m)/T}
+
+
+def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
+    """The shift used for a row: its max if finite, else 0 (no mass, +inf or NaN)."""
+    return torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+class Workspace:
+    """Reusable flat buffers of ``rows*cols`` elements, viewed as contiguous (r, c) tiles.
+
+    A tile loop allocates its temporaries once and reuses them for every tile.
+    """
+
+    def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
+        self.size = rows * cols
+        self.dtype = dtype
+        self.device = device
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, r: int, c: int) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None:
+            buf = torch.empty(self.size, dtype=self.dtype, device=self.device)
+            self._bufs[name] = buf
+        return buf[: r * c].view(r, c)
+
+
+def _shifted(out: torch.Tensor, t: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """out ← t − shift (per row), exact for logits near their row max even at ±1e4.
+
+    A low-precision tile is upcast into ``out`` first (a mixed-dtype ATen op would allocate a
+    converted copy of the tile).
+    """
+    if t.dtype != out.dtype:
+        return out.copy_(t).sub_(shift.unsqueeze(-1))
+    return torch.sub(t, shift.unsqueeze(-1), out=out)
+
+
+def _exp_tempered(
+    out: torch.Tensor, d: torch.Tensor, temperature: float, log_norm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """out ← exp(d/T − log_norm) for a shifted tile d (r, c); ATen's exp2 is ~2× exp on CPU."""
+    if log_norm is None:
+        torch.mul(d, _LOG2E / temperature, out=out)
+    else:
+        torch.add((log_norm * -_LOG2E).unsqueeze(-1), d, alpha=_LOG2E / temperature, out=out)
+    return out.exp2_()
+
+
+# ------------------------------------------------------------------------------------ KL
+def kl_partial(
+    x: torch.Tensor, y: torch.Tensor, temperature: float, ws: Workspace, careful: bool | None
+) -> tuple[KLState, torch.Tensor | None]:
+    """KL state of one (r, c) tile of raw logits (any float dtype; math in ``ws.dtype``).
+
+    Args:
+        x: (r, c) policy logits.  y: (r, c) reference logits.
+        temperature: > 0.
+        ws: workspace of the compute dtype, at least r·c elements.
+        careful: True = always use the 0·log 0 arithmetic; None = check on the host whether
+            the tile needs it (free on CPU, a sync on accelerators).
+
+    Returns:
+        (state, flags): the tile's :class:`KLState` and (r,) bool flags of the rows that
+        needed the careful arithmetic (None if no row did).
+    """
+    r, c = x.shape
+    m_x = x.amax(-1).to(ws.dtype)  # (r,)
+    m_y = y.amax(-1).to(ws.dtype)  # (r,)
+    d = _shifted(ws.get("d", r, c), x, finite_or_zero(m_x))  # x − m_x, then (x − m_x) − (y − m_y)
+    w = _shifted(ws.get("w", r, c), y, finite_or_zero(m_y))  # y − m_y
+    e = _exp_tempered(ws.get("e", r, c), d, temperature)  # e^u
+    s_x = e.sum(-1)
+    d.sub_(w)
+    s_y = _exp_tempered(w, w, temperature).sum(-1)  # e^w (in place)
+    d.mul_(e)  # e^u·T(u − w)
+    flags = None
+    if careful is None:
+        a = d.sum(-1)
+        if math.isfinite(float(a.sum())):
+            return KLState(m_x, s_x, m_y, s_y, a / temperature), None
+        flags = ~torch.isfinite(a)
+    # −inf logits: 0·(−inf) and 0·NaN are 0·log 0 = 0; +inf (mass where ρ has none) stays
+    d.masked_fill_(e == 0, 0.0)
+    a = d.sum(-1) / temperature
+    if flags is None:
+        flags = torch.ones(r, dtype=torch.bool, device=x.device)
+    return KLState(m_x, s_x, m_y, s_y, a), flags
+
+
+def _scales(m: torch.Tensor, big: torch.Tensor, temperature: float):
+    """(δ, α) for rescaling a state with max ``m`` to the max ``big``: δ = (m − M)/T, α = e^δ.
+
+    δ is exactly 0 where m == M (also both −inf); δ = −inf and α = 0 where the slice had no mass.
+    """
+    delta = torch.where(m == big, torch.zeros_like(m), (m - big) / temperature)
+    return delta, torch.exp(delta)
+
+
+def kl_rescale(state: KLState, m_x: torch.Tensor, m_y: torch.Tensor, temperature: float) -> KLState:
+    """The same state expressed against the (larger or equal) maxima ``m_x``, ``m_y`` (N,)."""
+    dx, alpha = _scales(state.m_x, m_x, temperature)
+    dy, beta = _scales(state.m_y, m_y, temperature)
+    has_mass = state.s_x > 0
+    # (δ_x − δ_y)·s_x only where the slice has policy mass (else 0·inf)
+    shift_term = torch.where(has_mass, (dx - dy) * state.s_x, torch.zeros_like(state.s_x))
+    a = torch.where(alpha > 0, alpha * (state.a + shift_term), torch.zeros_like(state.a))
+    return KLState(m_x, alpha * state.s_x, m_y, beta * state.s_y, a)
+
+
+def kl_merge(s0: KLState, s1: KLState, temperature: float) -> KLState:
+    """Merge the states of two disjoint vocabulary slices of the same rows."""
+    m_x = torch.maximum(s0.m_x, s1.m_x)
+    m_y = torch.maximum(s0.m_y, s1.m_y)
+    r0 = kl_rescale(s0, m_x, m_y, temperature)
+    r1 = kl_rescale(s1, m_x, m_y, temperature)
+    return KLState(m_x, r0.s_x + r1.s_x, m_y, r0.s_y + r1.s_y, r0.a + r1.a)
+
+
+def kl_finalize(
+    state: KLState, careful: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL (N,), stats (N, 6)) from the merged state of whole rows.
+
+    ``careful``: (N,) bool rows that needed the 0·log 0 arithmetic in the forward (or None);
+    rows with KL = +inf or without a distribution are flagged too.
+    """
+    s_x, s_y, a = state.s_x, state.s_y, state.a
+    mean_d = a / s_x  # E_π[u − w]; +inf where π has mass ρ lacks
+    log_s_x, log_s_y = torch.log(s_x), torch.log(s_y)
+    kl = (mean_d - log_s_x + log_s_y).clamp_min(0.0)  # exact KL ≥ 0; NaN stays NaN
+    valid = (s_x > 0) & torch.isfinite(s_x) & (s_y > 0) & torch.isfinite(s_y)
+    kl = torch.where(valid, kl, torch.full_like(kl, float("nan")))
+    flag = ~valid | ~torch.isfinite(mean_d)
+    if careful is not None:
+        flag = flag | careful
+    stats = torch.stack(
+        [
+            finite_or_zero(state.m_x),
+            finite_or_zero(log_s_x),
+            finite_or_zero(state.m_y),
+            finite_or_zero(log_s_y),
+            mean_d,
+            flag.to(kl.dtype),
+        ],
+        dim=-1,
+    )  # (N, 6)
+    return kl, stats
+
+
+def kl_grad_tile(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    stats: torch.Tensor,
+    g: torch.Tensor,
+    temperature: float,
+    ws: Workspace,
+    gx: torch.Tensor | None,
+    gy: torch.Tensor | None,
+    careful: bool,
+) -> None:
+    """Write the gradient tiles of Σ_rows g·KL.
+
+    Args:
+        x, y: (r, c) raw logits.  stats: (r, 6) from :func:`kl_finalize`.
+        g: (r,) upstream gradient in the compute dtype, 0 on rows that get no gradient.
+        gx, gy: (r, c) outputs in the inputs' dtypes, or None when not needed.
+        careful: the 0·log 0 arithmetic (rows with −inf entries, masked garbage rows).
+
+    gx ← π·((u − w) − E_π[u − w])·g/T,  gy ← (ρ − π)·g/T.
+    """
+    r, c = x.shape
+    shift_x, log_s_x, shift_y, log_s_y, mean_d = stats[:, :5].unbind(-1)
+    d = _shifted(ws.get("d", r, c), x, shift_x)
+    w = _shifted(ws.get("w", r, c), y, shift_y)
+    p = _exp_tempered(ws.get("e", r, c), d, temperature, log_s_x)
+    zero_rows = (g == 0).unsqueeze(-1) if careful else None
+    if gx is not None:
+        # (x − m_x) − (y − m_y) − T·E[u − w] = T·((u − w) − E[u − w])
+        d.sub_(w).sub_((mean_d * temperature).unsqueeze(-1)).mul_(p)
+        scale = (g / (temperature * temperature)).unsqueeze(-1)
+        if careful:
+            d.masked_fill_(p == 0, 0.0).mul_(scale).masked_fill_(zero_rows, 0.0)
+            gx.copy_(d)
+        else:
+            torch.mul(d, scale, out=gx)
+    if gy is not None:
+        q = _exp_tempered(w, w, temperature, log_s_y).sub_(p)  # ρ − π
+        scale = (g / temperature).unsqueeze(-1)
+        if careful:
+            q.nan_to_num_(nan=0.0).mul_(scale).masked_fill_(zero_rows, 0.0)
+            gy.copy_(q)
+        else:
+            torch.mul(q, scale, out=gy)
+
+
+# ------------------------------------------------------------------------------------ LSE
+def lse_partial(x: torch.Tensor, temperature: float, ws: Workspace) -> LSEState:
+    """Log-sum-exp state of one (r, c) tile of raw logits."""
+    r, c = x.shape
+    m = x.amax(-1).to(ws.dtype)  # (r,)
+    d = _shifted(ws.get("d", r, c), x, finite_or_zero(m))
+    return LSEState(m, _exp_tempered(d, d, temperature).sum(-1))
+
+
+def lse_rescale(state: LSEState, m: torch.Tensor, temperature: float) -> LSEState:
+    """The same state against the (larger or equal) max ``m`` (N,)."""
+    _, alpha = _scales(state.m, m, temperature)
+    return LSEState(m, alpha * state.s)
+
+
+def lse_merge(s0: LSEState, s1: LSEState, temperature: float) -> LSEState:
+    """Merge the log-sum-exp states of two disjoint vocabulary slices."""
+    m = torch.maximum(s0.m, s1.m)
+    return LSEState(m, lse_rescale(s0, m, temperature).s + lse_rescale(s1, m, temperature).s)
+
+
+def lse_grad_tile(
+    x: torch.Tensor,
+    shift: torch.Tensor,
+    log_s: torch.Tensor,
+    g: torch.Tensor,
+    temperature: float,
+    ws: Workspace,
+    gx: torch.Tensor,
+) -> None:
+    """gx ← −π·g/T for one (r, c) tile (the caller adds g/T at the token); g, shift, log_s (r,)."""
+    r, c = x.shape
+    d = _shifted(ws.get("d", r, c), x, shift)
+    p = _exp_tempered(d, d, temperature, log_s)
+    torch.mul(p, (-g / temperature).unsqueeze(-1), out=gx)

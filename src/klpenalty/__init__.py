@@ -14,6 +14,7 @@ from .gradients import (
     k3_ratio_loss,
     next_token_kl,
 )
+from .modules import FullKL, KLPenalty
 from .shaping import shaped_rewards
 
 __version__ = "0.1.0"
@@ -23,6 +24,9 @@ __all__ = [
     "full_kl",
     "kl_penalized_reward",
     "token_logprobs",
+    # the same as nn.Modules
+    "FullKL",
+    "KLPenalty",
     # sampled-token estimators
     "sampled_kl",
     "ESTIMATORS",

@@ -27,6 +27,7 @@ import torch.distributed as dist
 import klpenalty
 from klpenalty import AdaptiveKLController, FixedKLController, full_kl, token_logprobs
 from klpenalty import distributed as kd
+from klpenalty.distributed import _shard_math
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
 
 VOCAB = 1001
@@ -94,12 +95,12 @@ def gather_equal(t: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def small_chunks(elements: int = 1500):
     """Make the local passes run in chunks of a few rows (1500 // V_r), to cover chunking."""
-    old = kd._CHUNK_ELEMENTS
-    kd._CHUNK_ELEMENTS = elements
+    old = _shard_math._CHUNK_ELEMENTS
+    _shard_math._CHUNK_ELEMENTS = elements
     try:
         yield
     finally:
-        kd._CHUNK_ELEMENTS = old
+        _shard_math._CHUNK_ELEMENTS = old
 
 
 def _pair(seed: int, shape, dtype=torch.float32, spread: float = 1.0):

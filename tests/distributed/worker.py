@@ -2,11 +2,11 @@
 
 Run from the repository root as ``python -m tests.distributed.worker RANK WORLD STORE_FILE
 OUT_DIR`` (as a module, so that it imports the one tolerance table, ``tests/tolerances.py``).
-The rank joins a gloo group through a FileStore (no ports), runs every check in ``CHECKS`` in order and writes
-``OUT_DIR/rank{RANK}.json``: for each check ``{"ok": bool, "data": ..., "error": traceback}``.
-Checks do their collectives first and their assertions last, so a failing assertion on one rank
-does not leave the others waiting in a collective; the process group has a short timeout so a
-hang turns into an error instead of blocking CI.
+The rank joins a gloo group through a FileStore (no ports), runs every check in ``CHECKS`` in
+order and writes ``OUT_DIR/rank{RANK}.json``: for each check ``{"ok": bool, "data": ...,
+"error": traceback}``. Checks do their collectives first and their assertions last, so a failing
+assertion on one rank does not leave the others waiting in a collective; the process group has a
+short timeout so a hang turns into an error instead of blocking CI.
 
 Every rank builds the *whole* tensors from the same seed and keeps its vocabulary slice, so it
 can compare with the single-process functions on the gathered tensors without gathering

@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "describe",
+    "as_real",
     "check_logits",
     "check_logits_pair",
     "check_float",
@@ -137,7 +138,8 @@ def check_token_range(tokens: torch.Tensor, vocab_size: int, ignore_index: int) 
         )
 
 
-def _as_real(name: str, value: object) -> float:
+def as_real(name: str, value: object) -> float:
+    """A real number (int, float, numpy scalar or one-element tensor; not bool) as a float."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise TypeError(f"{name} must be a real number, got a tensor {describe(value)}")
@@ -149,7 +151,7 @@ def _as_real(name: str, value: object) -> float:
 
 def check_temperature(temperature: object) -> float:
     """A finite real number > 0."""
-    t = _as_real("temperature", temperature)
+    t = as_real("temperature", temperature)
     if not math.isfinite(t) or t <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {t}")
     return t
@@ -157,7 +159,7 @@ def check_temperature(temperature: object) -> float:
 
 def check_beta(beta: object, name: str = "beta") -> float:
     """A finite real number >= 0."""
-    b = _as_real(name, beta)
+    b = as_real(name, beta)
     if not math.isfinite(b) or b < 0:
         raise ValueError(f"{name} must be finite and >= 0, got {b}")
     return b

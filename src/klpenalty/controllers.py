@@ -42,7 +42,7 @@ def _check_n_steps(n_steps: object) -> int:
 
 
 def _positive(name: str, value: object) -> float:
-    x = v._as_real(name, value)
+    x = v.as_real(name, value)
     if not math.isfinite(x) or x <= 0:
         raise ValueError(f"{name} must be finite and > 0, got {x}")
     return x

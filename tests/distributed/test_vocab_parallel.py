@@ -1,0 +1,51 @@
+"""klpenalty.distributed.vocab_parallel on real gloo groups: values, gradients, communication,
+and the errors diagnosed from the all-reduced sums (NaN, a distribution with no mass)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import WORLD_SIZES, assert_raised_on_every_rank, results
+
+# worker checks asserting values and gradients against the single-process functions
+VALUE_CHECKS = [
+    "check_kl_float32",
+    "check_kl_bfloat16",
+    "check_kl_float64_vs_reference",
+    "check_kl_gathered_for_real",
+    "check_kl_edge_cases",
+    "check_empty_and_one_dim",
+    "check_communication_volume",
+    "check_token_logprobs_float32",
+    "check_token_logprobs_bfloat16",
+]
+
+# worker error check -> (type, text every message holds, identical on every rank)
+EXPECTED_ERRORS = {
+    "check_err_nan": ("ValueError", "policy_logits hold NaN", True),
+    "check_err_ref_all_neginf": ("ValueError", "ref_logits are -inf over the whole", True),
+    "check_err_policy_all_neginf": ("ValueError", "policy_logits are -inf over the whole", True),
+}
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("check", VALUE_CHECKS)
+def test_values_and_gradients(groups, world, check):
+    """Forward values and gradients: each rank asserted against single-process."""
+    results(groups, world, check)
+
+
+def test_communication_cost_per_position(groups):
+    """The documented figures: 20 bytes/position for full KL, 12 for token log-probs (fp32)."""
+    for world in WORLD_SIZES:
+        for r in results(groups, world, "check_communication_volume"):
+            assert r["data"] == {
+                "full_kl_bytes_per_position": 20.0,
+                "token_bytes_per_position": 12.0,
+            }
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+@pytest.mark.parametrize("check", sorted(EXPECTED_ERRORS))
+def test_error_raised_on_every_rank(groups, world, check):
+    assert_raised_on_every_rank(groups, world, check, EXPECTED_ERRORS[check])

@@ -14,7 +14,7 @@ from klpenalty import distributed as kd
 
 from . import test_config, test_data_parallel, test_vocab_parallel, worker
 
-MODULES = {"__init__.py", "_config.py", "_group.py", "_shard_math.py", "data_parallel.py",
+MODULES = {"__init__.py", "_config.py", "_group.py", "data_parallel.py",
            "vocab_parallel.py"}  # fmt: skip
 
 

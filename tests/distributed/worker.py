@@ -28,7 +28,7 @@ import torch.distributed as dist
 import klpenalty
 from klpenalty import AdaptiveKLController, FixedKLController, full_kl, token_logprobs
 from klpenalty import distributed as kd
-from klpenalty.distributed import _shard_math
+from klpenalty.ops import streaming
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
 
 from ..tolerances import grad_tol, tol
@@ -89,14 +89,15 @@ def gather_equal(t: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def small_chunks(elements: int = 1500):
-    """Make the local passes run in chunks of a few rows (1500 // V_r), to cover chunking."""
-    old = _shard_math._CHUNK_ELEMENTS
-    _shard_math._CHUNK_ELEMENTS = elements
+def small_chunks(elements: int = 150):
+    """Make the local tile loop use tiles of 150 elements: several rows per tile on narrow
+    slices, several vocabulary tiles per row on wide ones (merges within a rank)."""
+    old = streaming.TILE_ELEMENTS
+    streaming.TILE_ELEMENTS = elements
     try:
         yield
     finally:
-        _shard_math._CHUNK_ELEMENTS = old
+        streaming.TILE_ELEMENTS = old
 
 
 def _pair(seed: int, shape, dtype=torch.float32, spread: float = 1.0):

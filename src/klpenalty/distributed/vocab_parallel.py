@@ -1,13 +1,15 @@
 """Vocabulary-parallel exact KL and token log-probs: autograd Functions and public functions.
 
 Every rank holds the same positions and a contiguous slice of the vocabulary; see the package
-docstring for the layout and the communication per call. The per-shard math lives in
-:mod:`._shard_math`, the configuration check in :mod:`._config`.
+docstring for the layout and the communication per call. The per-shard math is the
+engine's (:mod:`klpenalty.ops.engine`): each rank computes the per-row state of its slice with
+the streaming tile loop, and the merge across ranks is an all-reduce MAX of the maxima followed
+by an all-reduce SUM of the rescaled sums. The configuration check lives in :mod:`._config`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,24 +18,10 @@ from torch.autograd.function import once_differentiable
 from .. import _validation as v
 from ._config import _CHECK_DOC, _TOK_MAX, _TOK_MIN, _VR, _check_vocab_start, _config_check
 from ._group import _all_reduce, _device_of, _group_info
-from ._shard_math import (
-    _local_kl_grads,
-    _local_kl_sums,
-    _local_max,
-    _local_token_grads,
-    _local_token_sums,
-    _safe_shift,
-)
+from ..ops import engine, streaming
+from ..ops.autograd import masked_grad
 
 __all__ = ["vocab_parallel_full_kl", "vocab_parallel_token_logprobs"]
-
-
-def _check_token_ids(tokens: object, leading: Sequence[int]) -> None:
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
-    if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
-        raise TypeError(f"tokens must be an integer tensor, got {v.describe(tokens)}")
-    v.check_per_token("tokens", tokens, leading, floating=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,112 +29,106 @@ def _check_token_ids(tokens: object, leading: Sequence[int]) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _raise_if_nan_kl(
-    kl: torch.Tensor, s_x: torch.Tensor, s_y: torch.Tensor, caller: str
-) -> None:
-    """NaN in the (global) KL → a ValueError saying why; the same on every rank.
+def _tile(n: int, width: int) -> tuple[int, int]:
+    return streaming.tile_shape(n, width, streaming.TILE_ELEMENTS)
 
-    ``kl``, ``s_x``, ``s_y`` are all-reduced, hence identical on every rank, so the decision and
-    the message are too, with no extra communication.
+
+def _raise_if_nan(
+    out: torch.Tensor, sums: dict[str, torch.Tensor], caller: str
+) -> None:
+    """NaN in the (global) result → a ValueError saying why; the same on every rank.
+
+    ``out`` and the all-reduced sums (name → (N,) Σ e^u of that input) are identical on every
+    rank, so the decision and the message are too, with no extra communication.
     """
-    bad = torch.isnan(kl)
+    bad = torch.isnan(out)
     if not bool(bad.any()):
         return
     rows = bad.nonzero().flatten()
-    first = int(rows[0])
-    if bool(torch.isnan(s_x[rows]).any()):
-        what = "policy_logits hold NaN or +inf"
-    elif bool((s_x[rows] == 0).any()):
-        what = "policy_logits are -inf over the whole vocabulary (the policy is undefined)"
-    elif bool(torch.isnan(s_y[rows]).any()):
-        what = "ref_logits hold NaN or +inf"
-    elif bool((s_y[rows] == 0).any()):
-        what = "ref_logits are -inf over the whole vocabulary (the reference is undefined)"
-    else:
-        what = "the result is NaN"
+    what = "the result is NaN"
+    for name, s in sums.items():
+        if not bool(torch.isfinite(s[rows]).all()):
+            what = f"{name} hold NaN or +inf"
+            break
+        if bool((s[rows] == 0).any()):
+            what = f"{name} are -inf over the whole vocabulary (no distribution)"
+            break
     raise ValueError(
         f"{caller}: {what} in {rows.numel()} counted position(s) on some rank, "
-        f"first flat row index {first}"
+        f"first flat row index {int(rows[0])}"
     )
 
 
 class _VocabParallelFullKL(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, y, mask, temperature: float, group, caller: str):  # x, y: (N, V_r)
-        dtype = v.compute_dtype(x, y)
-        maxes = torch.stack(
-            [_local_max(x, temperature, dtype), _local_max(y, temperature, dtype)], dim=-1
-        )  # (N, 2)
+    def forward(ctx, x, y, mask, temperature: float, check: bool, group, caller: str):
+        # x, y: (N, V_r) this rank's slice
+        rows, cols = _tile(*x.shape)
+        local, careful = streaming.kl_state(x, y, temperature, rows, cols)
+        maxes = torch.stack([local.m_x, local.m_y], dim=-1)  # (N, 2)
         _all_reduce(maxes, dist.ReduceOp.MAX, group)
-        shift = _safe_shift(maxes)  # (N, 2)
-        sums = _local_kl_sums(x, y, shift[:, 0], shift[:, 1], temperature, dtype)  # (N, 3)
+        mine = engine.kl_rescale(local, maxes[:, 0], maxes[:, 1], temperature)
+        sums = torch.stack([mine.s_x, mine.s_y, mine.a], dim=-1)  # (N, 3)
         _all_reduce(sums, dist.ReduceOp.SUM, group)
-        s_x, s_y, a = sums.unbind(-1)
-        # KL = E_p[x − y]/T − LSE_x + LSE_y; the shifts cancel: KL = A/s_x − log s_x + log s_y
-        kl = (a / s_x - torch.log(s_x) + torch.log(s_y)).clamp_min(0.0)
-        zero = torch.zeros((), dtype=dtype, device=kl.device)
-        # the policy has no mass anywhere (all -inf): no distribution, reported as NaN and
-        # raised below unless masked, as full_kl does
-        kl = torch.where(s_x == 0, torch.full_like(kl, float("nan")), kl)
+        merged = engine.KLState(maxes[:, 0], sums[:, 0], maxes[:, 1], sums[:, 1], sums[:, 2])
+        kl, stats = engine.kl_finalize(merged, careful)
         if mask is not None:
-            kl = torch.where(mask, kl, zero)
-        _raise_if_nan_kl(kl, s_x, s_y, caller)
-        lse_x = shift[:, 0] + torch.log(s_x)
-        lse_y = shift[:, 1] + torch.log(s_y)
-        live = torch.ones_like(kl, dtype=torch.bool) if mask is None else mask
-        ctx.save_for_backward(x, y, lse_x, lse_y, kl, live)
+            kl = kl.masked_fill(~mask, 0.0)
+        if check:
+            _raise_if_nan(kl, {"policy_logits": sums[:, 0], "ref_logits": sums[:, 1]}, caller)
+        ctx.save_for_backward(x, y, stats, mask)
         ctx.temperature = temperature
         return kl
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_kl):  # grad_kl: (N,)
-        x, y, lse_x, lse_y, kl, live = ctx.saved_tensors
+        x, y, stats, mask = ctx.saved_tensors
         need_x, need_y = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        t = ctx.temperature
-        zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
-        g = torch.where(live, grad_kl.to(kl.dtype) / t, zero)
-        grad_x, grad_y = _local_kl_grads(x, y, lse_x, lse_y, kl, g, t, need_x, need_y)
-        return grad_x, grad_y, None, None, None, None
+        g = masked_grad(grad_kl, mask, stats.dtype)  # (N,)
+        rows, cols = _tile(*x.shape)
+        grad_x, grad_y = streaming.kl_grads(
+            g, x, y, stats, ctx.temperature, need_x, need_y, rows, cols
+        )
+        return grad_x, grad_y, None, None, None, None, None
 
 
 class _VocabParallelTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, tokens, vocab_start: int, temperature: float, group, caller: str):
-        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-        m = _local_max(x, temperature, dtype)  # (N,)
+    def forward(ctx, x, tokens, vocab_start: int, temperature: float, check: bool, group, caller):
+        n, width = x.shape  # (N, V_r)
+        rows, cols = _tile(n, width)
+        local = streaming.lse_state(x, temperature, rows, cols)
+        m = local.m.clone()  # (N,)
         _all_reduce(m, dist.ReduceOp.MAX, group)
-        shift = _safe_shift(m)
-        sums = _local_token_sums(x, tokens, shift, vocab_start, temperature, dtype)  # (N, 2)
-        _all_reduce(sums, dist.ReduceOp.SUM, group)
-        s, target = sums.unbind(-1)
-        lse = shift + torch.log(s)
-        out = target - lse
-        bad = torch.isnan(out)
-        if bool(bad.any()):
-            rows = bad.nonzero().flatten()
-            if bool(torch.isnan(s[rows]).any()):
-                what = "logits hold NaN or +inf"
-            elif bool((s[rows] == 0).any()):
-                what = "logits are -inf over the whole vocabulary"
-            else:
-                what = "the result is NaN"
-            raise ValueError(
-                f"{caller}: {what} in {rows.numel()} position(s) on some rank, "
-                f"first flat row index {int(rows[0])}"
-            )
-        ctx.save_for_backward(x, tokens, lse)
-        ctx.vocab_start = vocab_start
+        shift = engine.finite_or_zero(m)
+        idx = tokens - vocab_start  # (N,) position in this slice
+        owned = (idx >= 0) & (idx < width)
+        idx = idx.clamp(0, width - 1)
+        picked = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1).to(shift.dtype)  # (N,)
+        # (x_t − M)/T on the rank that owns the token, 0 elsewhere: the SUM is the target
+        target = torch.where(owned, (picked - shift) / temperature, torch.zeros_like(shift))
+        sums = torch.stack([engine.lse_rescale(local, m, temperature).s, target], dim=-1)
+        _all_reduce(sums, dist.ReduceOp.SUM, group)  # (N, 2)
+        log_s = torch.log(sums[:, 0])
+        out = sums[:, 1] - log_s
+        out = out.masked_fill(sums[:, 0] == 0, float("nan"))
+        if check:
+            _raise_if_nan(out, {"logits": sums[:, 0]}, caller)
+        ctx.save_for_backward(x, idx, owned, shift, engine.finite_or_zero(log_s))
         ctx.temperature = temperature
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):  # grad_out: (N,)
-        x, tokens, lse = ctx.saved_tensors
-        g = grad_out.to(lse.dtype) / ctx.temperature
-        grad_x = _local_token_grads(x, tokens, lse, g, ctx.vocab_start, ctx.temperature)
-        return grad_x, None, None, None, None, None
+        x, idx, owned, shift, log_s = ctx.saved_tensors
+        t = ctx.temperature
+        g = grad_out.to(log_s.dtype)  # (N,)
+        grad_x = streaming.lse_grads(g, x, shift, log_s, t, *_tile(*x.shape))  # −π·g/T
+        at_token = torch.where(owned, g / t, torch.zeros_like(g)).to(grad_x.dtype)
+        grad_x.scatter_add_(-1, idx.unsqueeze(-1), at_token.unsqueeze(-1))
+        return grad_x, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,7 +178,8 @@ def vocab_parallel_full_kl(
             0 and get zero gradient; their logits may hold anything.
         vocab_start: optional int, where this rank's slice starts in the vocabulary. Only used
             by the configuration check (the KL does not depend on the vocabulary order).
-        check: run the configuration check described above.
+        check: run the configuration check described above, and raise when a counted
+            position's result is NaN (one more host read of an (N,) tensor).
 
     Returns:
         (...) float32 (float64 if either input is float64), identical on every rank,
@@ -236,7 +219,7 @@ def vocab_parallel_full_kl(
     x = policy_logits_shard.reshape(-1, width)  # (N, V_r)
     y = ref_logits_shard.reshape(-1, width)  # (N, V_r)
     flat_mask = mask.reshape(-1) if mask is not None else None  # (N,)
-    kl = _VocabParallelFullKL.apply(x, y, flat_mask, temperature, group, caller)  # (N,)
+    kl = _VocabParallelFullKL.apply(x, y, flat_mask, temperature, check, group, caller)  # (N,)
     return kl.reshape(leading)
 
 
@@ -267,7 +250,8 @@ def vocab_parallel_token_logprobs(
             [vocab_start, vocab_start + V_r). The slices must tile [0, V) in rank order.
         group: the process group the vocabulary is split over; None = the default group.
         temperature: > 0; use the temperature the tokens were sampled with.
-        check: run the configuration check described above.
+        check: run the configuration check described above, and raise when a counted
+            position's result is NaN (one more host read of an (N,) tensor).
 
     Returns:
         (...) float32 (float64 for float64 logits), ≤ 0, identical on every rank,
@@ -284,7 +268,7 @@ def vocab_parallel_token_logprobs(
         leading = tuple(logits_shard.shape[:-1])
         width = logits_shard.shape[-1]
         # ids are checked against the whole vocabulary after the gather; here dtype and shape
-        _check_token_ids(tokens, leading)
+        v.check_tokens(tokens, leading)
         if tokens.device != device:
             raise ValueError(f"tokens must be on {device}, got {tokens.device}")
         temperature = v.check_temperature(temperature)
@@ -309,7 +293,9 @@ def vocab_parallel_token_logprobs(
         raise local_error
     x = logits_shard.reshape(-1, width)  # (N, V_r)
     tok = tokens.reshape(-1).long()  # (N,)
-    out = _VocabParallelTokenLogprobs.apply(x, tok, vocab_start, temperature, group, caller)
+    out = _VocabParallelTokenLogprobs.apply(
+        x, tok, vocab_start, temperature, check, group, caller
+    )
     return out.reshape(leading)
 
 

@@ -19,6 +19,7 @@ provider on Linux), and the max abs error of the per-position KL against the flo
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gc
 import json
@@ -78,11 +79,42 @@ def _backend_fn(name: str) -> Callable:
     return lambda x, y: full_kl(x, y, backend=name)
 
 
+def _streaming_all_threads(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The streaming backend with its CPU tile loop on all of torch's threads (not one)."""
+    from .functional import full_kl
+    from .ops import streaming
+
+    saved = streaming.CPU_TILE_THREADS
+    streaming.CPU_TILE_THREADS = 0
+    try:
+        return full_kl(x, y, backend="streaming")
+    finally:
+        streaming.CPU_TILE_THREADS = saved
+
+
+@contextlib.contextmanager
+def cpu_load(processes: int, seconds: float = 3600.0):
+    """Run ``processes`` busy-looping Python processes (a concurrent CPU load) while inside.
+
+    Each stops by itself after ``seconds`` and is killed on exit.
+    """
+    code = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(processes)]
+    try:
+        time.sleep(0.5 if processes else 0.0)  # let the load start
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def providers(names: list[str] | None = None) -> dict[str, Callable]:
     """Name -> ``fn(policy_logits, ref_logits) -> (...) KL`` for the baselines and backends."""
     table: dict[str, Callable] = {"seed": seed_formula, "kl_div": kl_div_formula}
     for b in available_backends():
         table[b] = _backend_fn(b)
+    table["streaming-mt"] = _streaming_all_threads
     if names is None:
         return table
     unknown = [n for n in names if n not in table]
@@ -177,6 +209,8 @@ class Row:
     mem_x_input: float | None = None
     max_err: float | None = None
     threads: int = field(default_factory=torch.get_num_threads)
+    load: int = 0  # busy processes running concurrently (cpu_load)
+    loadavg: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-min, at the end
 
 
 # --------------------------------------------------------------------------- memory probe
@@ -234,6 +268,7 @@ def run_benchmark(
     threads: int | None = None,
     shape_name: str | None = None,
     log: Callable[[str], None] | None = print,
+    load: int = 0,
 ) -> list[Row]:
     """Benchmark every provider at one shape and dtype; returns one :class:`Row` per result.
 
@@ -246,6 +281,7 @@ def run_benchmark(
         memory: measure peak extra memory in a fresh subprocess per provider and mode.
         error: max abs error of the forward KL against the float64 reference.
         threads: torch threads (default: leave as is).
+        load: busy processes to run concurrently while timing (:func:`cpu_load`).
     """
     if threads:
         torch.set_num_threads(threads)
@@ -255,8 +291,11 @@ def run_benchmark(
     table = providers(names)
     x, y = make_inputs(tuple(shape), DTYPES[dtype])
     rows: list[Row] = []
-    for mode in modes:
-        rows += _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say)
+    with cpu_load(load):
+        for mode in modes:
+            rows += _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say)
+    for row in rows:
+        row.load = load
     if error:
         for row in rows:
             if row.mode == "fwd" and row.provider not in ("floor", "exp floor"):
@@ -319,17 +358,19 @@ def _fmt(v, spec):
 def format_table(rows: list[Row]) -> str:
     """A markdown table of the rows."""
     head = (
-        "| shape | dtype | mode | provider | median ms | min ms | first call s "
-        "| × faster than seed | × floor | peak extra mem (× input) | max err vs fp64 |\n"
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| shape | dtype | mode | threads | load | provider | median ms | min ms | first call s "
+        "| × faster than seed | × floor | peak extra mem (× input) | max err vs fp64 "
+        "| loadavg |\n"
+        "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = []
     for r in rows:
         name = f"*{r.provider}*" if r.provider in ("floor", "exp floor") else r.provider
         lines.append(
-            f"| {r.shape} | {r.dtype} | {r.mode} | {name} | {r.median_ms:.1f} | {r.min_ms:.1f} "
+            f"| {r.shape} | {r.dtype} | {r.mode} | {r.threads} | {r.load} | {name} "
+            f"| {r.median_ms:.1f} | {r.min_ms:.1f} "
             f"| {r.first_call_s:.2f} | {_fmt(r.vs_seed, '.1f')} | {_fmt(r.vs_floor, '.2f')} "
-            f"| {_fmt(r.mem_x_input, '.3f')} | {_fmt(r.max_err, '.1e')} |"
+            f"| {_fmt(r.mem_x_input, '.3f')} | {_fmt(r.max_err, '.1e')} | {r.loadavg:.2f} |"
         )
     return head + "\n".join(lines) + "\n"
 
@@ -349,6 +390,7 @@ def read_csv(path: str) -> list[Row]:
                     float(d["median_ms"]), float(d["min_ms"]), float(d["first_call_s"]),
                     num(d["vs_seed"]), num(d["vs_floor"]), num(d["mem_x_input"]),
                     num(d["max_err"]), int(d["threads"]),
+                    int(d.get("load") or 0), float(d.get("loadavg") or "nan"),
                 )
             )
     return out

@@ -53,6 +53,7 @@ def _bench(args: argparse.Namespace) -> int:
             memory=not args.no_memory,
             error=not args.no_error,
             threads=args.threads,
+            load=args.load,
             log=(lambda s: print(s, file=sys.stderr)) if not args.quiet else None,
         )
     table = bench.format_table(rows)
@@ -91,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
     b.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    b.add_argument(
+        "--load", type=int, default=0, help="busy processes running meanwhile (default 0)"
+    )
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     b.add_argument("--no-error", action="store_true", help="skip the float64 error check")
     b.add_argument("--csv", default=None, help="append the rows to this CSV file")

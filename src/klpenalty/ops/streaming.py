@@ -72,20 +72,23 @@ def _tiles(n: int, v: int, rows: int, cols: int):
         yield r0, min(n, r0 + rows), [(c0, min(v, c0 + cols)) for c0 in range(0, v, cols)]
 
 
+# Intra-op threads of the CPU tile loop. A tile is ~10 small ATen ops; with several threads each
+# op is a parallel region whose barrier waits for the slowest thread, and on a busy machine (the
+# normal case) a descheduled thread stalls every op: measured 6.4 s instead of 0.1 s on two
+# cores under load (benchmarks/README.md). One thread costs at most 2× on two idle cores.
+# 0 = leave torch's setting (the benchmark's "streaming-mt" row).
+CPU_TILE_THREADS = 1
+
+
 @contextlib.contextmanager
 def _cpu_threads(device: torch.device):
-    """Run a CPU tile loop on one intra-op thread.
-
-    A tile is ~10 small ATen ops; with several intra-op threads each op is a parallel region
-    whose barrier waits for the slowest thread, and on a busy machine (the normal case) a
-    descheduled thread stalls every op: measured 6.4 s instead of 0.1 s on two cores under load
-    (benchmarks/README.md). One thread is never slower than half of two idle threads.
-    """
-    if device.type != "cpu" or torch.get_num_threads() == 1:
+    """Run a CPU tile loop on :data:`CPU_TILE_THREADS` intra-op threads, then restore."""
+    want = CPU_TILE_THREADS
+    before = torch.get_num_threads()
+    if device.type != "cpu" or not want or before == want:
         yield
         return
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(want)
     try:
         yield
     finally:

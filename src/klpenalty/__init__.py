@@ -3,18 +3,20 @@
 Shape letters in every docstring: B batch, T sequence, V vocabulary, N rows.
 """
 
-from .controllers import AdaptiveKLController, FixedKLController
-from .estimators import ESTIMATORS, sampled_kl
 from .functional import full_kl, kl_penalized_reward, token_logprobs
-from .gradients import (
+from .rlhf import (
+    ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
     KLRewardAndLoss,
     full_kl_reward_and_loss,
     k2_loss,
     k3_loss,
     k3_ratio_loss,
     next_token_kl,
+    sampled_kl,
+    shaped_rewards,
 )
-from .shaping import shaped_rewards
 
 __version__ = "0.1.0"
 
@@ -28,7 +30,7 @@ __all__ = [
     "ESTIMATORS",
     # reward shaping
     "shaped_rewards",
-    # KL gradients: loss forms and reward placements (see klpenalty.gradients)
+    # KL gradients: loss forms and reward placements (see klpenalty.rlhf.gradients)
     "k2_loss",
     "k3_ratio_loss",
     "k3_loss",

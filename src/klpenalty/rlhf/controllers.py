@@ -13,7 +13,7 @@ from typing import Any, Mapping
 
 import torch
 
-from . import _validation as v
+from .. import _validation as v
 
 __all__ = ["FixedKLController", "AdaptiveKLController"]
 

@@ -18,7 +18,7 @@ per-position KL is :func:`klpenalty.full_kl`. "Unbiased" refers to the value und
 sampling. The *gradient* of an estimate is a different question: for example the autograd
 gradient of k1 has expectation 0 and that of k3 is the gradient of the forward KL(ρ‖π). Use k1
 as a detached reward (see :func:`klpenalty.shaped_rewards`) for the reverse-KL policy gradient;
-:mod:`klpenalty.gradients` has the loss forms (``k2_loss``, ``k3_ratio_loss``, ``k3_loss``)
+:mod:`klpenalty.rlhf.gradients` has the loss forms (``k2_loss``, ``k3_ratio_loss``, ``k3_loss``)
 with the gradient each one gives.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _validation as v
+from .. import _validation as v
 
 __all__ = ["ESTIMATORS", "sampled_kl"]
 

@@ -53,8 +53,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validation as v
-from .functional import full_kl
+from .. import _validation as v
+from ..functional import full_kl
 
 __all__ = [
     "k2_loss",

@@ -15,6 +15,7 @@ import torch
 
 __all__ = [
     "describe",
+    "as_real",
     "check_logits",
     "check_logits_pair",
     "check_float",
@@ -116,19 +117,51 @@ def check_tokens(tokens: object, leading: Sequence[int], vocab_size: int) -> tor
     return tokens
 
 
-def _as_real(name: str, value: object) -> float:
+def _is_numpy_real(value: object) -> bool:
+    """A 0-d numpy value (scalar or 0-d array) of integer or floating dtype, numpy not imported."""
+    dtype = getattr(value, "dtype", None)
+    return (
+        type(value).__module__ == "numpy"
+        and getattr(value, "ndim", None) == 0
+        and hasattr(value, "__float__")
+        and getattr(dtype, "kind", None) in ("i", "u", "f")
+    )
+
+
+def as_real(name: str, value: object) -> float:
+    """The Python float of a real number given as a number, a numpy scalar or a 1-element tensor.
+
+    Accepts Python ints and floats, any other ``numbers.Real`` (numpy integer and floating
+    scalars such as ``np.float32(3.0)`` register as one), 0-d numpy arrays of integer or
+    floating dtype, and tensors with exactly one element (read detached, e.g. a loss of
+    shape () or (1,)). Finiteness and range are the caller's to check.
+
+    Args:
+        name: the argument's name, for the error message.
+        value: the number.
+
+    Returns:
+        ``float(value)``.
+
+    Raises:
+        TypeError: ``value`` is a bool (also numpy and tensor bools), a complex number, a
+            string, a tensor with other than one element, or anything else.
+    """
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise TypeError(f"{name} must be a real number, got a tensor {describe(value)}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, Real):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(
+                f"{name} must be a real number or a one-element real tensor, "
+                f"got a tensor {describe(value)}"
+            )
+        return float(value.detach().item())
+    if isinstance(value, bool) or not (isinstance(value, Real) or _is_numpy_real(value)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
 
 
 def check_temperature(temperature: object) -> float:
     """A finite real number > 0."""
-    t = _as_real("temperature", temperature)
+    t = as_real("temperature", temperature)
     if not math.isfinite(t) or t <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {t}")
     return t
@@ -136,7 +169,7 @@ def check_temperature(temperature: object) -> float:
 
 def check_beta(beta: object, name: str = "beta") -> float:
     """A finite real number >= 0."""
-    b = _as_real(name, beta)
+    b = as_real(name, beta)
     if not math.isfinite(b) or b < 0:
         raise ValueError(f"{name} must be finite and >= 0, got {b}")
     return b

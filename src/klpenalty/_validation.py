@@ -27,6 +27,8 @@ __all__ = [
     "check_choice",
     "compute_dtype",
     "raise_if_nan",
+    "LOGPROB_SLACK",
+    "check_logprob_values",
 ]
 
 
@@ -211,3 +213,47 @@ def raise_if_nan(result: torch.Tensor, named_inputs: dict[str, torch.Tensor]) ->
         "although the inputs hold no NaN there: a row whose logits are all -inf (or hold "
         "+inf) defines no distribution; mask such positions out"
     )
+
+
+# Log-probs are <= 0, but a log-softmax rounds: for a token of probability ~1, x − logsumexp(x)
+# can come out a few ulps of |x| above 0 (float32 logits of magnitude ~100: ~1e-5). 1e-4 lets
+# that rounding through and still catches logits passed by mistake, which are O(1) and positive
+# on about half the entries.
+LOGPROB_SLACK = 1e-4
+
+
+def check_logprob_values(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless two (...) log-prob tensors can give a sampled KL estimate.
+
+    Rejects NaN, values > :data:`LOGPROB_SLACK`, and positions where both are −inf (the token
+    has probability 0 under both models, so log ρ − log π is undefined). The message names
+    the argument, its shape and dtype, the number of bad positions and the first one. The
+    tensors are read on their device with one host sync.
+    """
+    both = "logprobs and ref_logprobs"
+    checks = [
+        (name, t, bad, what)
+        for name, t in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs))
+        for bad, what in (
+            (torch.isnan(t), "NaN"),
+            (t > LOGPROB_SLACK, f"values > {LOGPROB_SLACK} (log-probs are <= 0: logits?)"),
+        )
+    ]
+    checks.append(
+        (
+            both,
+            logprobs,
+            torch.isneginf(logprobs) & torch.isneginf(ref_logprobs),
+            "-inf in both (the sampled token has probability 0 under the policy: no estimate "
+            "exists)",
+        )
+    )
+    found = torch.stack([bad.any() for _, _, bad, _ in checks]).tolist()  # the one host sync
+    for (name, t, bad, what), hit in zip(checks, found):
+        if hit:
+            flat = bad.reshape(-1).nonzero()
+            first = tuple(int(i) for i in torch.unravel_index(flat[0, 0], t.shape)) if t.dim() else ()
+            raise ValueError(
+                f"{name} ({describe(t)}) hold{'' if name == both else 's'} {what} at "
+                f"{flat.shape[0]} position(s), the first at index {first}"
+            )

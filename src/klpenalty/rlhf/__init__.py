@@ -10,33 +10,19 @@ Groups (one module each):
 Shape letters: B batch, T sequence, V vocabulary, N rows.
 """
 
-from .controllers import AdaptiveKLController, FixedKLController
-from .estimators import ESTIMATORS, sampled_kl
-from .gradients import (
-    KLRewardAndLoss,
-    full_kl_reward_and_loss,
-    k2_loss,
-    k3_loss,
-    k3_ratio_loss,
-    next_token_kl,
-)
-from .shaping import last_true_index, shaped_rewards
+from . import controllers, estimators, gradients, shaping
+from .controllers import *  # noqa: F403  (each module's __all__, listed below)
+from .estimators import *  # noqa: F403
+from .gradients import *  # noqa: F403
+from .shaping import *  # noqa: F403
 
 __all__ = [
-    # estimators: per-token sampled estimates of KL(π‖ρ) (k1, k2, k3, abs)
-    "sampled_kl",
-    "ESTIMATORS",
-    # shaping: per-token rewards −β·kl plus the sequence score on the last real token
-    "shaped_rewards",
-    "last_true_index",
-    # gradients: loss forms and reward placements whose gradient is the reverse-KL gradient
-    "k2_loss",
-    "k3_ratio_loss",
-    "k3_loss",
-    "next_token_kl",
-    "full_kl_reward_and_loss",
-    "KLRewardAndLoss",
+    # estimators: per-token sampled estimates of KL(π‖ρ): sampled_kl, ESTIMATORS
+    *estimators.__all__,
+    # shaping: per-token rewards −β·kl plus the score on the last real token: shaped_rewards, ...
+    *shaping.__all__,
+    # gradients: KL loss forms and reward placements whose gradient is the reverse-KL gradient
+    *gradients.__all__,
     # controllers: the KL coefficient β, constant or steered toward a target KL
-    "FixedKLController",
-    "AdaptiveKLController",
+    *controllers.__all__,
 ]

@@ -18,12 +18,12 @@ def test_cli_bench_tiny_shape(capsys, tmp_path):
     )
     assert code == 0
     out = capsys.readouterr().out
-    assert out.startswith("| shape | dtype | mode | provider |")
+    assert out.startswith("| shape | dtype | mode | threads | load | provider |")
     lines = [line for line in out.splitlines() if line.startswith("| 2x3x50 ")]
     # floor, exp floor + three providers for fwd; floor + three providers for fwdbwd
     assert len(lines) == 9
-    fwd_streaming = next(line for line in lines if "| fwd | streaming |" in line)
-    err = float(fwd_streaming.split("|")[-2])
+    fwd_streaming = next(line for line in lines if "| fwd | 1 | 0 | streaming |" in line)
+    err = float(fwd_streaming.split("|")[-3])
     assert 0 <= err < 2e-6
     assert csv_path.read_text().count("\n") == 10  # header + 9 rows
 
@@ -43,3 +43,9 @@ def test_seed_and_kl_div_baselines_agree_with_reference():
         assert (fn(x, y).double() - want).abs().max().item() < 2e-6
     with pytest.raises(ValueError, match="unknown provider"):
         bench.providers(["nope"])
+
+
+def test_cpu_load_runs_busy_processes_and_stops_them():
+    with bench.cpu_load(2, seconds=30) as procs:
+        assert len(procs) == 2 and all(p.poll() is None for p in procs)  # running
+    assert all(p.returncode is not None for p in procs)  # stopped on exit

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
 from klpenalty import full_kl, kl_penalized_reward, sampled_kl, shaped_rewards, token_logprobs
+from klpenalty._validation import as_real
 
 X = torch.randn(2, 3, 5)
 Y = torch.randn(2, 3, 5)
@@ -72,3 +74,53 @@ def test_all_minus_inf_row_is_named_not_nan():
     x[1] = float("-inf")
     with pytest.raises(ValueError, match=re.escape("all -inf")):
         full_kl(x, torch.randn(2, 4))
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        (3, 3.0),
+        (2.5, 2.5),
+        (np.float32(0.25), 0.25),
+        (np.float64(-1.5), -1.5),
+        (np.int64(7), 7.0),
+        (np.uint8(200), 200.0),
+        (np.array(0.5), 0.5),
+        (torch.tensor(0.75), 0.75),
+        (torch.tensor([4], dtype=torch.int32), 4.0),
+        (torch.tensor([[2.0]], requires_grad=True), 2.0),
+        (float("inf"), float("inf")),  # finiteness is the caller's check
+    ],
+)
+def test_as_real_accepts_numbers_numpy_scalars_and_one_element_tensors(value, expected):
+    out = as_real("x", value)
+    assert type(out) is float and out == expected
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        (True, ["bool"]),
+        (np.bool_(False), ["bool"]),
+        ("1.0", ["str"]),
+        (1j, ["complex"]),
+        (np.complex128(1.0), ["complex128"]),
+        (np.ones(2), ["ndarray"]),
+        (None, ["NoneType"]),
+        (torch.ones(2, 3), ["shape=(2, 3)", "torch.float32"]),
+        (torch.tensor(True), ["shape=()", "torch.bool"]),
+        (torch.tensor(1 + 1j), ["torch.complex64"]),
+    ],
+)
+def test_as_real_rejects_everything_else_naming_the_argument(value, words):
+    with pytest.raises(TypeError, match="my_arg") as info:
+        as_real("my_arg", value)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_temperature_and_beta_accept_numpy_scalars():
+    torch.testing.assert_close(full_kl(X, Y, temperature=np.float32(0.5)), full_kl(X, Y, temperature=0.5))
+    torch.testing.assert_close(
+        kl_penalized_reward(X, Y, R, beta=np.float64(0.1)), kl_penalized_reward(X, Y, R, beta=0.1)
+    )

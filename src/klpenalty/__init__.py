@@ -3,43 +3,22 @@
 Shape letters in every docstring: B batch, T sequence, V vocabulary, N rows.
 """
 
-from .controllers import AdaptiveKLController, FixedKLController
-from .estimators import ESTIMATORS, sampled_kl
+from . import rlhf
 from .functional import full_kl, kl_penalized_reward, token_logprobs
-from .gradients import (
-    KLRewardAndLoss,
-    full_kl_reward_and_loss,
-    k2_loss,
-    k3_loss,
-    k3_ratio_loss,
-    next_token_kl,
-)
 from .modules import FullKL, KLPenalty
-from .shaping import shaped_rewards
+from .rlhf import *  # noqa: F403  (the names in klpenalty.rlhf.__all__)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    # exact KL from logits
+    # exact KL from logits (klpenalty.functional)
     "full_kl",
     "kl_penalized_reward",
     "token_logprobs",
     # the same as nn.Modules
     "FullKL",
     "KLPenalty",
-    # sampled-token estimators
-    "sampled_kl",
-    "ESTIMATORS",
-    # reward shaping
-    "shaped_rewards",
-    # KL gradients: loss forms and reward placements (see klpenalty.gradients)
-    "k2_loss",
-    "k3_ratio_loss",
-    "k3_loss",
-    "next_token_kl",
-    "full_kl_reward_and_loss",
-    "KLRewardAndLoss",
-    # KL coefficient controllers
-    "FixedKLController",
-    "AdaptiveKLController",
+    # the RLHF side (klpenalty.rlhf): sampled estimators, reward shaping, KL loss forms and
+    # reward placements, KL coefficient controllers
+    *rlhf.__all__,
 ]

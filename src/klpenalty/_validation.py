@@ -29,6 +29,8 @@ __all__ = [
     "check_choice",
     "compute_dtype",
     "raise_if_nan",
+    "LOGPROB_SLACK",
+    "check_logprob_values",
 ]
 
 
@@ -138,13 +140,44 @@ def check_token_range(tokens: torch.Tensor, vocab_size: int, ignore_index: int) 
         )
 
 
+def _is_numpy_real(value: object) -> bool:
+    """A 0-d numpy value (scalar or 0-d array) of integer or floating dtype, numpy not imported."""
+    dtype = getattr(value, "dtype", None)
+    return (
+        type(value).__module__ == "numpy"
+        and getattr(value, "ndim", None) == 0
+        and hasattr(value, "__float__")
+        and getattr(dtype, "kind", None) in ("i", "u", "f")
+    )
+
+
 def as_real(name: str, value: object) -> float:
-    """A real number (int, float, numpy scalar or one-element tensor; not bool) as a float."""
+    """The Python float of a real number given as a number, a numpy scalar or a 1-element tensor.
+
+    Accepts Python ints and floats, any other ``numbers.Real`` (numpy integer and floating
+    scalars such as ``np.float32(3.0)`` register as one), 0-d numpy arrays of integer or
+    floating dtype, and tensors with exactly one element (read detached, e.g. a loss of
+    shape () or (1,)). Finiteness and range are the caller's to check.
+
+    Args:
+        name: the argument's name, for the error message.
+        value: the number.
+
+    Returns:
+        ``float(value)``.
+
+    Raises:
+        TypeError: ``value`` is a bool (also numpy and tensor bools), a complex number, a
+            string, a tensor with other than one element, or anything else.
+    """
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise TypeError(f"{name} must be a real number, got a tensor {describe(value)}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, Real):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            raise TypeError(
+                f"{name} must be a real number or a one-element real tensor, "
+                f"got a tensor {describe(value)}"
+            )
+        return float(value.detach().item())
+    if isinstance(value, bool) or not (isinstance(value, Real) or _is_numpy_real(value)):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
     return float(value)
 
@@ -201,3 +234,47 @@ def raise_if_nan(result: torch.Tensor, named_inputs: dict[str, torch.Tensor]) ->
         "although the inputs hold no NaN there: a row whose logits are all -inf (or hold "
         "+inf) defines no distribution; mask such positions out"
     )
+
+
+# Log-probs are <= 0, but a log-softmax rounds: for a token of probability ~1, x − logsumexp(x)
+# can come out a few ulps of |x| above 0 (float32 logits of magnitude ~100: ~1e-5). 1e-4 lets
+# that rounding through and still catches logits passed by mistake, which are O(1) and positive
+# on about half the entries.
+LOGPROB_SLACK = 1e-4
+
+
+def check_logprob_values(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless two (...) log-prob tensors can give a sampled KL estimate.
+
+    Rejects NaN, values > :data:`LOGPROB_SLACK`, and positions where both are −inf (the token
+    has probability 0 under both models, so log ρ − log π is undefined). The message names
+    the argument, its shape and dtype, the number of bad positions and the first one. The
+    tensors are read on their device with one host sync.
+    """
+    both = "logprobs and ref_logprobs"
+    checks = [
+        (name, t, bad, what)
+        for name, t in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs))
+        for bad, what in (
+            (torch.isnan(t), "NaN"),
+            (t > LOGPROB_SLACK, f"values > {LOGPROB_SLACK} (log-probs are <= 0: logits?)"),
+        )
+    ]
+    checks.append(
+        (
+            both,
+            logprobs,
+            torch.isneginf(logprobs) & torch.isneginf(ref_logprobs),
+            "-inf in both (the sampled token has probability 0 under the policy: no estimate "
+            "exists)",
+        )
+    )
+    found = torch.stack([bad.any() for _, _, bad, _ in checks]).tolist()  # the one host sync
+    for (name, t, bad, what), hit in zip(checks, found):
+        if hit:
+            flat = bad.reshape(-1).nonzero()
+            first = tuple(int(i) for i in torch.unravel_index(flat[0, 0], t.shape)) if t.dim() else ()
+            raise ValueError(
+                f"{name} ({describe(t)}) hold{'' if name == both else 's'} {what} at "
+                f"{flat.shape[0]} position(s), the first at index {first}"
+            )

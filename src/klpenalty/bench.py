@@ -96,13 +96,13 @@ def _streaming_all_threads(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def cpu_load(processes: int, seconds: float = 3600.0):
     """Run ``processes`` busy-looping Python processes (a concurrent CPU load) while inside.
 
-    Each stops by itself after ``seconds`` and is killed on exit.
+    Each stops by itself after ``seconds`` and is killed on exit. Yields the processes.
     """
     code = f"import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(processes)]
     try:
         time.sleep(0.5 if processes else 0.0)  # let the load start
-        yield
+        yield procs
     finally:
         for p in procs:
             p.kill()

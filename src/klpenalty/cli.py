@@ -6,16 +6,23 @@ import argparse
 import platform
 import sys
 
+from . import __version__
+
 __all__ = ["main"]
+
+# --help shows plain text: the module docstring above is reStructuredText for the docs
+DESCRIPTION = (
+    "klpenalty: the exact KL penalty for RLHF. Commands: env (versions and backends), "
+    "bench (time the exact KL), demo (RLHF on a tiny language model)."
+)
 
 
 def _env(_: argparse.Namespace) -> int:
     import torch
 
-    import klpenalty
     from klpenalty.ops.dispatch import available_backends
 
-    print(f"klpenalty {klpenalty.__version__}")
+    print(f"klpenalty {__version__}")
     print(f"python    {platform.python_version()} ({platform.machine()})")
     print(f"torch     {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"cuda      {torch.cuda.is_available()}")
@@ -73,7 +80,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="klpenalty", description=__doc__)
+    parser = argparse.ArgumentParser(prog="klpenalty", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     env = sub.add_parser("env", help="print versions and available backends")
     env.set_defaults(func=_env)

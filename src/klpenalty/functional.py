@@ -60,11 +60,11 @@ def full_kl(
         ValueError: mismatched shapes, temperature ≤ 0, an unknown backend, NaN in a counted
             position's logits (with ``check``).
     """
-    mask, temperature, impl = _check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
+    mask, temperature, impl = check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
     return impl.full_kl(policy_logits, ref_logits, mask, temperature, check=check)
 
 
-def _check_kl_args(policy_logits, ref_logits, mask, temperature, backend):
+def check_kl_args(policy_logits, ref_logits, mask, temperature, backend):
     """Validate the arguments shared by the exact-KL functions; returns (mask, T, backend)."""
     v.check_logits_pair(policy_logits, ref_logits)
     temperature = v.check_temperature(temperature)
@@ -114,7 +114,7 @@ def kl_penalized_reward(
         (...) tensor, the dtype of ``reward`` promoted with float32 (float64 if any input is
         float64). Differentiable with respect to the logits (and reward).
     """
-    mask, temperature, impl = _check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
+    mask, temperature, impl = check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
     v.check_per_token("reward", reward, policy_logits.shape[:-1])
     beta = v.check_beta(beta)
     if beta == 0.0:  # no penalty; also avoids 0·inf = NaN where the KL is infinite

@@ -27,14 +27,13 @@ from typing import Callable
 
 import torch
 
-from klpenalty import (
+from klpenalty import full_kl, token_logprobs
+from klpenalty.rlhf import (
     AdaptiveKLController,
     FixedKLController,
-    full_kl,
     next_token_kl,
     sampled_kl,
     shaped_rewards,
-    token_logprobs,
 )
 
 from .grammar import EOS, Recognizer, default_grammar

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from klpenalty import sampled_kl, shaped_rewards
-from klpenalty.shaping import last_true_index
+from klpenalty.rlhf import last_true_index
 
 
 def test_ziegler_example():

@@ -7,7 +7,7 @@ sequences is a finite weighted sum and the *expected* gradient of a surrogate lo
     E_seq[∇ surrogate(seq)] = ∇ Σ_seq stopgrad(P(seq)) · surrogate(seq),
 
 computed by autograd, with no sampling. The surrogates are built from the library's public
-functions (token_logprobs, full_kl, sampled_kl, shaped_rewards and the klpenalty.gradients
+functions (token_logprobs, full_kl, sampled_kl, shaped_rewards and the klpenalty.rlhf.gradients
 forms); the targets (KL values and their gradients) are computed here with plain
 log_softmax, independently of the library.
 
@@ -15,7 +15,7 @@ Tolerances: float64 sums of at most a few hundred terms of size ≤ ~10, so roun
 1e-12 (single state) and 1e-10 (sequences, as the issue asks) leave a wide margin. A biased
 form is shown to differ from the reverse-KL gradient by far more (asserted > 1e-3).
 
-Run ``PYTHONPATH=src python tests/test_gradients.py`` to print the exact gradient-variance
+Run ``PYTHONPATH=src python tests/rlhf/test_gradients.py`` to print the exact gradient-variance
 table quoted in docs/issue-5.md.
 """
 

@@ -53,8 +53,8 @@ from typing import NamedTuple
 
 import torch
 
-from . import _validation as v
-from .functional import full_kl
+from .. import _validation as v
+from ..functional import check_kl_args
 
 __all__ = [
     "k2_loss",
@@ -75,21 +75,20 @@ def _check_clamp(clamp: object) -> float | None:
     return c
 
 
-def _log_ratio(
+def _masked_inputs(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     mask: torch.Tensor | None,
-    clamp: float | None,
     others: dict[str, torch.Tensor | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
-    """Validated (log π, d = log ρ − log π, others) in the compute dtype, 0 where masked.
+    """Validated (log π, log ρ, others), each (...) in the compute dtype, 0 where masked.
 
     Masked entries are replaced by 0 *before* any arithmetic, so whatever the padding holds
     (huge values, ±inf) gives a 0 value and a 0 gradient there, never inf or NaN.
     """
     v.check_float("logprobs", logprobs)
     v.check_per_token("ref_logprobs", ref_logprobs, logprobs.shape)
-    named = {k: t for k, t in (others or {}).items()}
+    named = dict(others or {})
     for name, t in named.items():
         if t is not None:
             v.check_per_token(name, t, logprobs.shape)
@@ -104,10 +103,66 @@ def _log_ratio(
         lp = torch.where(mask, lp, zero)
         ref = torch.where(mask, ref, zero)
         out = {k: (None if t is None else torch.where(mask, t, zero)) for k, t in out.items()}
-    d = ref - lp  # log r = log ρ − log π
-    if clamp is not None:
-        d = d.clamp(-clamp, clamp)
-    return lp, d, out
+    return lp, ref, out
+
+
+def _log_ratio(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor | None,
+    clamp: float | None,
+) -> torch.Tensor:
+    """d = log ρ − log π (...), validated, 0 where masked, clamped to [−clamp, clamp]."""
+    lp, ref, _ = _masked_inputs(logprobs, ref_logprobs, mask)
+    d = ref - lp
+    return d if clamp is None else d.clamp(-clamp, clamp)
+
+
+class _K3Ratio(torch.autograd.Function):
+    """w·k3 with w = exp(log π − log π_old), k3 = expm1(d) − d, d = clamp(log ρ − log π).
+
+    Inputs (log π, log ρ, log π_old) are (...) tensors of one dtype; log π_old is a constant.
+    Plain autograd forms the log π gradient as the sum of w·k3 (through w) and −w·expm1(d)
+    (through d): inf − inf = NaN once expm1(d) overflows (d ≳ 88 in float32), although the
+    sum is −w·d. The backward here forms −w·d directly, in differentiable torch ops, so it is
+    finite wherever the true gradient is, and double backward works.
+    """
+
+    @staticmethod
+    def forward(ctx, lp, ref, old, clamp):  # type: ignore[override]
+        ctx.clamp = clamp
+        ctx.save_for_backward(lp, ref, old)
+        w, d, _ = _K3Ratio.parts(lp, ref, old, clamp)
+        return w * (torch.expm1(d) - d)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        lp, ref, old = ctx.saved_tensors
+        w, d, free = _K3Ratio.parts(lp, ref, old, ctx.clamp)
+        gw = grad * w
+        # where d is free: ∂(w·k3)/∂log π = w·k3 − w·expm1(d) = −w·d, ∂(w·k3)/∂log ρ = w·expm1(d)
+        grad_lp = -gw * d
+        grad_ref = gw * torch.expm1(d) if ctx.needs_input_grad[1] else None
+        if free is not None:
+            # where the clamp binds, d is a constant ±c and only w depends on log π; d_bound is
+            # 0 where free so that the unused branch never holds inf (0·inf in double backward)
+            d_bound = torch.where(free, torch.zeros_like(d), d)
+            grad_lp = torch.where(free, grad_lp, gw * (torch.expm1(d_bound) - d_bound))
+            if grad_ref is not None:
+                grad_ref = torch.where(free, grad_ref, torch.zeros_like(grad_ref))
+        return grad_lp, grad_ref, None, None
+
+    @staticmethod
+    def parts(
+        lp: torch.Tensor, ref: torch.Tensor, old: torch.Tensor, clamp: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(w, d, free): free is True where the clamp passes the gradient (None: no clamp)."""
+        w = torch.exp(lp - old)  # π/π_old; exactly 1 in value on-policy
+        d = ref - lp  # log r = log ρ − log π
+        if clamp is None:
+            return w, d, None
+        free = (d >= -clamp) & (d <= clamp)  # torch.clamp's own gradient rule, ends included
+        return w, d.clamp(-clamp, clamp), free
 
 
 def k2_loss(
@@ -145,7 +200,7 @@ def k2_loss(
         policy-gradient loss (e.g. sum over real tokens, mean over sequences), times beta.
     """
     clamp = _check_clamp(clamp)
-    _, d, _ = _log_ratio(logprobs, ref_logprobs, mask, clamp)
+    d = _log_ratio(logprobs, ref_logprobs, mask, clamp)
     return 0.5 * d.square()
 
 
@@ -171,6 +226,12 @@ def k3_ratio_loss(
     :func:`next_token_kl`. The per-token weight corrects the token, not the distribution of
     the states (prefixes), which off-policy remain those of π_old, as in PPO.
 
+    Numerics: the value is w·(expm1(d) − d) with d = log ρ − log π (no cancellation for small
+    d; +inf once expm1 overflows, d ≳ 88 in float32). The gradients are formed directly as
+    ∂/∂log π = −w·d and ∂/∂log ρ = w·expm1(d), so the log π gradient stays finite where the
+    value overflows (differentiating the formula term by term would give inf − inf = NaN);
+    they are differentiable again (double backward works).
+
     Args:
         logprobs: (...) float, log π of the sampled tokens, differentiable.
         ref_logprobs: (...) float, same shape, log ρ of the same tokens.
@@ -186,11 +247,10 @@ def k3_ratio_loss(
         (...) float32 (float64 if any input is float64), ≥ 0 up to rounding.
     """
     clamp = _check_clamp(clamp)
-    lp, d, others = _log_ratio(logprobs, ref_logprobs, mask, clamp, {"old_logprobs": old_logprobs})
+    lp, ref, others = _masked_inputs(logprobs, ref_logprobs, mask, {"old_logprobs": old_logprobs})
     old = others["old_logprobs"]
     old = lp.detach() if old is None else old.detach()
-    weight = torch.exp(lp - old)  # π/π_old; exactly 1 in value on-policy
-    return weight * (torch.expm1(d) - d)
+    return _K3Ratio.apply(lp, ref, old, clamp)
 
 
 def k3_loss(
@@ -222,7 +282,7 @@ def k3_loss(
         (...) float32 (float64 if any input is float64), ≥ 0 up to rounding.
     """
     clamp = _check_clamp(clamp)
-    _, d, _ = _log_ratio(logprobs, ref_logprobs, mask, clamp)
+    d = _log_ratio(logprobs, ref_logprobs, mask, clamp)
     return torch.expm1(d) - d
 
 
@@ -254,13 +314,18 @@ def next_token_kl(kl: torch.Tensor, mask: torch.Tensor | None = None) -> torch.T
     v.check_float("kl", kl)
     if kl.dim() < 1 or kl.shape[-1] == 0:
         raise ValueError(f"kl must have shape (..., T) with T >= 1, got {v.describe(kl)}")
+    if mask is not None:
+        mask = v.check_mask(mask, kl.shape, kl.device)
+    return _next_token_kl(kl, mask)
+
+
+def _next_token_kl(kl: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """:func:`next_token_kl` on validated arguments."""
     kl = kl.detach()
     t = kl.shape[-1]
     positions = torch.arange(t, device=kl.device)
     if mask is None:
         mask = torch.ones(kl.shape, dtype=torch.bool, device=kl.device)
-    else:
-        mask = v.check_mask(mask, kl.shape, kl.device)
     real_at = torch.where(mask, positions, torch.full_like(positions, t))  # (..., T), T = none
     # first real position at or after t: suffix minimum; strictly after t: shift by one
     first_from = real_at.flip(-1).cummin(-1).values.flip(-1)  # (..., T)
@@ -286,6 +351,7 @@ def full_kl_reward_and_loss(
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
     backend: str = "auto",
+    check: bool = True,
 ) -> KLRewardAndLoss:
     """The exact full-vocabulary KL split so that its RL gradient is the sequence-KL gradient.
 
@@ -326,17 +392,17 @@ def full_kl_reward_and_loss(
             both outputs and their logits may hold anything; the last real token of a row gets
             reward 0 (no state follows it).
         temperature: > 0, divides both models' logits (use the sampling temperature).
-        backend: as in :func:`klpenalty.full_kl`.
+        backend, check: as in :func:`klpenalty.full_kl`.
 
     Returns:
         ``KLRewardAndLoss(reward_kl, loss_kl)``, both (..., T) float32 (float64 for float64
         inputs); ``reward_kl`` detached, ``loss_kl`` differentiable with respect to the logits.
     """
-    v.check_logits_pair(policy_logits, ref_logits)
+    mask, temperature, impl = check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
     if policy_logits.dim() < 2:
         raise ValueError(
             f"policy_logits must have shape (..., T, V) with a sequence dim, "
             f"got {v.describe(policy_logits)}"
         )
-    kl = full_kl(policy_logits, ref_logits, mask=mask, temperature=temperature, backend=backend)
-    return KLRewardAndLoss(next_token_kl(kl, mask), kl)
+    kl = impl.full_kl(policy_logits, ref_logits, mask, temperature, check=check)
+    return KLRewardAndLoss(_next_token_kl(kl, mask), kl)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -81,3 +82,25 @@ def test_state_dict_roundtrip_survives_a_checkpoint(tmp_path):
 def test_invalid_arguments_raise(make, exc, word):
     with pytest.raises(exc, match=word.replace("[", r"\[").replace("]", r"\]")):
         make()
+
+
+@pytest.mark.parametrize("to_number", [np.float32, np.float64, np.int64, np.array, torch.tensor])
+def test_numpy_scalars_and_tensors_are_accepted_everywhere(to_number):
+    # the same numbers as test_adaptive_code_form_with_horizon_and_batch: e = 0.25 -> 0.2
+    c = AdaptiveKLController(to_number(3), target=to_number(6), horizon=to_number(10_000))
+    assert (c.value, c.target, c.horizon) == (3.0, 6.0, 10_000.0)
+    assert all(type(x) is float for x in c.state_dict().values())
+    new = c.update(to_number(9), np.int64(512))
+    assert type(new) is float and new == pytest.approx(3.0 * (1 + 0.2 * 512 / 10_000), rel=1e-12)
+    f = FixedKLController(to_number(2))
+    assert f.update(to_number(9), np.int64(1)) == 2.0 and type(f.value) is float
+
+
+@pytest.mark.parametrize(
+    "bad", [True, np.bool_(True), "1.0", 1 + 0j, np.complex64(1.0), None, [1.0], np.ones(2)]
+)
+def test_non_real_current_kl_is_a_type_error(bad):
+    with pytest.raises(TypeError, match="current_kl"):
+        AdaptiveKLController(0.1, 6.0, 10).update(bad, 1)
+    with pytest.raises(TypeError, match="init_beta"):
+        AdaptiveKLController(bad, 6.0, 10)

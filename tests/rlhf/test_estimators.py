@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from klpenalty import sampled_kl
+from klpenalty import ESTIMATORS, sampled_kl
 from klpenalty.ops.reference import sampled_kl_reference
 
 
@@ -93,3 +93,71 @@ def test_gradients_flow_through_estimators():
     sampled_kl(logp, logq, "k2").sum().backward()
     # d/dlogp ½(logp − logq)² = logp − logq
     torch.testing.assert_close(logp.grad, torch.tensor([0.5, -0.5]))
+
+
+NINF = float("-inf")
+INF = float("inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "estimator, policy_zero, ref_zero",
+    # the limits: log π = −inf gives d = log ρ − log π = +inf; log ρ = −inf gives d = −inf
+    [("k1", NINF, INF), ("k2", INF, INF), ("k3", INF, INF), ("abs", INF, INF)],
+)
+def test_one_side_minus_inf_gives_the_infinite_limit(estimator, policy_zero, ref_zero, dtype):
+    lp = torch.tensor([NINF, -1.0, -2.0], dtype=dtype)
+    ref = torch.tensor([-1.0, NINF, -2.0], dtype=dtype)
+    out = sampled_kl(lp, ref, estimator)
+    assert out[0].item() == policy_zero and out[1].item() == ref_zero and out[2].item() == 0
+
+
+def test_k3_gradient_at_minus_inf_policy_logprob_is_not_nan():
+    # ∂k3/∂log π = −expm1(d) = −inf at d = +inf; at the finite position it is the usual value
+    lp = torch.tensor([NINF, -1.0], requires_grad=True)
+    ref = torch.tensor([-1.0, -0.5])
+    sampled_kl(lp, ref, "k3").sum().backward()
+    assert lp.grad[0].item() == NINF
+    torch.testing.assert_close(lp.grad[1], -torch.expm1(torch.tensor(0.5)))
+
+
+def _bad(at, value, shape=(2, 3)):
+    t = torch.full(shape, -1.0)
+    t[at] = value
+    return t
+
+
+GOOD = torch.full((2, 3), -1.0)
+
+
+@pytest.mark.parametrize(
+    "lp, ref, words",
+    [
+        (_bad((1, 2), float("nan")), GOOD, ["logprobs (shape=(2, 3), dtype=torch.float32)", "NaN", "1 position", "(1, 2)"]),
+        (GOOD, _bad((0, 1), float("nan")), ["ref_logprobs (shape=(2, 3)", "NaN", "(0, 1)"]),
+        # logits passed by mistake: positive entries
+        (torch.tensor([[-0.3, 2.1, 0.7], [-1.2, 0.2, 1.5]]), GOOD, ["logprobs (", "> 0.0001", "4 position", "(0, 1)"]),
+        (GOOD, _bad((1, 0), 1e-3), ["ref_logprobs (", "> 0.0001", "(1, 0)"]),
+        (GOOD, _bad((1, 0), INF), ["ref_logprobs (", "> 0.0001", "(1, 0)"]),
+        (_bad((1, 1), NINF), _bad((1, 1), NINF), ["logprobs and ref_logprobs", "both", "probability 0", "(1, 1)"]),
+    ],
+)
+def test_check_rejects_nan_positive_and_double_minus_inf(lp, ref, words):
+    for estimator in ESTIMATORS:
+        with pytest.raises(ValueError) as info:
+            sampled_kl(lp, ref, estimator)
+        for word in words:
+            assert word in str(info.value), f"{word!r} not in {str(info.value)!r}"
+    # check=False skips the (device-syncing) check and computes anyway
+    assert sampled_kl(lp, ref, "k1", check=False).shape == (2, 3)
+
+
+def test_check_allows_rounding_just_above_zero():
+    lp = torch.tensor([5e-5, 0.0, -3.0])
+    ref = torch.tensor([0.0, 1e-4, -2.0])
+    torch.testing.assert_close(sampled_kl(lp, ref, "k1"), torch.tensor([5e-5, -1e-4, -1.0]))
+
+
+def test_check_must_be_a_bool():
+    with pytest.raises(TypeError, match="check"):
+        sampled_kl(GOOD, GOOD, "k1", check=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _validation as v
+from .. import _validation as v
 
 __all__ = ["shaped_rewards", "last_true_index"]
 

@@ -11,23 +11,13 @@ import math
 from numbers import Integral
 from typing import Any, Mapping
 
-import torch
-
-from . import _validation as v
+from .. import _validation as v
 
 __all__ = ["FixedKLController", "AdaptiveKLController"]
 
 
 def _check_kl(current_kl: object) -> float:
-    if isinstance(current_kl, torch.Tensor):
-        if current_kl.numel() != 1:
-            raise TypeError(
-                f"current_kl must be a number or a one-element tensor, got {v.describe(current_kl)}"
-            )
-        current_kl = current_kl.item()
-    if isinstance(current_kl, bool) or not isinstance(current_kl, (int, float)):
-        raise TypeError(f"current_kl must be a real number, got {type(current_kl).__name__}")
-    kl = float(current_kl)
+    kl = v.as_real("current_kl", current_kl)
     if not math.isfinite(kl):
         raise ValueError(f"current_kl must be finite, got {kl}")
     return kl
@@ -101,6 +91,8 @@ class AdaptiveKLController:
 
     Args:
         init_beta: initial β, finite and > 0 (a multiplicative controller cannot leave 0).
+            Like ``target`` and ``horizon``, a Python or numpy real number or a one-element
+            tensor.
         target: target KL in nats per sequence (or whatever unit you pass to ``update``), > 0.
         horizon: > 0, the number of steps over which β can change by about e.
     """
@@ -114,9 +106,11 @@ class AdaptiveKLController:
         """Update β from the measured KL of the last ``n_steps`` samples. Returns the new β.
 
         Args:
-            current_kl: the measured KL (a float or one-element tensor), finite. In data-parallel
-                training pass the *global* mean so every rank keeps the same β.
-            n_steps: positive int, e.g. the number of sequences the KL was measured on.
+            current_kl: the measured KL, finite: a Python or numpy real number or a
+                one-element tensor (read detached). In data-parallel training pass the
+                *global* mean so every rank keeps the same β.
+            n_steps: positive int (Python or numpy), e.g. the number of sequences the KL was
+                measured on.
         """
         kl = _check_kl(current_kl)
         n = _check_n_steps(n_steps)

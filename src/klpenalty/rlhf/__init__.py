@@ -1,0 +1,28 @@
+"""The RLHF side of the KL penalty: sampled estimators, reward shaping, loss forms, controllers.
+
+Groups (one module each):
+
+- :mod:`~klpenalty.rlhf.estimators`: one-sample KL estimates from the sampled tokens' log-probs.
+- :mod:`~klpenalty.rlhf.shaping`: per-token rewards, −β·KL on real tokens plus the score.
+- :mod:`~klpenalty.rlhf.gradients`: KL loss forms and reward placements with the right gradient.
+- :mod:`~klpenalty.rlhf.controllers`: the KL coefficient β, fixed or adaptive.
+
+Shape letters: B batch, T sequence, V vocabulary, N rows.
+"""
+
+from . import controllers, estimators, gradients, shaping
+from .controllers import *  # noqa: F403  (each module's __all__, listed below)
+from .estimators import *  # noqa: F403
+from .gradients import *  # noqa: F403
+from .shaping import *  # noqa: F403
+
+__all__ = [
+    # estimators: per-token sampled estimates of KL(π‖ρ): sampled_kl, ESTIMATORS
+    *estimators.__all__,
+    # shaping: per-token rewards −β·kl plus the score on the last real token: shaped_rewards, ...
+    *shaping.__all__,
+    # gradients: KL loss forms and reward placements whose gradient is the reverse-KL gradient
+    *gradients.__all__,
+    # controllers: the KL coefficient β, constant or steered toward a target KL
+    *controllers.__all__,
+]

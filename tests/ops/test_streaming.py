@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 import klpenalty
 from klpenalty.ops import dispatch, streaming
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
+from tests.conftest import tol
 
 NINF = float("-inf")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -101,7 +102,7 @@ def test_streaming_larger_than_any_tile_matches_reference(value_tol, grad_rel_to
     x.requires_grad_()
     kl = streaming.full_kl(x, y, None, 1.3, tile_elements=64)
     want = full_kl_reference(x.detach(), y, 1.3)
-    torch.testing.assert_close(kl.double(), want, **value_tol[torch.float32])
+    torch.testing.assert_close(kl.double(), want, **tol(torch.float32))
     g = torch.randn(7)
     (gx,) = torch.autograd.grad(kl, (x,), g)
     (wx,) = _ref_grads(x, y, None, 1.3, g, need_y=False)
@@ -139,7 +140,7 @@ def test_token_logprobs_chunk_invariance_and_reference(vocab_chunk, value_tol, g
         x.view(-1, 37), tokens.view(-1), 0.7, vocab_chunk=vocab_chunk, chunk_rows=2
     ).view(2, 3)
     want = token_logprobs_reference(x.detach(), tokens, 0.7)
-    torch.testing.assert_close(out.double(), want, **value_tol[torch.float32])
+    torch.testing.assert_close(out.double(), want, **tol(torch.float32))
     g = torch.randn(2, 3)
     (gx,) = torch.autograd.grad(out, (x,), g)
     xr = x.detach().double().requires_grad_()
@@ -234,7 +235,7 @@ def test_shared_minus_inf_padding_is_ignored_with_finite_gradients(
     yp = y.masked_fill(pad, NINF).requires_grad_()
     kl = streaming.full_kl(xp, yp, None, 1.0, vocab_chunk=vocab_chunk)
     want = full_kl_reference(x[:, ~pad], y[:, ~pad])
-    torch.testing.assert_close(kl.double(), want, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(kl.double(), want, **tol(torch.float32))
     gx, gy = torch.autograd.grad(kl, (xp, yp), torch.randn(4))
     assert torch.isfinite(gx).all() and torch.isfinite(gy).all()
     assert torch.all(gx[:, pad] == 0) and torch.all(gy[:, pad] == 0)
@@ -289,11 +290,11 @@ def test_large_logits_keep_float32_accuracy():
         for kw in (dict(), dict(vocab_chunk=7)):
             got = streaming.full_kl(xs, ys, None, 0.9, **kw)
             want_t = full_kl_reference(xs, ys, 0.9)
-            torch.testing.assert_close(got.double(), want_t, atol=2e-6, rtol=1e-5)
+            torch.testing.assert_close(got.double(), want_t, **tol(torch.float32))
         tokens = torch.arange(4)
         lp = streaming.token_logprobs(xs, tokens, 1.0, vocab_chunk=7)
         want_lp = token_logprobs_reference(xs, tokens)
-        torch.testing.assert_close(lp.double(), want_lp, atol=2e-6, rtol=1e-6)
+        torch.testing.assert_close(lp.double(), want_lp, **tol(torch.float32))
 
 
 def test_nan_logits_raise():

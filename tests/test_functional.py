@@ -216,6 +216,23 @@ def test_kl_penalized_reward_dtypes_and_beta_zero():
     assert torch.equal(out0, reward.float())
 
 
+@pytest.mark.parametrize(
+    "kwargs,words",
+    [
+        (dict(mask=torch.ones(3, dtype=torch.bool)), ["mask", "(2, 5)"]),
+        (dict(temperature=-1.0), ["temperature"]),
+        (dict(backend="fastest"), ["backend", "'streaming'"]),
+    ],
+)
+def test_beta_zero_still_validates_every_argument(kwargs, words):
+    """beta = 0 used to return the reward before looking at mask, temperature and backend."""
+    x, y = make_logits((2, 5, 9))
+    with pytest.raises(ValueError) as info:
+        kl_penalized_reward(x, y, torch.zeros(2, 5), beta=0.0, **kwargs)
+    for w in words:
+        assert w in str(info.value)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_token_logprobs_matches_reference(shape, dtype):

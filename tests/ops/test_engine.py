@@ -144,26 +144,23 @@ def _step_inputs():
     return x.requires_grad_(), y, tokens, mask
 
 
-def test_no_graph_breaks_and_fullgraph_compile_gives_the_same_numbers():
+def test_no_graph_breaks():
     x, y, tokens, mask = _step_inputs()
     explanation = torch._dynamo.explain(_step)(x, y, tokens, mask)
     assert explanation.graph_break_count == 0, explanation.break_reasons
-    torch._dynamo.reset()
-    compiled = torch.compile(_step, fullgraph=True, backend="aot_eager")
-    got = compiled(x, y, tokens, mask)
-    (got_grad,) = torch.autograd.grad(got, x)
-    want = _step(x, y, tokens, mask)
-    (want_grad,) = torch.autograd.grad(want, x)
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got_grad, want_grad)
 
 
-@pytest.mark.slow
-def test_inductor_fullgraph_compile_of_a_training_step():
-    """The real compiler (inductor) around the custom ops; ~10 s on a cold cache."""
+@pytest.mark.parametrize(
+    "compiler",
+    [
+        "aot_eager",  # dynamo + AOT autograd through the fake implementations
+        pytest.param("inductor", marks=pytest.mark.slow),  # the real compiler, ~3-10 s
+    ],
+)
+def test_fullgraph_compile_of_a_training_step_gives_the_same_numbers(compiler):
     torch._dynamo.reset()
     x, y, tokens, mask = _step_inputs()
-    compiled = torch.compile(_step, fullgraph=True)
+    compiled = torch.compile(_step, fullgraph=True, backend=compiler)
     got = compiled(x, y, tokens, mask)
     (got_grad,) = torch.autograd.grad(got, x)
     want = _step(x, y, tokens, mask)

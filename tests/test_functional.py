@@ -19,7 +19,7 @@ from klpenalty.ops.reference import (
 from .conftest import DTYPES, grad_tol, make_logits, tol
 
 # Leading dims of rank 1 to 3, a single row; V = 1, V not a power of two, V above the row
-# chunk of the eager backend (2**20 elements per chunk => 1 row per chunk).
+# streaming tile (2**18 elements), so a row is split into vocabulary tiles and merged.
 SHAPES = [(1, 7), (5, 1), (6, 1000), (2, 3, 257), (2, 2, 3, 33), (2, (1 << 20) + 3)]
 
 

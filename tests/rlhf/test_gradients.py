@@ -16,7 +16,7 @@ Tolerances: float64 sums of at most a few hundred terms of size ≤ ~10, so roun
 form is shown to differ from the reverse-KL gradient by far more (asserted > 1e-3).
 
 Run ``PYTHONPATH=src python tests/rlhf/test_gradients.py`` to print the exact gradient-variance
-table quoted in docs/issue-5.md.
+table quoted in docs/gradients.md.
 """
 
 from __future__ import annotations
@@ -617,7 +617,7 @@ def test_argument_checks():
 
 
 def print_variance_table() -> None:
-    """The exact gradient variances quoted in docs/issue-5.md."""
+    """The exact gradient variances quoted in docs/gradients.md."""
     for name, spec in TREES.items():
         tree = Tree(**spec)
         print(f"\n{name}: ‖∇KL_seq‖ = {float(tree.grad_reverse()[: tree.n_states].norm()):.4f}")

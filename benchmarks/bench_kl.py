@@ -69,10 +69,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _render(stem: str) -> None:
-    """Rewrite <stem>.md from <stem>.csv (a rerun of a shape/dtype replaces its earlier rows)."""
+    """Rewrite <stem>.md from <stem>.csv (a rerun of a row replaces its earlier result)."""
     rows = bench.read_csv(stem + ".csv")
-    latest = {(r.shape, r.dtype, r.mode, r.provider): i for i, r in enumerate(rows)}
-    rows = [r for i, r in enumerate(rows) if latest[(r.shape, r.dtype, r.mode, r.provider)] == i]
+    def key(r):
+        return (r.shape, r.dtype, r.mode, r.provider, r.threads, r.load)
+
+    latest = {key(r): i for i, r in enumerate(rows)}
+    rows = [r for i, r in enumerate(rows) if latest[key(r)] == i]
     with open(stem + ".md", "w") as f:
         f.write(bench.format_table(rows))
 

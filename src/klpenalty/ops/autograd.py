@@ -75,15 +75,19 @@ def _token_logprobs_grad_differentiable(
 
 # ------------------------------------------------------------------------------ registration
 def register_full_kl(fwd_op, bwd_op) -> None:
-    """Fake implementations and autograd for a backend's full_kl op pair."""
+    """Fake implementations and autograd for a backend's full_kl op pair.
 
-    @fwd_op.register_fake
+    ``fwd_op``/``bwd_op``: Python ``custom_op`` objects, or the ``OpOverload`` s of ops defined
+    in C++ with ``TORCH_LIBRARY`` (e.g. ``torch.ops.klpenalty.native_full_kl.default``).
+    """
+
+    @torch.library.register_fake(fwd_op)
     def _(x, y, mask, temperature, check, tile_rows, tile_cols):
         dtype = compute_dtype(x, y)
         leading = x.shape[:-1]
         return x.new_empty(leading, dtype=dtype), x.new_empty((*leading, 6), dtype=dtype)
 
-    @bwd_op.register_fake
+    @torch.library.register_fake(bwd_op)
     def _(grad, x, y, stats, mask, temperature, need_x, need_y, tile_rows, tile_cols):
         gx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else x.new_empty(0)
         gy = torch.empty_like(y, memory_format=torch.contiguous_format) if need_y else y.new_empty(0)
@@ -106,19 +110,19 @@ def register_full_kl(fwd_op, bwd_op) -> None:
             )
         return (gx if need_x else None), (gy if need_y else None), None, None, None, None, None
 
-    fwd_op.register_autograd(backward, setup_context=setup_context)
+    torch.library.register_autograd(fwd_op, backward, setup_context=setup_context)
 
 
 def register_token_logprobs(fwd_op, bwd_op) -> None:
     """Fake implementations and autograd for a backend's token_logprobs op pair."""
 
-    @fwd_op.register_fake
+    @torch.library.register_fake(fwd_op)
     def _(x, tokens, temperature, ignore_index, check, tile_rows, tile_cols):
         dtype = compute_dtype(x)
         leading = x.shape[:-1]
         return x.new_empty(leading, dtype=dtype), x.new_empty((*leading, 3), dtype=dtype)
 
-    @bwd_op.register_fake
+    @torch.library.register_fake(bwd_op)
     def _(grad, x, tokens, stats, temperature, ignore_index, tile_rows, tile_cols):
         return torch.empty_like(x, memory_format=torch.contiguous_format)
 
@@ -136,4 +140,4 @@ def register_token_logprobs(fwd_op, bwd_op) -> None:
             gx = bwd_op(grad_out, x, tokens, stats, temperature, ignore_index, tile_rows, tile_cols)
         return gx, None, None, None, None, None, None
 
-    fwd_op.register_autograd(backward, setup_context=setup_context)
+    torch.library.register_autograd(fwd_op, backward, setup_context=setup_context)

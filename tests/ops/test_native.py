@@ -1,5 +1,8 @@
 """The native CPU kernel against the float64 reference: the shared grid, −inf patterns, strides,
-offsets, gradients, torch.compile, the error messages, the fallback path and the build cache."""
+offsets, gradients, the error messages, the fallback path and the build cache.
+
+Also run on the native kernel: the backend-parametrised tests of test_streaming.py, and the
+fullgraph torch.compile step of test_engine.py (parametrised over the CPU backend)."""
 
 from __future__ import annotations
 
@@ -219,7 +222,7 @@ def test_mixed_dtypes_empty_batch_and_threads():
     assert torch.equal(one, two)  # rows are independent: the split cannot change a bit
 
 
-# --------------------------------------------------------------------------- autograd, compile
+# --------------------------------------------------------------------------- autograd
 def test_gradcheck_in_float64():
     x, y = make_logits((4, 9), torch.float64, seed=9)
     x.requires_grad_()
@@ -232,27 +235,6 @@ def test_gradcheck_in_float64():
     )
     # double backward: the shared differentiable fallback
     assert torch.autograd.gradgradcheck(lambda a, b: _kl(a, b, mask, 0.7), (x, y), eps=1e-6, atol=1e-7)
-
-
-def test_fullgraph_compile_through_the_native_ops():
-    def step(x, y, tokens, mask):
-        kl = klpenalty.full_kl(x, y, mask=mask, temperature=0.9, backend="native")
-        lp = klpenalty.token_logprobs(x, tokens, temperature=0.9, backend="native")
-        return (kl - 0.5 * lp).sum()
-
-    torch._dynamo.reset()
-    x, y = make_logits((2, 5, 33), torch.float32, seed=7)
-    x.requires_grad_()
-    tokens = torch.randint(0, 33, (2, 5), generator=torch.Generator().manual_seed(1))
-    tokens[1, 0] = -100
-    mask = torch.tensor([[True] * 5, [False, True, True, True, False]])
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    got = compiled(x, y, tokens, mask)
-    (got_grad,) = torch.autograd.grad(got, x)
-    want = step(x, y, tokens, mask)
-    (want_grad,) = torch.autograd.grad(want, x)
-    torch.testing.assert_close(got, want)
-    torch.testing.assert_close(got_grad, want_grad)
 
 
 # --------------------------------------------------------------------------- errors

@@ -218,13 +218,21 @@ bool any_nan_in_rows(const at::Tensor& t, const std::vector<int64_t>& rows) {
   return found;
 }
 
-// klpenalty._validation.raise_if_nan: result (N,) flat; named inputs (..., V), last stride 1.
 template <typename O>
-void raise_if_nan(const O* result, int64_t n, c10::IntArrayRef leading,
-                  const std::vector<std::pair<std::string, at::Tensor>>& named) {
+std::vector<int64_t> nan_rows(const O* result, int64_t n) {
   std::vector<int64_t> rows;
   for (int64_t r = 0; r < n; ++r)
     if (std::isnan(static_cast<double>(result[r]))) rows.push_back(r);
+  return rows;
+}
+
+// klpenalty._validation.raise_if_nan: result (...) float or double; named inputs (..., V).
+void raise_if_nan(const at::Tensor& result, c10::IntArrayRef leading,
+                  const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  const std::vector<int64_t> rows =
+      result.scalar_type() == at::kDouble
+          ? nan_rows(result.const_data_ptr<double>(), result.numel())
+          : nan_rows(result.const_data_ptr<float>(), result.numel());
   if (rows.empty()) return;
   const std::string first = py_tuple(unravel(rows[0], leading));
   for (const auto& [name, t] : named) {
@@ -427,6 +435,24 @@ at::Tensor flat_mask(const std::optional<at::Tensor>& mask, c10::IntArrayRef lea
   return m.contiguous();
 }
 
+// The forward outputs: result (...) and stats (..., cols) in dtype.
+std::pair<at::Tensor, at::Tensor> forward_outputs(std::vector<int64_t> leading, int64_t cols,
+                                                  const at::TensorOptions& options) {
+  at::Tensor result = at::empty(leading, options);
+  leading.push_back(cols);
+  return {result, at::empty(leading, options)};
+}
+
+// run(result_ptr, stats_ptr) with the pointers typed as the outputs' dtype (float or double).
+template <typename F>
+void with_output_ptrs(at::Tensor& result, at::Tensor& stats, F&& run) {
+  if (result.scalar_type() == at::kDouble) {
+    run(result.mutable_data_ptr<double>(), stats.mutable_data_ptr<double>());
+  } else {
+    run(result.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>());
+  }
+}
+
 // ------------------------------------------------------------------------------ full KL ops
 std::tuple<at::Tensor, at::Tensor> full_kl(const at::Tensor& x_in, const at::Tensor& y_in,
                                            const std::optional<at::Tensor>& mask, double T,
@@ -448,10 +474,7 @@ std::tuple<at::Tensor, at::Tensor> full_kl(const at::Tensor& x_in, const at::Ten
   const auto leading = leading_of(x);
   const int64_t V = x.size(-1), N = x.numel() / V;
   at::Tensor m = flat_mask(mask, leading);
-  at::Tensor kl = at::empty(leading, x.options().dtype(out_t));
-  auto st_shape = leading;
-  st_shape.push_back(6);
-  at::Tensor stats = at::empty(st_shape, x.options().dtype(out_t));
+  auto [kl, stats] = forward_outputs(leading, 6, x.options().dtype(out_t));
   const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
   const Rows rx(x), ry(y);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_full_kl", [&] {
@@ -472,21 +495,9 @@ std::tuple<at::Tensor, at::Tensor> full_kl(const at::Tensor& x_in, const at::Ten
         }
       });
     };
-    if (out_t == at::kDouble) {
-      run(kl.mutable_data_ptr<double>(), stats.mutable_data_ptr<double>());
-    } else {
-      run(kl.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>());
-    }
+    with_output_ptrs(kl, stats, run);
   });
-  if (check) {
-    std::vector<std::pair<std::string, at::Tensor>> named = {{"policy_logits", x_in},
-                                                              {"ref_logits", y_in}};
-    if (out_t == at::kDouble) {
-      raise_if_nan(kl.const_data_ptr<double>(), N, leading, named);
-    } else {
-      raise_if_nan(kl.const_data_ptr<float>(), N, leading, named);
-    }
-  }
+  if (check) raise_if_nan(kl, leading, {{"policy_logits", x_in}, {"ref_logits", y_in}});
   return {kl, stats};
 }
 
@@ -698,10 +709,7 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x_in, const 
                       " at flat position ", r, " is out of range for a vocabulary of ", V);
   }
   const at::ScalarType out_t = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor out = at::empty(leading, x.options().dtype(out_t));
-  auto st_shape = leading;
-  st_shape.push_back(3);
-  at::Tensor stats = at::empty(st_shape, x.options().dtype(out_t));
+  auto [out, stats] = forward_outputs(leading, 3, x.options().dtype(out_t));
   const Rows rx(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_token_logprobs", [&] {
     using T_in = scalar_t;
@@ -729,20 +737,9 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x_in, const 
         }
       });
     };
-    if (out_t == at::kDouble) {
-      run(out.mutable_data_ptr<double>(), stats.mutable_data_ptr<double>());
-    } else {
-      run(out.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>());
-    }
+    with_output_ptrs(out, stats, run);
   });
-  if (check) {
-    std::vector<std::pair<std::string, at::Tensor>> named = {{"logits", x_in}};
-    if (out_t == at::kDouble) {
-      raise_if_nan(out.const_data_ptr<double>(), N, leading, named);
-    } else {
-      raise_if_nan(out.const_data_ptr<float>(), N, leading, named);
-    }
-  }
+  if (check) raise_if_nan(out, leading, {{"logits", x_in}});
   return {out, stats};
 }
 

@@ -50,11 +50,11 @@ constexpr int64_t kGrainElements = 1 << 16; // work per parallel task, in elemen
 
 // ------------------------------------------------------------------------------ fast exp2
 // 2^t = 2^n · 2^f, n = round(t), f in [-1/2, 1/2]; 2^f by a degree-6 polynomial fitted for
-// relative error (9.6e-8 in float32 Horner, about one ulp). t is clamped to [-126, 127] and the
-// result is 0 below -126 (also for t = -inf); NaN stays NaN.
+// relative error (9.6e-8 in float32 Horner, about one ulp). t is clamped to [-127, 127]; n = -127
+// builds the bit pattern 0, so the result is exactly 0 below about -126.5 (also for t = -inf),
+// where the exact value is below 1e-38. NaN stays NaN.
 inline VF exp2_fast(const VF& t) {
-  const VF lo(-126.0f), hi(127.0f);
-  VF tc = at::vec::minimum(at::vec::maximum(t, lo), hi);
+  VF tc = at::vec::clamp(t, VF(-127.0f), VF(127.0f));
   VF n = tc.round();
   VF f = tc - n;
   VF p(1.5345812e-4f);
@@ -65,8 +65,7 @@ inline VF exp2_fast(const VF& t) {
   p = at::vec::fmadd(p, f, VF(6.9314718e-1f));
   p = at::vec::fmadd(p, f, VF(1.0f));
   VI bits = (at::vec::convert_to_int_of_same_size(n) + VI(127)) << VI(23);
-  VF scaled = p * at::vec::cast<float>(bits);
-  return VF::blendv(scaled, VF(0.0f), t < lo);
+  return p * at::vec::cast<float>(bits);
 }
 
 // ------------------------------------------------------------------------------ loads/stores
@@ -86,6 +85,15 @@ inline void store2(float* p, const VF& a, const VF& b) {
 template <typename T>
 inline void store2(T* p, const VF& a, const VF& b) {
   at::vec::convert_from_float<T>(a, b).store(p);
+}
+
+// Ask for the lines of the next chunk while this one is computed from L1, so that memory and
+// arithmetic overlap (prefetches never fault, also past the end of a row).
+template <typename T>
+inline void prefetch_block(const T* p) {
+  constexpr int64_t kBytes = kBlock * static_cast<int64_t>(sizeof(T));
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(c + b);
 }
 
 inline double finite_or_zero(double v) { return std::isfinite(v) ? v : 0.0; }
@@ -336,6 +344,8 @@ KLRow kl_row_vec(const T* px, const T* py, int64_t V, double T_) {
     VF sx0 = zero, sx1 = zero, sy0 = zero, sy1 = zero, a0 = zero, a1 = zero;
     int64_t i = 0;
     for (; i + kBlock <= n; i += kBlock) {
+      prefetch_block(x + kChunk + i);
+      prefetch_block(y + kChunk + i);
       VF x0, x1, y0, y1;
       load2(x + i, x0, x1);
       load2(y + i, y0, y1);
@@ -533,6 +543,8 @@ void kl_grad_row_vec(const T* px, const T* py, const double* st, double g, doubl
   const VF vsx(shx), vsy(shy), vc(c), vbx(bx), vby(by), vtmd(tmd), vsgx(sgx), vsgy(sgy), zero(0.0f);
   int64_t i = 0;
   for (; i + kBlock <= V; i += kBlock) {
+    prefetch_block(px + kChunk + i);
+    prefetch_block(py + kChunk + i);
     VF x0, x1, y0, y1;
     load2(px + i, x0, x1);
     load2(py + i, y0, y1);
@@ -670,6 +682,7 @@ LSERow lse_row(const T* px, int64_t V, double T_) {
       VF s0 = zero, s1 = zero;
       int64_t i = 0;
       for (; i + kBlock <= n; i += kBlock) {
+        prefetch_block(x + kChunk + i);
         VF x0, x1;
         load2(x + i, x0, x1);
         s0 = s0 + exp2_fast((x0 - vsh) * vc);
@@ -754,6 +767,7 @@ void lse_grad_row(const T* px, double shift, double log_s, double g, double T_, 
     const VF vsh(sh), vc(c), vb(b), vsg(sg);
     int64_t i = 0;
     for (; i + kBlock <= V; i += kBlock) {
+      prefetch_block(px + kChunk + i);
       VF x0, x1;
       load2(px + i, x0, x1);
       store2(gx + i, exp2_fast(at::vec::fmadd(x0 - vsh, vc, vb)) * vsg,

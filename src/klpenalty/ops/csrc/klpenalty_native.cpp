@@ -16,7 +16,7 @@
 // double and rescaled when a chunk raises a maximum. float32/bfloat16/float16 inputs are read
 // directly and computed in float32 vectors (at::vec::Vectorized<float>) with a polynomial exp2;
 // float64 inputs, and rows holding NaN or +inf, take a scalar double path with the engine's rules.
-// One at::parallel_for over rows per call.
+// One parallel region per call, its threads taking blocks of rows from a shared counter.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -409,6 +410,26 @@ void finalize_kl(const KLRow& row, O* kl, O* st) {
 
 int64_t grain_rows(int64_t V) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(V, 1)); }
 
+// f(r0, r1) over blocks of rows, in one parallel region whose threads take the next block from
+// a shared counter: on a busy machine a descheduled thread delays only the block it holds,
+// where a static split would make every other thread wait for its whole share.
+template <typename F>
+void parallel_rows(int64_t N, int64_t V, const F& f) {
+  const int64_t block = grain_rows(V);
+  const int64_t blocks = (N + block - 1) / block;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), blocks);
+  if (workers <= 1) {
+    if (N > 0) f(0, N);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    for (int64_t b = next.fetch_add(1); b < blocks; b = next.fetch_add(1)) {
+      f(b * block, std::min(N, (b + 1) * block));
+    }
+  });
+}
+
 // ------------------------------------------------------------------------------ arg checks
 void check_logits_arg(const char* name, const at::Tensor& t) {
   TORCH_CHECK_TYPE(t.is_floating_point(), name, " must be a floating-point tensor (..., V), got ",
@@ -493,7 +514,7 @@ std::tuple<at::Tensor, at::Tensor> full_kl(const at::Tensor& x_in, const at::Ten
     const T_in* py = y.const_data_ptr<T_in>();
     auto run = [&](auto* klp, auto* stp) {
       using O = std::remove_pointer_t<decltype(klp)>;
-      at::parallel_for(0, N, grain_rows(V), [&](int64_t r0, int64_t r1) {
+      parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           O* st = stp + 6 * r;
           if (mp && !mp[r]) {  // masked: 0 whatever the row holds; no gradient will be asked
@@ -618,7 +639,7 @@ std::tuple<at::Tensor, at::Tensor> full_kl_backward(
       const T_in* py = y.const_data_ptr<T_in>();
       T_in* gxp = need_x ? gx.mutable_data_ptr<T_in>() : nullptr;
       T_in* gyp = need_y ? gy.mutable_data_ptr<T_in>() : nullptr;
-      at::parallel_for(0, N, grain_rows(V), [&](int64_t r0, int64_t r1) {
+      parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           T_in* gxr = gxp ? gxp + r * V : nullptr;
           T_in* gyr = gyp ? gyp + r * V : nullptr;
@@ -729,7 +750,7 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x_in, const 
     const T_in* px = x.const_data_ptr<T_in>();
     auto run = [&](auto* op, auto* stp) {
       using O = std::remove_pointer_t<decltype(op)>;
-      at::parallel_for(0, N, grain_rows(V), [&](int64_t r0, int64_t r1) {
+      parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
         for (int64_t r = r0; r < r1; ++r) {
           O* st = stp + 3 * r;
           if (tp[r] == ignore_index) {
@@ -801,7 +822,7 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& x_i
     using T_in = scalar_t;
     const T_in* px = x.const_data_ptr<T_in>();
     T_in* gxp = gx.mutable_data_ptr<T_in>();
-    at::parallel_for(0, N, grain_rows(V), [&](int64_t r0, int64_t r1) {
+    parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         T_in* out = gxp + r * V;
         const bool ignored = tp[r] == ignore_index;

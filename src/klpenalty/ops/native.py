@@ -70,7 +70,7 @@ _COMMON_FLAGS = ("-O3", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 
 FAST_PATH_HINT = (
-    "for the fast path install a C++ compiler (g++ or clang++; or point $CXX at one) and ninja "
+    "For the fast path, install a C++ compiler (g++ or clang++; or point $CXX at one) and ninja "
     "(`pip install ninja`), then start a new process; `klpenalty env` shows the active path"
 )
 
@@ -155,15 +155,23 @@ def _compile(directory: Path, instruction_set: str) -> None:
         file=sys.stderr,
         flush=True,
     )
-    cpp_extension.load(
-        name=directory.name,
-        sources=[str(SOURCE)],
-        extra_cflags=_flags(instruction_set),
-        extra_ldflags=list(_LDFLAGS),  # load() appends to the lists it is given
-        build_directory=str(directory),
-        is_python_module=False,
-        verbose=False,
-    )
+    try:
+        cpp_extension.load(
+            name=directory.name,
+            sources=[str(SOURCE)],
+            extra_cflags=_flags(instruction_set),
+            extra_ldflags=list(_LDFLAGS),  # load() appends to the lists it is given
+            build_directory=str(directory),
+            is_python_module=False,
+            verbose=False,
+        )
+    except RuntimeError as exc:  # the compiler's output: keep it, report its first error
+        log = directory / "build.log"
+        log.write_text(str(exc))
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()] or ["no output"]
+        errors = [ln for ln in lines[1:] if "error:" in ln.lower()]  # compiler diagnostics
+        first = errors[0] if errors else lines[0]
+        raise RuntimeError(f"the build failed: {first[:300]}; full log in {log}") from None
 
 
 def _load() -> None:
@@ -186,11 +194,7 @@ def _load() -> None:
 
 def _reason(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower() and ln is not lines[0]]
-    text = lines[0] if lines else type(exc).__name__
-    if errors:  # a compiler error: the first one says more than "Error building extension"
-        text += f" ({errors[0]})"
-    return text[:400]
+    return (lines[0] if lines else type(exc).__name__)[:500]
 
 
 @torch.compiler.assume_constant_result

@@ -97,6 +97,32 @@ inline void prefetch_block(const T* p) {
   for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(c + b);
 }
 
+// f(c0, n) for the L1-sized chunks [c0, c0 + n) of a row of V elements, in order; false as soon
+// as f returns false (a chunk holding NaN or +inf).
+template <typename F>
+inline bool for_each_chunk(int64_t V, F&& f) {
+  for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
+    if (!f(c0, std::min(kChunk, V - c0))) return false;
+  }
+  return true;
+}
+
+// The next kBlock elements of a row of x and of y, minus their shifts, as two float vectors each;
+// the same elements of the next chunk are requested meanwhile.
+template <typename T>
+inline void load_shifted(const T* x, const T* y, const VF& shx, const VF& shy, VF& dx0, VF& dx1,
+                         VF& dy0, VF& dy1) {
+  prefetch_block(x + kChunk);
+  prefetch_block(y + kChunk);
+  VF x0, x1, y0, y1;
+  load2(x, x0, x1);
+  load2(y, y0, y1);
+  dx0 = x0 - shx;
+  dx1 = x1 - shx;
+  dy0 = y0 - shy;
+  dy1 = y1 - shy;
+}
+
 inline double finite_or_zero(double v) { return std::isfinite(v) ? v : 0.0; }
 
 // max that propagates NaN (like torch.amax)
@@ -329,15 +355,11 @@ KLRow kl_row_vec(const T* px, const T* py, int64_t V, double T_) {
   KLRow row;
   const float c = static_cast<float>(kLog2e / T_);
   const VF vc(c), zero(0.0f);
-  for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
-    const int64_t n = std::min(kChunk, V - c0);
+  row.bad = !for_each_chunk(V, [&](int64_t c0, int64_t n) {
     const T* x = px + c0;
     const T* y = py + c0;
     const double cm_x = chunk_max(x, n), cm_y = chunk_max(y, n);
-    if (std::isnan(cm_x) || std::isnan(cm_y) || cm_x == kInf || cm_y == kInf) {
-      row.bad = true;
-      return row;
-    }
+    if (std::isnan(cm_x) || std::isnan(cm_y) || cm_x == kInf || cm_y == kInf) return false;
     const double m_x = std::max(row.m_x, cm_x), m_y = std::max(row.m_y, cm_y);
     const float shx = static_cast<float>(finite_or_zero(m_x));
     const float shy = static_cast<float>(finite_or_zero(m_y));
@@ -345,12 +367,8 @@ KLRow kl_row_vec(const T* px, const T* py, int64_t V, double T_) {
     VF sx0 = zero, sx1 = zero, sy0 = zero, sy1 = zero, a0 = zero, a1 = zero;
     int64_t i = 0;
     for (; i + kBlock <= n; i += kBlock) {
-      prefetch_block(x + kChunk + i);
-      prefetch_block(y + kChunk + i);
-      VF x0, x1, y0, y1;
-      load2(x + i, x0, x1);
-      load2(y + i, y0, y1);
-      VF dx0 = x0 - vsx, dx1 = x1 - vsx, dy0 = y0 - vsy, dy1 = y1 - vsy;
+      VF dx0, dx1, dy0, dy1;
+      load_shifted(x + i, y + i, vsx, vsy, dx0, dx1, dy0, dy1);
       VF eu0 = exp2_fast(dx0 * vc), eu1 = exp2_fast(dx1 * vc);
       VF ew0 = exp2_fast(dy0 * vc), ew1 = exp2_fast(dy1 * vc);
       sx0 = sx0 + eu0;
@@ -374,7 +392,8 @@ KLRow kl_row_vec(const T* px, const T* py, int64_t V, double T_) {
       if (!kCareful || eu != 0.0f) ca += static_cast<double>(eu * (dx - dy));
     }
     merge_kl(row, m_x, m_y, T_, cs_x, cs_y, ca / T_);
-  }
+    return true;
+  });
   row.careful = kCareful;
   return row;
 }
@@ -484,6 +503,18 @@ void with_output_ptrs(at::Tensor& result, at::Tensor& stats, F&& run) {
   }
 }
 
+// f(r, result + r, stats + cols·r) for every row r, in parallel, with the pointers typed as the
+// outputs' dtype.
+template <typename F>
+void forward_rows(at::Tensor& result, at::Tensor& stats, int64_t cols, int64_t N, int64_t V,
+                  const F& f) {
+  with_output_ptrs(result, stats, [&](auto* res, auto* stp) {
+    parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) f(r, res + r, stp + cols * r);
+    });
+  });
+}
+
 // ------------------------------------------------------------------------------ full KL ops
 std::tuple<at::Tensor, at::Tensor> full_kl(const at::Tensor& x_in, const at::Tensor& y_in,
                                            const std::optional<at::Tensor>& mask, double T,
@@ -512,21 +543,15 @@ std::tuple<at::Tensor, at::Tensor> full_kl(const at::Tensor& x_in, const at::Ten
     using T_in = scalar_t;
     const T_in* px = x.const_data_ptr<T_in>();
     const T_in* py = y.const_data_ptr<T_in>();
-    auto run = [&](auto* klp, auto* stp) {
-      using O = std::remove_pointer_t<decltype(klp)>;
-      parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-          O* st = stp + 6 * r;
-          if (mp && !mp[r]) {  // masked: 0 whatever the row holds; no gradient will be asked
-            klp[r] = O(0);
-            std::fill(st, st + 6, O(0));
-            continue;
-          }
-          finalize_kl(kl_row(px + rx.offset(r), py + ry.offset(r), V, T), klp + r, st);
-        }
-      });
-    };
-    with_output_ptrs(kl, stats, run);
+    forward_rows(kl, stats, 6, N, V, [&](int64_t r, auto* res, auto* st) {
+      using O = std::remove_pointer_t<decltype(res)>;
+      if (mp && !mp[r]) {  // masked: 0 whatever the row holds; no gradient will be asked
+        *res = O(0);
+        std::fill(st, st + 6, O(0));
+        return;
+      }
+      finalize_kl(kl_row(px + rx.offset(r), py + ry.offset(r), V, T), res, st);
+    });
   });
   if (check) raise_if_nan(kl, leading, {{"policy_logits", x_in}, {"ref_logits", y_in}});
   return {kl, stats};
@@ -564,12 +589,8 @@ void kl_grad_row_vec(const T* px, const T* py, const double* st, double g, doubl
   const VF vsx(shx), vsy(shy), vc(c), vbx(bx), vby(by), vtmd(tmd), vsgx(sgx), vsgy(sgy), zero(0.0f);
   int64_t i = 0;
   for (; i + kBlock <= V; i += kBlock) {
-    prefetch_block(px + kChunk + i);
-    prefetch_block(py + kChunk + i);
-    VF x0, x1, y0, y1;
-    load2(px + i, x0, x1);
-    load2(py + i, y0, y1);
-    VF dx0 = x0 - vsx, dx1 = x1 - vsx, dy0 = y0 - vsy, dy1 = y1 - vsy;
+    VF dx0, dx1, dy0, dy1;
+    load_shifted(px + i, py + i, vsx, vsy, dx0, dx1, dy0, dy1);
     VF p0 = exp2_fast(at::vec::fmadd(dx0, vc, vbx)), p1 = exp2_fast(at::vec::fmadd(dx1, vc, vbx));
     if (gx) {
       VF v0 = p0 * ((dx0 - dy0) - vtmd) * vsgx, v1 = p1 * ((dx1 - dy1) - vtmd) * vsgx;
@@ -692,11 +713,10 @@ LSERow lse_row(const T* px, int64_t V, double T_) {
     LSERow row;
     const float c = static_cast<float>(kLog2e / T_);
     const VF vc(c), zero(0.0f);
-    for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
-      const int64_t n = std::min(kChunk, V - c0);
+    const bool finite = for_each_chunk(V, [&](int64_t c0, int64_t n) {
       const T* x = px + c0;
       const double cm = chunk_max(x, n);
-      if (std::isnan(cm) || cm == kInf) return lse_row_scalar(px, V, T_);
+      if (std::isnan(cm) || cm == kInf) return false;
       const double m = std::max(row.m, cm);
       const float sh = static_cast<float>(finite_or_zero(m));
       const VF vsh(sh);
@@ -713,8 +733,9 @@ LSERow lse_row(const T* px, int64_t V, double T_) {
       for (; i < n; ++i) cs += std::exp2((static_cast<float>(x[i]) - sh) * c);
       row.s = row.s * scales(row.m, m, T_).second + cs;
       row.m = m;
-    }
-    return row;
+      return true;
+    });
+    return finite ? row : lse_row_scalar(px, V, T_);  // NaN or +inf: the engine's rules in double
   }
 }
 
@@ -727,16 +748,31 @@ at::Tensor flat_tokens(const at::Tensor& tokens, c10::IntArrayRef leading) {
   return tokens.to(at::kLong).contiguous();
 }
 
+// The checked arguments of a token op: the logits with a unit last stride, their leading dims,
+// V, N, and the tokens as a flat contiguous int64 tensor.
+struct TokenArgs {
+  at::Tensor x, tok;
+  std::vector<int64_t> leading;
+  int64_t V, N;
+  TokenArgs(const at::Tensor& x_in, const at::Tensor& tokens, double T) {
+    check_logits_arg("logits", x_in);
+    check_temperature(T);
+    x = unit_last_stride(x_in);
+    leading = leading_of(x);
+    V = x.size(-1);
+    N = x.numel() / V;
+    tok = flat_tokens(tokens, leading);
+  }
+};
+
 std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x_in, const at::Tensor& tokens,
                                                   double T, int64_t ignore_index, bool check,
                                                   int64_t /*tile_rows*/, int64_t /*tile_cols*/) {
-  check_logits_arg("logits", x_in);
-  check_temperature(T);
-  at::Tensor x = unit_last_stride(x_in);
-  const auto leading = leading_of(x);
-  const int64_t V = x.size(-1), N = x.numel() / V;
-  at::Tensor tok = flat_tokens(tokens, leading);
-  const int64_t* tp = tok.const_data_ptr<int64_t>();
+  const TokenArgs args(x_in, tokens, T);
+  const at::Tensor& x = args.x;
+  const auto& leading = args.leading;
+  const int64_t V = args.V, N = args.N;
+  const int64_t* tp = args.tok.const_data_ptr<int64_t>();
   if (check) check_token_range(tokens, tp, N, V, ignore_index);
   for (int64_t r = 0; r < N; ++r) {  // never read outside a row, even with check=False
     TORCH_CHECK_INDEX(tp[r] == ignore_index || (tp[r] >= 0 && tp[r] < V), "token ", tp[r],
@@ -748,30 +784,24 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x_in, const 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_token_logprobs", [&] {
     using T_in = scalar_t;
     const T_in* px = x.const_data_ptr<T_in>();
-    auto run = [&](auto* op, auto* stp) {
-      using O = std::remove_pointer_t<decltype(op)>;
-      parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-          O* st = stp + 3 * r;
-          if (tp[r] == ignore_index) {
-            op[r] = O(0);
-            std::fill(st, st + 3, O(0));
-            continue;
-          }
-          const T_in* xr = px + rx.offset(r);
-          const LSERow row = lse_row(xr, V, T);
-          const double shift = finite_or_zero(row.m), log_s = std::log(row.s);
-          // (x_t − m)/T − log s: exact for nearby logits at any offset; no distribution: NaN
-          double v = (static_cast<double>(xr[tp[r]]) - shift) / T - log_s;
-          if (row.s == 0.0) v = kNaN;
-          op[r] = static_cast<O>(v);
-          st[0] = static_cast<O>(shift);
-          st[1] = static_cast<O>(finite_or_zero(log_s));
-          st[2] = static_cast<O>(v);
-        }
-      });
-    };
-    with_output_ptrs(out, stats, run);
+    forward_rows(out, stats, 3, N, V, [&](int64_t r, auto* res, auto* st) {
+      using O = std::remove_pointer_t<decltype(res)>;
+      if (tp[r] == ignore_index) {
+        *res = O(0);
+        std::fill(st, st + 3, O(0));
+        return;
+      }
+      const T_in* xr = px + rx.offset(r);
+      const LSERow row = lse_row(xr, V, T);
+      const double shift = finite_or_zero(row.m), log_s = std::log(row.s);
+      // (x_t − m)/T − log s: exact for nearby logits at any offset; no distribution: NaN
+      double v = (static_cast<double>(xr[tp[r]]) - shift) / T - log_s;
+      if (row.s == 0.0) v = kNaN;
+      *res = static_cast<O>(v);
+      st[0] = static_cast<O>(shift);
+      st[1] = static_cast<O>(finite_or_zero(log_s));
+      st[2] = static_cast<O>(v);
+    });
   });
   if (check) raise_if_nan(out, leading, {{"logits", x_in}});
   return {out, stats};
@@ -802,19 +832,17 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& x_i
                                    const at::Tensor& tokens, const at::Tensor& stats, double T,
                                    int64_t ignore_index, int64_t /*tile_rows*/,
                                    int64_t /*tile_cols*/) {
-  check_logits_arg("logits", x_in);
-  check_temperature(T);
-  at::Tensor x = unit_last_stride(x_in);
-  const auto leading = leading_of(x);
-  const int64_t V = x.size(-1), N = x.numel() / V;
-  at::Tensor tok = flat_tokens(tokens, leading);
+  const TokenArgs args(x_in, tokens, T);
+  const at::Tensor& x = args.x;
+  const auto& leading = args.leading;
+  const int64_t V = args.V, N = args.N;
   TORCH_CHECK_VALUE(grad.sizes() == c10::IntArrayRef(leading), "grad must have shape ",
                     py_tuple(leading), ", got ", describe(grad));
   at::Tensor g = grad.to(at::kDouble).contiguous();
   at::Tensor st = stats.to(at::kDouble).contiguous();
   TORCH_CHECK_VALUE(st.numel() == 3 * N, "stats must have shape (..., 3), got ", describe(stats));
   at::Tensor gx = at::empty(x.sizes(), x.options());
-  const int64_t* tp = tok.const_data_ptr<int64_t>();
+  const int64_t* tp = args.tok.const_data_ptr<int64_t>();
   const double* gp = g.const_data_ptr<double>();
   const double* sp = st.const_data_ptr<double>();
   const Rows rx(x);

@@ -199,6 +199,19 @@ def test_large_opposite_offsets_keep_float32_accuracy(offset_x, offset_y, temper
     torch.testing.assert_close(lp.double(), token_logprobs_reference(xs, tokens, temperature), **tol(torch.float32))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_kl_stays_within_2e6_nats(dtype):
+    """KL ≈ 12 at T = 0.7: float lanes summing a whole 2048-element chunk lost up to 4.4e-6
+    nats (bf16); partial sums widened into double every 4 blocks keep it below 2e-6."""
+    x, y = make_logits((16, 32000), torch.float64, seed=5, scale=5.0)
+    y = x + 5.0 * (y - x) / 2.5  # noise of scale 5: KL ≈ 12
+    x, y = x.to(dtype), y.to(dtype)
+    want = full_kl_reference(x, y, 0.7)
+    assert want.mean() > 8
+    err = (_kl(x, y, temperature=0.7).double() - want).abs().max().item()
+    assert err <= 2e-6
+
+
 def test_mixed_dtypes_empty_batch_and_threads():
     x, y = make_logits((3, 4, 500), torch.float32, seed=2)
     xb = x.bfloat16().requires_grad_()

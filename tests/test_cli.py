@@ -15,6 +15,11 @@ def test_env_prints_versions_and_backends(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     assert "klpenalty" in out and "torch" in out and "streaming" in out
+    # the active CPU path and the build cache
+    from klpenalty.ops import native
+
+    path = "native" if native.available() else "streaming"
+    assert f"cpu path  {path}" in out and str(native.build_dir()) in out
 
 
 def test_unknown_command_exits_with_usage():

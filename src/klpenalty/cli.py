@@ -20,6 +20,7 @@ DESCRIPTION = (
 def _env(_: argparse.Namespace) -> int:
     import torch
 
+    from klpenalty.ops import native
     from klpenalty.ops.dispatch import available_backends
 
     print(f"klpenalty {__version__}")
@@ -27,6 +28,7 @@ def _env(_: argparse.Namespace) -> int:
     print(f"torch     {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"cuda      {torch.cuda.is_available()}")
     print(f"backends  {', '.join(available_backends())}")
+    print(f"cpu path  {native.status()}")
     return 0
 
 

@@ -44,7 +44,8 @@ def full_kl(
         temperature: > 0; divides both models' logits before the softmax.
         backend: ``"auto"`` (the fastest available for the device) or a name from
             ``klpenalty.ops.dispatch.available_backends()`` (``"streaming"``: the portable
-            engine, any device). All give the same result up to float32 rounding.
+            engine, any device; ``"native"``: the fused C++ CPU kernel, built at its first use,
+            which ``"auto"`` picks on CPU). All give the same result up to float32 rounding.
         check: raise ValueError when a counted position's logits hold NaN or define no
             distribution. It reads the (...) result on the host: one device synchronisation
             per call, nothing per tile. ``check=False`` skips it (such positions give NaN).

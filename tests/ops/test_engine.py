@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import klpenalty
-from klpenalty.ops import engine, streaming
+from klpenalty.ops import dispatch, engine, native, streaming
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
 from tests.conftest import grad_tol, tol
 
@@ -151,13 +151,23 @@ def test_no_graph_breaks():
 
 
 @pytest.mark.parametrize(
-    "compiler",
+    "compiler,cpu_backend",
     [
-        "aot_eager",  # dynamo + AOT autograd through the fake implementations
-        pytest.param("inductor", marks=pytest.mark.slow),  # the real compiler, ~3-10 s
+        ("aot_eager", "native"),  # dynamo + AOT autograd through the fake implementations
+        ("aot_eager", "streaming"),
+        pytest.param("inductor", "native", marks=pytest.mark.slow),  # the real compiler, ~3-10 s
     ],
 )
-def test_fullgraph_compile_of_a_training_step_gives_the_same_numbers(compiler):
+def test_fullgraph_compile_of_a_training_step_gives_the_same_numbers(
+    compiler, cpu_backend, monkeypatch
+):
+    """Through the backend that backend="auto" picks on CPU (tests/ops/test_native.py asserts
+    that the native kernel builds here)."""
+    if cpu_backend == "streaming":
+        monkeypatch.setattr(native, "available", lambda: False)
+    elif not native.available():
+        pytest.skip("the native kernel is unavailable (no C++ compiler)")
+    assert dispatch.get_backend("auto", torch.device("cpu")).__name__.endswith(cpu_backend)
     torch._dynamo.reset()
     x, y, tokens, mask = _step_inputs()
     compiled = torch.compile(_step, fullgraph=True, backend=compiler)
@@ -231,7 +241,7 @@ def test_cpu_tile_loop_runs_on_one_thread_and_restores_the_setting(monkeypatch):
     torch.set_num_threads(2)
     try:
         x, y = _pair((4, 50))
-        klpenalty.full_kl(x, y)
+        klpenalty.full_kl(x, y, backend="streaming")
         assert seen and set(seen) == {1}
         assert torch.get_num_threads() == 2
     finally:

@@ -10,7 +10,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import klpenalty
-from klpenalty.ops import dispatch, streaming
+from klpenalty.ops import dispatch, native, streaming
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
 from tests.conftest import tol
 
@@ -348,8 +348,12 @@ def test_forward_allocates_nothing_of_size_rows_by_vocab():
 
 
 # --------------------------------------------------------------------------- backends
-def test_dispatch_auto_is_streaming_and_lists_backends():
-    assert dispatch.get_backend("auto", torch.device("cpu")) is streaming
-    assert dispatch.available_backends() == ["streaming"]
+def test_dispatch_auto_picks_native_on_cpu_and_lists_backends():
+    want = native if native.available() else streaming  # tests/ops/test_native.py: it builds
+    assert dispatch.get_backend("auto", torch.device("cpu")) is want
+    assert dispatch.get_backend("auto", torch.device("meta")) is streaming
+    assert dispatch.available_backends() == ["streaming", "native"]
     with pytest.raises(ValueError, match="streaming"):
         dispatch.get_backend("fast", torch.device("cpu"))
+    with pytest.raises(ValueError, match="CPU tensors only"):
+        dispatch.get_backend("native", torch.device("meta"))

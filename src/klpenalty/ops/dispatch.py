@@ -12,9 +12,12 @@ Backends:
 
 - ``"streaming"``: the engine's tile loop in eager PyTorch (:mod:`.streaming`). Any device, no
   compilation, no warm-up.
+- ``"native"``: the fused C++ CPU kernel (:mod:`.native`), built at its first use and cached.
+  CPU tensors only. Where it cannot be built it warns once and runs ``"streaming"``, also when
+  asked for by name, so code written for one machine runs on another.
 
-``"auto"`` picks the fastest backend available for the device (today: ``"streaming"``). It never
-reads environment variables.
+``"auto"`` picks the fastest backend available for the device: ``"native"`` for CPU tensors when
+it builds, else ``"streaming"``. It never reads environment variables.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from types import ModuleType
 
 import torch
 
-from . import streaming
+from . import native, streaming
 
 __all__ = ["BACKENDS", "get_backend", "available_backends"]
 
-# name -> backend module
-BACKENDS: dict[str, ModuleType] = {"streaming": streaming}
+# name -> backend module (native builds its kernel lazily, at its first call)
+BACKENDS: dict[str, ModuleType] = {"streaming": streaming, "native": native}
 
 
 def available_backends() -> list[str]:
@@ -39,7 +42,12 @@ def available_backends() -> list[str]:
 def get_backend(name: str, device: torch.device) -> ModuleType:
     """Resolve ``name`` (``"auto"`` or one of :func:`available_backends`) for ``device``."""
     if name == "auto":
-        return BACKENDS["streaming"]
+        return native if device.type == "cpu" and native.available() else streaming
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {['auto', *BACKENDS]}, got {name!r}")
+    if name == "native" and device.type != "cpu":
+        raise ValueError(
+            f"backend 'native' runs on CPU tensors only, got tensors on {device}; "
+            "use backend='auto' or 'streaming'"
+        )
     return BACKENDS[name]

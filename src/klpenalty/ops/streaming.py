@@ -255,6 +255,25 @@ def entropy_grads(
 
 
 # ------------------------------------------------------------------------------ custom ops
+def _rows_and_tiles(x: Tensor, tile_rows: int, tile_cols: int) -> tuple[Tensor, int, int]:
+    """(..., V) logits as (N, V) rows, and the (rows, cols) of a tile (0 = the default)."""
+    vocab = x.shape[-1]
+    xf = x.reshape(-1, vocab)
+    return (xf, *tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols))
+
+
+def _masked_checked(
+    out: Tensor, stats: Tensor, mask: Tensor | None, check: bool, named: dict[str, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """(N,) result and (N, k) stats → 0 at masked positions, the NaN check, (...) shapes."""
+    if mask is not None:
+        out = out.masked_fill(~mask.reshape(-1), 0.0)
+    if check:
+        v.raise_if_nan(out, named)
+    leading = next(iter(named.values())).shape[:-1]
+    return out.reshape(leading), stats.reshape(*leading, stats.shape[-1])
+
+
 @torch.library.custom_op("klpenalty::streaming_full_kl", mutates_args=())
 def _full_kl_op(
     x: Tensor,
@@ -266,18 +285,12 @@ def _full_kl_op(
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
     """(..., V) logits → KL (...) and backward stats (..., 6). See :mod:`.engine`."""
-    leading, vocab = x.shape[:-1], x.shape[-1]
-    xf = x.reshape(-1, vocab)  # (N, V)
-    yf = y.reshape(-1, vocab)  # (N, V)
-    rows, cols = tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols)
+    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
+    yf = y.reshape(xf.shape)  # (N, V)
     with _cpu_threads(x.device):
         state, careful = kl_state(xf, yf, temperature, rows, cols)
         kl, stats = kl_finalize(state, careful)
-    if mask is not None:
-        kl = kl.masked_fill(~mask.reshape(-1), 0.0)
-    if check:
-        v.raise_if_nan(kl, {"policy_logits": x, "ref_logits": y})
-    return kl.reshape(leading), stats.reshape(*leading, 6)
+    return _masked_checked(kl, stats, mask, check, {"policy_logits": x, "ref_logits": y})
 
 
 @torch.library.custom_op("klpenalty::streaming_full_kl_backward", mutates_args=())
@@ -294,11 +307,9 @@ def _full_kl_backward_op(
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
     """Gradients (..., V) w.r.t. x and y (an empty tensor for one that is not needed)."""
-    vocab = x.shape[-1]
-    xf = x.reshape(-1, vocab)  # (N, V)
-    yf = y.reshape(-1, vocab)  # (N, V)
+    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
+    yf = y.reshape(xf.shape)  # (N, V)
     g = ag.masked_grad(grad, mask, stats.dtype).reshape(-1)  # (N,)
-    rows, cols = tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols)
     with _cpu_threads(x.device):
         gx, gy = kl_grads(g, xf, yf, stats.reshape(-1, 6), temperature, need_x, need_y, rows, cols)
     return (
@@ -374,16 +385,10 @@ def _entropy_op(
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
     """(..., V) logits → H(π) (...) and backward stats (..., 3). See :mod:`.engine`."""
-    leading, vocab = x.shape[:-1], x.shape[-1]
-    xf = x.reshape(-1, vocab)  # (N, V)
-    rows, cols = tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols)
+    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
     with _cpu_threads(x.device):
         h, stats = entropy_finalize(entropy_state(xf, temperature, rows, cols))
-    if mask is not None:
-        h = h.masked_fill(~mask.reshape(-1), 0.0)
-    if check:
-        v.raise_if_nan(h, {"logits": x})
-    return h.reshape(leading), stats.reshape(*leading, 3)
+    return _masked_checked(h, stats, mask, check, {"logits": x})
 
 
 @torch.library.custom_op("klpenalty::streaming_entropy_backward", mutates_args=())
@@ -397,10 +402,8 @@ def _entropy_backward_op(
     tile_cols: int,
 ) -> Tensor:
     """Gradient (..., V) of Σ grad·H(π): −π·(u − E_π[u])·grad/T, 0 where π = 0 or masked."""
-    vocab = x.shape[-1]
-    xf = x.reshape(-1, vocab)  # (N, V)
+    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
     g = ag.masked_grad(grad, mask, stats.dtype).reshape(-1)  # (N,)
-    rows, cols = tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols)
     with _cpu_threads(x.device):
         gx = entropy_grads(g, xf, stats.reshape(-1, 3), temperature, rows, cols)
     return gx.view(x.shape)

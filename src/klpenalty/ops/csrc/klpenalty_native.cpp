@@ -175,6 +175,16 @@ struct WideSum {
   }
 };
 
+// e·d, a term of Σ e^u·f(u); kCareful: 0 where e = 0 (0·log 0 = 0, also for d = ±inf or NaN).
+template <bool kCareful>
+inline VF moment_term(const VF& e, const VF& d) {
+  if constexpr (kCareful) {
+    return VF::blendv(e * d, VF(0.0f), e == VF(0.0f));
+  } else {
+    return e * d;
+  }
+}
+
 template <typename T>
 inline double chunk_max(const T* p, int64_t n) {
   VF m0(-std::numeric_limits<float>::infinity()), m1 = m0;
@@ -413,13 +423,8 @@ KLRow kl_row_vec(const T* px, const T* py, int64_t V, double T_) {
         sx1 = sx1 + eu1;
         sy0 = sy0 + ew0;
         sy1 = sy1 + ew1;
-        VF t0 = eu0 * (dx0 - dy0), t1 = eu1 * (dx1 - dy1);
-        if constexpr (kCareful) {
-          t0 = VF::blendv(t0, zero, eu0 == zero);
-          t1 = VF::blendv(t1, zero, eu1 == zero);
-        }
-        a0 = a0 + t0;
-        a1 = a1 + t1;
+        a0 = a0 + moment_term<kCareful>(eu0, dx0 - dy0);
+        a1 = a1 + moment_term<kCareful>(eu1, dx1 - dy1);
       }
       ws_x.add(sx0 + sx1);
       ws_y.add(sy0 + sy1);
@@ -790,13 +795,8 @@ LSERow lse_row_vec(const T* px, int64_t V, double T_) {
         s0 = s0 + e0;
         s1 = s1 + e1;
         if constexpr (kMoment) {
-          VF t0 = e0 * d0, t1 = e1 * d1;
-          if constexpr (kCareful) {
-            t0 = VF::blendv(t0, zero, e0 == zero);
-            t1 = VF::blendv(t1, zero, e1 == zero);
-          }
-          b0 = b0 + t0;
-          b1 = b1 + t1;
+          b0 = b0 + moment_term<kCareful>(e0, d0);
+          b1 = b1 + moment_term<kCareful>(e1, d1);
         }
       }
       ws.add(s0 + s1);
@@ -942,42 +942,55 @@ void lse_grad_row(const T* px, double shift, double log_s, double mean_u, double
   }
 }
 
-at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& x_in,
-                                   const at::Tensor& tokens, const at::Tensor& stats, double T,
-                                   int64_t ignore_index, int64_t /*tile_rows*/,
-                                   int64_t /*tile_cols*/) {
-  const TokenArgs args(x_in, tokens, T);
+// The gradient (..., V) of a single-logits op from its upstream gradient and stats (..., cols):
+// row(x_r, out_r, stats_r, g_r, r) for every row whose weighted gradient g_r = weight(r, grad_r)
+// is nonzero; the other rows (masked or ignored, garbage allowed) are exactly 0.
+template <typename W, typename F>
+at::Tensor backward_rows(const LogitsArgs& args, const at::Tensor& grad, const at::Tensor& stats,
+                         int64_t cols, const W& weight, const F& row) {
   const at::Tensor& x = args.x;
   const int64_t V = args.V, N = args.N;
-  const auto [g, st] = backward_inputs(grad, stats, args.leading, 3, N);
+  const auto [g, st] = backward_inputs(grad, stats, args.leading, cols, N);
   at::Tensor gx = at::empty(x.sizes(), x.options());
-  const int64_t* tp = args.tok.const_data_ptr<int64_t>();
   const double* gp = g.const_data_ptr<double>();
   const double* sp = st.const_data_ptr<double>();
   const Rows rx(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_token_bwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_backward_rows", [&] {
     using T_in = scalar_t;
     const T_in* px = x.const_data_ptr<T_in>();
     T_in* gxp = gx.mutable_data_ptr<T_in>();
     parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) {
         T_in* out = gxp + r * V;
-        const bool ignored = tp[r] == ignore_index;
-        const double gr = ignored ? 0.0 : gp[r];
+        const double gr = weight(r, gp[r]);
         if (gr == 0.0) {
           std::fill(out, out + V, T_in(0));
           continue;
         }
-        TORCH_CHECK_INDEX(tp[r] >= 0 && tp[r] < V, "token ", tp[r], " at flat position ", r,
-                          " is out of range for a vocabulary of ", V);
-        const double* s = sp + 3 * r;
-        lse_grad_row<false>(px + rx.offset(r), s[0], s[1], 0.0, gr, T, out, V);
-        // at the token: (1 − π_t)·g/T = −expm1(log π_t)·g/T, exact for π_t near 1
-        out[tp[r]] = static_cast<T_in>(-std::expm1(s[2]) * gr / T);
+        row(px + rx.offset(r), out, sp + cols * r, gr, r);
       }
     });
   });
   return gx;
+}
+
+at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& x_in,
+                                   const at::Tensor& tokens, const at::Tensor& stats, double T,
+                                   int64_t ignore_index, int64_t /*tile_rows*/,
+                                   int64_t /*tile_cols*/) {
+  const TokenArgs args(x_in, tokens, T);
+  const int64_t V = args.V;
+  const int64_t* tp = args.tok.const_data_ptr<int64_t>();
+  return backward_rows(
+      args, grad, stats, 3, [&](int64_t r, double g) { return tp[r] == ignore_index ? 0.0 : g; },
+      [&](const auto* xr, auto* out, const double* s, double gr, int64_t r) {
+        using O = std::remove_pointer_t<decltype(out)>;
+        TORCH_CHECK_INDEX(tp[r] >= 0 && tp[r] < V, "token ", tp[r], " at flat position ", r,
+                          " is out of range for a vocabulary of ", V);
+        lse_grad_row<false>(xr, s[0], s[1], 0.0, gr, T, out, V);
+        // at the token: (1 − π_t)·g/T = −expm1(log π_t)·g/T, exact for π_t near 1
+        out[tp[r]] = static_cast<O>(-std::expm1(s[2]) * gr / T);
+      });
 }
 
 // ------------------------------------------------------------------------------ entropy ops
@@ -1028,33 +1041,13 @@ at::Tensor entropy_backward(const at::Tensor& grad, const at::Tensor& x_in,
                             const at::Tensor& stats, const std::optional<at::Tensor>& mask,
                             double T, int64_t /*tile_rows*/, int64_t /*tile_cols*/) {
   const LogitsArgs args(x_in, T);
-  const at::Tensor& x = args.x;
-  const int64_t V = args.V, N = args.N;
-  at::Tensor m = flat_mask(mask, args.leading);
-  const auto [g, st] = backward_inputs(grad, stats, args.leading, 3, N);
-  at::Tensor gx = at::empty(x.sizes(), x.options());
+  const at::Tensor m = flat_mask(mask, args.leading);
   const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
-  const double* gp = g.const_data_ptr<double>();
-  const double* sp = st.const_data_ptr<double>();
-  const Rows rx(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_entropy_bwd", [&] {
-    using T_in = scalar_t;
-    const T_in* px = x.const_data_ptr<T_in>();
-    T_in* gxp = gx.mutable_data_ptr<T_in>();
-    parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        T_in* out = gxp + r * V;
-        const double gr = (mp && !mp[r]) ? 0.0 : gp[r];
-        if (gr == 0.0) {  // masked (garbage allowed) or no upstream gradient: exactly 0
-          std::fill(out, out + V, T_in(0));
-          continue;
-        }
-        const double* s = sp + 3 * r;
-        lse_grad_row<true>(px + rx.offset(r), s[0], s[1], s[2], gr, T, out, V);
-      }
-    });
-  });
-  return gx;
+  return backward_rows(
+      args, grad, stats, 3, [&](int64_t r, double g) { return (mp && !mp[r]) ? 0.0 : g; },
+      [&](const auto* xr, auto* out, const double* s, double gr, int64_t) {
+        lse_grad_row<true>(xr, s[0], s[1], s[2], gr, T, out, args.V);
+      });
 }
 
 }  // namespace

@@ -4,7 +4,7 @@ Shape letters in every docstring: B batch, T sequence, V vocabulary, N rows.
 """
 
 from . import rlhf
-from .functional import full_kl, kl_penalized_reward, token_logprobs
+from .functional import entropy, full_kl, kl_penalized_reward, token_logprobs
 from .modules import FullKL, KLPenalty
 from .rlhf import *  # noqa: F403  (the names in klpenalty.rlhf.__all__)
 
@@ -15,6 +15,7 @@ __all__ = [
     "full_kl",
     "kl_penalized_reward",
     "token_logprobs",
+    "entropy",
     # the same as nn.Modules
     "FullKL",
     "KLPenalty",

@@ -1,4 +1,4 @@
-"""The exact, full-vocabulary KL penalty and per-token log-probs.
+"""The exact, full-vocabulary KL penalty, per-token log-probs and the policy entropy.
 
 Shape letters: B batch, T sequence, V vocabulary, N rows (product of the leading dims).
 All functions accept any leading dims: logits (..., V), per-token tensors (...).
@@ -11,7 +11,7 @@ import torch
 from . import _validation as v
 from .ops.dispatch import get_backend
 
-__all__ = ["full_kl", "kl_penalized_reward", "token_logprobs"]
+__all__ = ["full_kl", "kl_penalized_reward", "token_logprobs", "entropy"]
 
 
 def full_kl(
@@ -164,3 +164,44 @@ def token_logprobs(
     ignore_index = v.check_ignore_index(ignore_index)
     impl = get_backend(backend, logits.device)
     return impl.token_logprobs(logits, tokens, temperature, ignore_index=ignore_index, check=check)
+
+
+def entropy(
+    logits: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    backend: str = "auto",
+    check: bool = True,
+) -> torch.Tensor:
+    """The policy entropy H(π) = −Σ_v π(v)·log π(v), π = softmax(logits / T), at every position.
+
+    Computed from a per-row log-sum-exp and Σ e^u·u in float32 (float64 for float64 logits),
+    streamed like :func:`full_kl`: no (..., V) temporary. 0·log 0 = 0 (-inf entries contribute
+    nothing: a row with one finite entry has H = 0 exactly); clamped at 0; adding a constant to
+    a row changes nothing.
+
+    Args:
+        logits: (..., V) float16/bfloat16/float32/float64.
+        mask: optional (...) bool, True = this position counts. Masked positions return 0 and
+            get zero gradient; their logits may hold anything (even all -inf).
+        temperature: > 0; divides the logits before the softmax.
+        backend: as in :func:`full_kl`.
+        check: raise ValueError when a counted position's logits hold NaN or define no
+            distribution (one host read per call); ``check=False`` gives NaN there.
+
+    Returns:
+        (...) float32 (float64 for float64 logits), ≥ 0, differentiable (also twice); the
+        gradient −π·(log π + H)/T in the logits' dtype. An empty batch gives an empty result.
+
+    Raises:
+        TypeError: non-tensor or non-floating logits, non-bool mask.
+        ValueError: a mask of the wrong shape, temperature ≤ 0, an unknown backend, NaN in a
+            counted position's logits (with ``check``).
+    """
+    v.check_logits("logits", logits)
+    temperature = v.check_temperature(temperature)
+    if mask is not None:
+        mask = v.check_mask(mask, logits.shape[:-1], logits.device)
+    impl = get_backend(backend, logits.device)
+    return impl.entropy(logits, mask, temperature, check=check)

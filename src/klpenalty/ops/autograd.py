@@ -7,9 +7,13 @@ A backend provides two pairs of ``torch.library.custom_op`` s with fixed signatu
   tile_cols) -> (grad_x (..., V) or empty, grad_y (..., V) or empty)``;
 - ``token_logprobs(x, tokens, temperature, ignore_index, check, tile_rows, tile_cols) ->
   (logp (...), stats (..., 3))`` and ``token_logprobs_backward(grad, x, tokens, stats,
-  temperature, ignore_index, tile_rows, tile_cols) -> grad_x (..., V)``.
+  temperature, ignore_index, tile_rows, tile_cols) -> grad_x (..., V)``;
+- ``entropy(x, mask, temperature, check, tile_rows, tile_cols) -> (H (...), stats (..., 3))``
+  and ``entropy_backward(grad, x, stats, mask, temperature, tile_rows, tile_cols) -> grad_x
+  (..., V)``.
 
-:func:`register_full_kl` / :func:`register_token_logprobs` give them fake implementations (so
+:func:`register_full_kl` / :func:`register_token_logprobs` / :func:`register_entropy` give them
+fake implementations (so
 ``torch.compile`` traces through them with ``fullgraph=True``) and an autograd formula:
 the first derivative calls the backend's backward op; a second derivative (``create_graph=True``:
 Hessian-vector products, gradient penalties) recomputes the first derivative with differentiable
@@ -24,7 +28,13 @@ from torch import Tensor
 
 from .._validation import compute_dtype
 
-__all__ = ["register_full_kl", "register_token_logprobs", "masked_grad", "safe_tokens"]
+__all__ = [
+    "register_full_kl",
+    "register_token_logprobs",
+    "register_entropy",
+    "masked_grad",
+    "safe_tokens",
+]
 
 
 def masked_grad(grad: Tensor, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -73,7 +83,34 @@ def _token_logprobs_grad_differentiable(
     return ((onehot - p) * (g / temperature).unsqueeze(-1)).to(x.dtype)
 
 
+def _entropy_grad_differentiable(
+    grad: Tensor, x: Tensor, mask: Tensor | None, temperature: float
+) -> Tensor:
+    """−π·(log π + H)·g/T with differentiable ops, (..., V); 0 where π = 0 or masked."""
+    dtype = compute_dtype(x)
+    xs = x.to(dtype) / temperature
+    g = masked_grad(grad, mask, dtype)
+    if mask is not None:  # masked rows may hold garbage (all −inf): keep it out of the graph
+        xs = torch.where(mask.unsqueeze(-1), xs, 0.0)
+    logp = torch.log_softmax(xs, -1)
+    p = logp.exp()
+    logp = torch.where(p > 0, logp, 0.0)  # 0·log 0 = 0, no NaN in the unused branch either
+    h = -(p * logp).sum(-1, keepdim=True)
+    return (-p * (logp + h) * (g / temperature).unsqueeze(-1)).to(x.dtype)
+
+
 # ------------------------------------------------------------------------------ registration
+def _forward_outputs(x: Tensor, dtype: torch.dtype, stats_cols: int) -> tuple[Tensor, Tensor]:
+    """Fake forward outputs: the result (...) and the stats (..., stats_cols) in ``dtype``."""
+    leading = x.shape[:-1]
+    return x.new_empty(leading, dtype=dtype), x.new_empty((*leading, stats_cols), dtype=dtype)
+
+
+def _grad_like(x: Tensor) -> Tensor:
+    """Fake gradient of ``x``: its shape and dtype, contiguous."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def register_full_kl(fwd_op, bwd_op) -> None:
     """Fake implementations and autograd for a backend's full_kl op pair.
 
@@ -83,14 +120,12 @@ def register_full_kl(fwd_op, bwd_op) -> None:
 
     @torch.library.register_fake(fwd_op)
     def _(x, y, mask, temperature, check, tile_rows, tile_cols):
-        dtype = compute_dtype(x, y)
-        leading = x.shape[:-1]
-        return x.new_empty(leading, dtype=dtype), x.new_empty((*leading, 6), dtype=dtype)
+        return _forward_outputs(x, compute_dtype(x, y), 6)
 
     @torch.library.register_fake(bwd_op)
     def _(grad, x, y, stats, mask, temperature, need_x, need_y, tile_rows, tile_cols):
-        gx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else x.new_empty(0)
-        gy = torch.empty_like(y, memory_format=torch.contiguous_format) if need_y else y.new_empty(0)
+        gx = _grad_like(x) if need_x else x.new_empty(0)
+        gy = _grad_like(y) if need_y else y.new_empty(0)
         return gx, gy
 
     def setup_context(ctx, inputs, output):
@@ -118,13 +153,11 @@ def register_token_logprobs(fwd_op, bwd_op) -> None:
 
     @torch.library.register_fake(fwd_op)
     def _(x, tokens, temperature, ignore_index, check, tile_rows, tile_cols):
-        dtype = compute_dtype(x)
-        leading = x.shape[:-1]
-        return x.new_empty(leading, dtype=dtype), x.new_empty((*leading, 3), dtype=dtype)
+        return _forward_outputs(x, compute_dtype(x), 3)
 
     @torch.library.register_fake(bwd_op)
     def _(grad, x, tokens, stats, temperature, ignore_index, tile_rows, tile_cols):
-        return torch.empty_like(x, memory_format=torch.contiguous_format)
+        return _grad_like(x)
 
     def setup_context(ctx, inputs, output):
         x, tokens, temperature, ignore_index, _, tile_rows, tile_cols = inputs
@@ -139,5 +172,33 @@ def register_token_logprobs(fwd_op, bwd_op) -> None:
         else:
             gx = bwd_op(grad_out, x, tokens, stats, temperature, ignore_index, tile_rows, tile_cols)
         return gx, None, None, None, None, None, None
+
+    torch.library.register_autograd(fwd_op, backward, setup_context=setup_context)
+
+
+def register_entropy(fwd_op, bwd_op) -> None:
+    """Fake implementations and autograd for a backend's entropy op pair."""
+
+    @torch.library.register_fake(fwd_op)
+    def _(x, mask, temperature, check, tile_rows, tile_cols):
+        return _forward_outputs(x, compute_dtype(x), 3)
+
+    @torch.library.register_fake(bwd_op)
+    def _(grad, x, stats, mask, temperature, tile_rows, tile_cols):
+        return _grad_like(x)
+
+    def setup_context(ctx, inputs, output):
+        x, mask, temperature, _, tile_rows, tile_cols = inputs
+        ctx.save_for_backward(x, mask, output[1])
+        ctx.args = (temperature, tile_rows, tile_cols)
+
+    def backward(ctx, grad_h, _grad_stats):
+        x, mask, stats = ctx.saved_tensors
+        temperature, tile_rows, tile_cols = ctx.args
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable first derivative
+            gx = _entropy_grad_differentiable(grad_h, x, mask, temperature)
+        else:
+            gx = bwd_op(grad_h, x, stats, mask, temperature, tile_rows, tile_cols)
+        return gx, None, None, None, None, None
 
     torch.library.register_autograd(fwd_op, backward, setup_context=setup_context)

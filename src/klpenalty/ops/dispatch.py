@@ -1,11 +1,12 @@
 """Backend choice for the exact-KL ops.
 
-A backend is a module with two functions on (..., V) tensors, already validated:
+A backend is a module with three functions on (..., V) tensors, already validated:
 
 - ``full_kl(x, y, mask, temperature, *, check) -> (...)``;
-- ``token_logprobs(x, tokens, temperature, *, ignore_index, check) -> (...)``.
+- ``token_logprobs(x, tokens, temperature, *, ignore_index, check) -> (...)``;
+- ``entropy(x, mask, temperature, *, check) -> (...)``.
 
-Both return float32 (float64 for float64 inputs), are differentiable (twice), and are built
+All return float32 (float64 for float64 inputs), are differentiable (twice), and are built
 on the per-row state of :mod:`.engine` through ``torch.library`` custom ops.
 
 Backends:

@@ -43,6 +43,11 @@ maxima), log s_x, log s_y, E_π[u − w] = a/s_x and a flag for rows that need t
 **Log-sum-exp state** (:class:`LSEState`, for token log-probs): (m, s = Σ e^{(x − m)/T}), merged
 the same way; log π(t) = (x_t − m)/T − log s.
 
+**Entropy state** (:class:`EntropyState`, for H(π) = −Σ π log π): the log-sum-exp state and
+b = Σ e^u·u (0·log 0 = 0: entries with e^u = 0 add nothing), merged like ``a`` of the KL state
+(b ← α·(b + δ·s)); finalize H = log s − b/s, clamped at 0, NaN where the row has no
+distribution. Stats (N, 3): shift, log s, E_π[u] = b/s; ∂H/∂x = −π·(u − E_π[u])/T.
+
 Numerics: math in float32 for float16/bfloat16/float32 inputs, float64 for float64 inputs
 (:func:`klpenalty._validation.compute_dtype`).
 """
@@ -70,6 +75,12 @@ __all__ = [
     "lse_rescale",
     "lse_merge",
     "lse_grad_tile",
+    "EntropyState",
+    "entropy_partial",
+    "entropy_rescale",
+    "entropy_merge",
+    "entropy_finalize",
+    "entropy_grad_tile",
 ]
 
 _LOG2E = math.log2(math.e)
@@ -95,6 +106,14 @@ class LSEState(NamedTuple):
 
     m: torch.Tensor  # max logit (logit units)
     s: torch.Tensor  # Σ e^{(x − m)/T}
+
+
+class EntropyState(NamedTuple):
+    """Per-row entropy state over a vocabulary slice: the log-sum-exp state and Σ e^u·u."""
+
+    m: torch.Tensor  # max logit (logit units)
+    s: torch.Tensor  # Σ e^u, u = (x − m)/T
+    b: torch.Tensor  # Σ e^u·u, with 0·log 0 = 0
 
 
 def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
@@ -170,19 +189,30 @@ def kl_partial(
     s_x = e.sum(-1)
     d.sub_(w)
     s_y = _exp_tempered(w, w, temperature).sum(-1)  # e^w (in place)
-    d.mul_(e)  # e^u·T(u − w)
+    a, flags = _moment_sum(d, e, temperature, careful)  # Σ e^u·(u − w)
+    return KLState(m_x, s_x, m_y, s_y, a), flags
+
+
+def _moment_sum(
+    d: torch.Tensor, e: torch.Tensor, temperature: float, careful: bool | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(Σ_row e·d/T, careful flags) with 0·log 0 = 0; ``d`` (r, c) is overwritten.
+
+    ``d`` holds T·f(u) for the tile's entries, ``e`` their e^u. Where e^u = 0 a term
+    0·(−inf) or 0·NaN is dropped (0·log 0 = 0); +inf (mass where ρ has none) stays. ``careful``
+    as in :func:`kl_partial`; the flags mark the rows that needed the dropping (None if none).
+    """
+    d.mul_(e)
     flags = None
     if careful is None:
-        a = d.sum(-1)
-        if math.isfinite(float(a.sum())):
-            return KLState(m_x, s_x, m_y, s_y, a / temperature), None
-        flags = ~torch.isfinite(a)
-    # −inf logits: 0·(−inf) and 0·NaN are 0·log 0 = 0; +inf (mass where ρ has none) stays
+        total = d.sum(-1)
+        if math.isfinite(float(total.sum())):
+            return total / temperature, None
+        flags = ~torch.isfinite(total)
     d.masked_fill_(e == 0, 0.0)
-    a = d.sum(-1) / temperature
     if flags is None:
-        flags = torch.ones(r, dtype=torch.bool, device=x.device)
-    return KLState(m_x, s_x, m_y, s_y, a), flags
+        flags = torch.ones(d.shape[0], dtype=torch.bool, device=d.device)
+    return d.sum(-1) / temperature, flags
 
 
 def _scales(m: torch.Tensor, big: torch.Tensor, temperature: float):
@@ -198,11 +228,20 @@ def kl_rescale(state: KLState, m_x: torch.Tensor, m_y: torch.Tensor, temperature
     """The same state expressed against the (larger or equal) maxima ``m_x``, ``m_y`` (N,)."""
     dx, alpha = _scales(state.m_x, m_x, temperature)
     dy, beta = _scales(state.m_y, m_y, temperature)
-    has_mass = state.s_x > 0
-    # (δ_x − δ_y)·s_x only where the slice has policy mass (else 0·inf)
-    shift_term = torch.where(has_mass, (dx - dy) * state.s_x, torch.zeros_like(state.s_x))
-    a = torch.where(alpha > 0, alpha * (state.a + shift_term), torch.zeros_like(state.a))
+    a = _rescale_moment(state.s_x, state.a, dx - dy, alpha)
     return KLState(m_x, alpha * state.s_x, m_y, beta * state.s_y, a)
+
+
+def _rescale_moment(
+    s: torch.Tensor, a: torch.Tensor, shift: torch.Tensor, alpha: torch.Tensor
+) -> torch.Tensor:
+    """α·(a + shift·s): a sum Σ e^u·f(u) after u ← u + δ with f shifting by ``shift``.
+
+    The KL's ``a`` (shift δ_x − δ_y) and the entropy's ``b`` (shift δ_x). The shift term counts
+    only where the slice has mass (else 0·inf); the result is 0 where α = 0 (no mass).
+    """
+    shift_term = torch.where(s > 0, shift * s, torch.zeros_like(s))
+    return torch.where(alpha > 0, alpha * (a + shift_term), torch.zeros_like(a))
 
 
 def kl_merge(s0: KLState, s1: KLState, temperature: float) -> KLState:
@@ -326,3 +365,72 @@ def lse_grad_tile(
     d = _shifted(ws.get("d", r, c), x, shift)
     p = _exp_tempered(d, d, temperature, log_s)
     torch.mul(p, (-g / temperature).unsqueeze(-1), out=gx)
+
+
+# ------------------------------------------------------------------------------------ entropy
+def entropy_partial(
+    x: torch.Tensor, temperature: float, ws: Workspace, careful: bool | None
+) -> EntropyState:
+    """Entropy state of one (r, c) tile of raw logits; ``careful`` as in :func:`kl_partial`."""
+    r, c = x.shape
+    m = x.amax(-1).to(ws.dtype)  # (r,)
+    d = _shifted(ws.get("d", r, c), x, finite_or_zero(m))  # T·u
+    e = _exp_tempered(ws.get("e", r, c), d, temperature)  # e^u
+    b, _ = _moment_sum(d, e, temperature, careful)  # Σ e^u·u
+    return EntropyState(m, e.sum(-1), b)
+
+
+def entropy_rescale(state: EntropyState, m: torch.Tensor, temperature: float) -> EntropyState:
+    """The same state against the (larger or equal) max ``m`` (N,)."""
+    delta, alpha = _scales(state.m, m, temperature)
+    return EntropyState(m, alpha * state.s, _rescale_moment(state.s, state.b, delta, alpha))
+
+
+def entropy_merge(s0: EntropyState, s1: EntropyState, temperature: float) -> EntropyState:
+    """Merge the entropy states of two disjoint vocabulary slices."""
+    m = torch.maximum(s0.m, s1.m)
+    r0, r1 = entropy_rescale(s0, m, temperature), entropy_rescale(s1, m, temperature)
+    return EntropyState(m, r0.s + r1.s, r0.b + r1.b)
+
+
+def entropy_finalize(state: EntropyState) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H (N,), stats (N, 3): shift, log s, E_π[u]) from the merged state of whole rows.
+
+    H = log s − b/s, clamped at 0 (exactly 0 for a row with one finite entry); NaN where the
+    row has no distribution (all −inf, or +inf/NaN).
+    """
+    s = state.s
+    mean_u = state.b / s  # E_π[u]
+    log_s = torch.log(s)
+    h = (log_s - mean_u).clamp_min(0.0)  # NaN stays NaN
+    valid = (s > 0) & torch.isfinite(s)
+    h = torch.where(valid, h, torch.full_like(h, float("nan")))
+    stats = torch.stack([finite_or_zero(state.m), finite_or_zero(log_s), mean_u], dim=-1)
+    return h, stats
+
+
+def entropy_grad_tile(
+    x: torch.Tensor,
+    stats: torch.Tensor,
+    g: torch.Tensor,
+    temperature: float,
+    ws: Workspace,
+    gx: torch.Tensor,
+    careful: bool | None,
+) -> None:
+    """gx ← −π·(u − E_π[u])·g/T for one (r, c) tile; stats (r, 3), g (r,) compute dtype.
+
+    ``careful``: True = zero the entries where π = 0 (0·log 0, −inf logits) and the rows with
+    g = 0 (masked rows may hold garbage); None = do so only if the tile came out non-finite
+    (a host read: free on CPU).
+    """
+    r, c = x.shape
+    shift, log_s, mean_u = stats.unbind(-1)
+    d = _shifted(ws.get("d", r, c), x, shift)  # T·u
+    p = _exp_tempered(ws.get("e", r, c), d, temperature, log_s)
+    d.sub_((mean_u * temperature).unsqueeze(-1)).mul_(p)  # π·T·(u − E_π[u])
+    torch.mul(d, (-g / (temperature * temperature)).unsqueeze(-1), out=gx)
+    if careful is None:
+        careful = not bool(torch.isfinite(gx).all())
+    if careful:
+        gx.masked_fill_(p == 0, 0.0).masked_fill_((g == 0).unsqueeze(-1), 0.0)

@@ -18,8 +18,8 @@ e.g. on Arm), passed as explicit flags, never ``-march=native``. One line goes t
 compiling.
 
 **Fallback.** No compiler, no ninja, a failed build, an unsupported platform: :func:`available`
-is False, one ``RuntimeWarning`` says why and how to get the fast path, and :func:`full_kl` /
-:func:`token_logprobs` run the streaming backend. ``klpenalty env`` shows the active path.
+is False, one ``RuntimeWarning`` says why and how to get the fast path, and :func:`full_kl`,
+:func:`token_logprobs` and :func:`entropy` run the streaming backend. ``klpenalty env`` shows the active path.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from . import streaming
 __all__ = [
     "full_kl",
     "token_logprobs",
+    "entropy",
     "available",
     "status",
     "build_dir",
@@ -190,6 +191,7 @@ def _load() -> None:
     ag.register_token_logprobs(
         ops.native_token_logprobs.default, ops.native_token_logprobs_backward.default
     )
+    ag.register_entropy(ops.native_entropy.default, ops.native_entropy_backward.default)
 
 
 def _reason(exc: BaseException) -> str:
@@ -264,3 +266,12 @@ def token_logprobs(
         x, tokens, float(temperature), int(ignore_index), bool(check), 0, 0
     )
     return out
+
+
+def entropy(x: Tensor, mask: Tensor | None, temperature: float, *, check: bool = False) -> Tensor:
+    """Policy entropy H(softmax(x/T)) per position with the native CPU kernel (as
+    :func:`.streaming.entropy`; falls back to it when the kernel is unavailable)."""
+    if not available():
+        return streaming.entropy(x, mask, temperature, check=check)
+    h, _ = torch.ops.klpenalty.native_entropy(x, mask, float(temperature), bool(check), 0, 0)
+    return h

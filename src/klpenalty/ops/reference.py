@@ -11,6 +11,7 @@ import torch
 __all__ = [
     "full_kl_reference",
     "token_logprobs_reference",
+    "entropy_reference",
     "kl_penalized_reward_reference",
     "sampled_kl_reference",
 ]
@@ -42,6 +43,23 @@ def token_logprobs_reference(
     """log softmax(logits/T)[token] per position, in float64. logits (..., V), tokens (...)."""
     logp = torch.log_softmax(logits.double() / temperature, dim=-1)
     return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_reference(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """H(softmax(logits/T)) = −Σ π log π per position, in float64; 0·log 0 = 0.
+
+    Args:
+        logits: (..., V), any float dtype.
+        temperature: > 0.
+
+    Returns:
+        (...) float64, ≥ 0 (NaN for a row without a distribution).
+    """
+    logp = torch.log_softmax(logits.double() / temperature, dim=-1)
+    p = logp.exp()
+    # 0·log 0 = 0, with the guard inside the product so that its gradient is finite too
+    terms = p * torch.where(p > 0, logp, torch.zeros_like(logp))
+    return (-terms.sum(-1)).clamp_min(0.0)
 
 
 def kl_penalized_reward_reference(

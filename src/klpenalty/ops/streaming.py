@@ -9,9 +9,10 @@ Temporaries are tile-sized buffers reused for every tile: nothing of size (N, V)
 On CPU the tile loop runs on one intra-op thread (see :func:`_cpu_threads`); on accelerators it
 makes no host synchronisation (the careful 0·log 0 arithmetic always runs there).
 
-The public entry points are the custom ops ``torch.ops.klpenalty.streaming_full_kl`` and
-``torch.ops.klpenalty.streaming_token_logprobs`` (with fake implementations and autograd from
-:mod:`.autograd`), wrapped by :func:`full_kl` and :func:`token_logprobs` on (..., V) tensors.
+The public entry points are the custom ops ``torch.ops.klpenalty.streaming_full_kl``,
+``torch.ops.klpenalty.streaming_token_logprobs`` and ``torch.ops.klpenalty.streaming_entropy``
+(with fake implementations and autograd from :mod:`.autograd`), wrapped by :func:`full_kl`,
+:func:`token_logprobs` and :func:`entropy` on (..., V) tensors.
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ from .. import _validation as v
 from .._validation import compute_dtype
 from . import autograd as ag
 from .engine import (
+    EntropyState,
     KLState,
     LSEState,
     Workspace,
+    entropy_finalize,
+    entropy_grad_tile,
+    entropy_merge,
+    entropy_partial,
     finite_or_zero,
     kl_finalize,
     kl_grad_tile,
@@ -39,7 +45,16 @@ from .engine import (
     lse_partial,
 )
 
-__all__ = ["full_kl", "token_logprobs", "tile_shape", "kl_state", "lse_state", "TILE_ELEMENTS"]
+__all__ = [
+    "full_kl",
+    "token_logprobs",
+    "entropy",
+    "tile_shape",
+    "kl_state",
+    "lse_state",
+    "entropy_state",
+    "TILE_ELEMENTS",
+]
 
 # Elements per tile: 2**18 = 1 MiB of float32 per buffer; three buffers live at once. That
 # stays in L2/L3 and is ~1-3% of one input at the sizes this library is for. 2**17-2**19
@@ -159,44 +174,106 @@ def kl_grads(
     return grad_x, grad_y
 
 
-def lse_state(x: Tensor, temperature: float, rows: int, cols: int) -> LSEState:
-    """Per-row log-sum-exp state of (N, C) logits over all their columns."""
+def _row_states(x: Tensor, rows: int, cols: int, cls, partial, merge):
+    """Per-row ``cls`` state of (N, C) logits over all their columns: ``partial(tile, ws)`` per
+    tile, ``merge(a, b)`` across a row's tiles."""
     n, c = x.shape
     dtype = compute_dtype(x)
     ws = Workspace(rows, cols, dtype, x.device)
-    out = LSEState(*(torch.empty(n, dtype=dtype, device=x.device) for _ in range(2)))
+    out = cls(*(torch.empty(n, dtype=dtype, device=x.device) for _ in cls._fields))
     for r0, r1, col_ranges in _tiles(n, c, rows, cols):
         state = None
         for c0, c1 in col_ranges:
-            part = lse_partial(x[r0:r1, c0:c1], temperature, ws)
-            state = part if state is None else lse_merge(state, part, temperature)
+            part = partial(x[r0:r1, c0:c1], ws)
+            state = part if state is None else merge(state, part)
         for dst, src in zip(out, state):
             dst[r0:r1] = src
     return out
+
+
+def lse_state(x: Tensor, temperature: float, rows: int, cols: int) -> LSEState:
+    """Per-row log-sum-exp state of (N, C) logits over all their columns."""
+    return _row_states(
+        x,
+        rows,
+        cols,
+        LSEState,
+        lambda tile, ws: lse_partial(tile, temperature, ws),
+        lambda a, b: lse_merge(a, b, temperature),
+    )
+
+
+def entropy_state(x: Tensor, temperature: float, rows: int, cols: int) -> EntropyState:
+    """Per-row entropy state of (N, C) logits over all their columns."""
+    careful = None if _host_checks(x.device) else True
+    return _row_states(
+        x,
+        rows,
+        cols,
+        EntropyState,
+        lambda tile, ws: entropy_partial(tile, temperature, ws, careful),
+        lambda a, b: entropy_merge(a, b, temperature),
+    )
+
+
+def _grad_tiles(x: Tensor, dtype: torch.dtype, rows: int, cols: int, tile_grad) -> Tensor:
+    """A gradient buffer like (N, C) ``x``, filled by ``tile_grad(r0, r1, c0, c1, ws, out)``."""
+    n, c = x.shape
+    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+    ws = Workspace(rows, cols, dtype, x.device)
+    for r0, r1, col_ranges in _tiles(n, c, rows, cols):
+        for c0, c1 in col_ranges:
+            tile_grad(r0, r1, c0, c1, ws, grad_x[r0:r1, c0:c1])
+    return grad_x
 
 
 def lse_grads(
     g: Tensor, x: Tensor, shift: Tensor, log_s: Tensor, temperature: float, rows: int, cols: int
 ) -> Tensor:
     """−π·g/T for (N, C) logits, without the token term; g, shift, log_s (N,)."""
-    n, c = x.shape
-    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-    ws = Workspace(rows, cols, g.dtype, x.device)
-    for r0, r1, col_ranges in _tiles(n, c, rows, cols):
-        for c0, c1 in col_ranges:
-            lse_grad_tile(
-                x[r0:r1, c0:c1],
-                shift[r0:r1],
-                log_s[r0:r1],
-                g[r0:r1],
-                temperature,
-                ws,
-                grad_x[r0:r1, c0:c1],
-            )
-    return grad_x
+
+    def tile_grad(r0, r1, c0, c1, ws, out):
+        lse_grad_tile(
+            x[r0:r1, c0:c1], shift[r0:r1], log_s[r0:r1], g[r0:r1], temperature, ws, out
+        )
+
+    return _grad_tiles(x, g.dtype, rows, cols, tile_grad)
+
+
+def entropy_grads(
+    g: Tensor, x: Tensor, stats: Tensor, temperature: float, rows: int, cols: int
+) -> Tensor:
+    """−π·(u − E_π[u])·g/T for (N, C) logits from the (N, 3) stats; g (N,) compute dtype."""
+    careful = None if _host_checks(x.device) else True
+
+    def tile_grad(r0, r1, c0, c1, ws, out):
+        entropy_grad_tile(
+            x[r0:r1, c0:c1], stats[r0:r1], g[r0:r1], temperature, ws, out, careful
+        )
+
+    return _grad_tiles(x, g.dtype, rows, cols, tile_grad)
 
 
 # ------------------------------------------------------------------------------ custom ops
+def _rows_and_tiles(x: Tensor, tile_rows: int, tile_cols: int) -> tuple[Tensor, int, int]:
+    """(..., V) logits as (N, V) rows, and the (rows, cols) of a tile (0 = the default)."""
+    vocab = x.shape[-1]
+    xf = x.reshape(-1, vocab)
+    return (xf, *tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols))
+
+
+def _masked_checked(
+    out: Tensor, stats: Tensor, mask: Tensor | None, check: bool, named: dict[str, Tensor]
+) -> tuple[Tensor, Tensor]:
+    """(N,) result and (N, k) stats → 0 at masked positions, the NaN check, (...) shapes."""
+    if mask is not None:
+        out = out.masked_fill(~mask.reshape(-1), 0.0)
+    if check:
+        v.raise_if_nan(out, named)
+    leading = next(iter(named.values())).shape[:-1]
+    return out.reshape(leading), stats.reshape(*leading, stats.shape[-1])
+
+
 @torch.library.custom_op("klpenalty::streaming_full_kl", mutates_args=())
 def _full_kl_op(
     x: Tensor,
@@ -208,18 +285,12 @@ def _full_kl_op(
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
     """(..., V) logits → KL (...) and backward stats (..., 6). See :mod:`.engine`."""
-    leading, vocab = x.shape[:-1], x.shape[-1]
-    xf = x.reshape(-1, vocab)  # (N, V)
-    yf = y.reshape(-1, vocab)  # (N, V)
-    rows, cols = tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols)
+    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
+    yf = y.reshape(xf.shape)  # (N, V)
     with _cpu_threads(x.device):
         state, careful = kl_state(xf, yf, temperature, rows, cols)
         kl, stats = kl_finalize(state, careful)
-    if mask is not None:
-        kl = kl.masked_fill(~mask.reshape(-1), 0.0)
-    if check:
-        v.raise_if_nan(kl, {"policy_logits": x, "ref_logits": y})
-    return kl.reshape(leading), stats.reshape(*leading, 6)
+    return _masked_checked(kl, stats, mask, check, {"policy_logits": x, "ref_logits": y})
 
 
 @torch.library.custom_op("klpenalty::streaming_full_kl_backward", mutates_args=())
@@ -236,11 +307,9 @@ def _full_kl_backward_op(
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
     """Gradients (..., V) w.r.t. x and y (an empty tensor for one that is not needed)."""
-    vocab = x.shape[-1]
-    xf = x.reshape(-1, vocab)  # (N, V)
-    yf = y.reshape(-1, vocab)  # (N, V)
+    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
+    yf = y.reshape(xf.shape)  # (N, V)
     g = ag.masked_grad(grad, mask, stats.dtype).reshape(-1)  # (N,)
-    rows, cols = tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols)
     with _cpu_threads(x.device):
         gx, gy = kl_grads(g, xf, yf, stats.reshape(-1, 6), temperature, need_x, need_y, rows, cols)
     return (
@@ -306,8 +375,43 @@ def _token_logprobs_backward_op(
     return gx.view(x.shape)
 
 
+@torch.library.custom_op("klpenalty::streaming_entropy", mutates_args=())
+def _entropy_op(
+    x: Tensor,
+    mask: Optional[Tensor],
+    temperature: float,
+    check: bool,
+    tile_rows: int,
+    tile_cols: int,
+) -> tuple[Tensor, Tensor]:
+    """(..., V) logits → H(π) (...) and backward stats (..., 3). See :mod:`.engine`."""
+    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
+    with _cpu_threads(x.device):
+        h, stats = entropy_finalize(entropy_state(xf, temperature, rows, cols))
+    return _masked_checked(h, stats, mask, check, {"logits": x})
+
+
+@torch.library.custom_op("klpenalty::streaming_entropy_backward", mutates_args=())
+def _entropy_backward_op(
+    grad: Tensor,
+    x: Tensor,
+    stats: Tensor,
+    mask: Optional[Tensor],
+    temperature: float,
+    tile_rows: int,
+    tile_cols: int,
+) -> Tensor:
+    """Gradient (..., V) of Σ grad·H(π): −π·(u − E_π[u])·grad/T, 0 where π = 0 or masked."""
+    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
+    g = ag.masked_grad(grad, mask, stats.dtype).reshape(-1)  # (N,)
+    with _cpu_threads(x.device):
+        gx = entropy_grads(g, xf, stats.reshape(-1, 3), temperature, rows, cols)
+    return gx.view(x.shape)
+
+
 ag.register_full_kl(_full_kl_op, _full_kl_backward_op)
 ag.register_token_logprobs(_token_logprobs_op, _token_logprobs_backward_op)
+ag.register_entropy(_entropy_op, _entropy_backward_op)
 
 
 # ------------------------------------------------------------------------------ entry points
@@ -371,6 +475,33 @@ def token_logprobs(
         x, tokens, float(temperature), int(ignore_index), bool(check), rows, cols
     )
     return out
+
+
+def entropy(
+    x: Tensor,
+    mask: Tensor | None,
+    temperature: float,
+    *,
+    check: bool = False,
+    chunk_rows: int | None = None,
+    vocab_chunk: int | None = None,
+    tile_elements: int = TILE_ELEMENTS,
+) -> Tensor:
+    """Policy entropy H(softmax(x/T)) per position, streamed over cache-sized tiles (unchecked).
+
+    Args:
+        x: (..., V) float logits.
+        mask: (...) bool or None; False positions give 0 and zero gradient whatever they hold.
+        temperature: > 0.
+        check: raise ValueError naming ``logits`` when a counted position's entropy is NaN.
+        chunk_rows, vocab_chunk, tile_elements: as in :func:`full_kl`.
+
+    Returns:
+        (...) float32 (float64 for float64 logits), ≥ 0, differentiable (also twice).
+    """
+    rows, cols = _tile_args(x, tile_elements, chunk_rows, vocab_chunk)
+    h, _ = _entropy_op(x, mask, float(temperature), bool(check), rows, cols)
+    return h
 
 
 def _tile_args(x: Tensor, tile_elements: int, chunk_rows, vocab_chunk) -> tuple[int, int]:

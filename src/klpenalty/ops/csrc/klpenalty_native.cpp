@@ -8,6 +8,9 @@
 //                           -> (logp (...), stats (..., 3))
 //   native_token_logprobs_backward(grad, x, tokens, stats, temperature, ignore_index,
 //                                  tile_rows, tile_cols) -> grad_x (..., V)
+//   native_entropy(x, mask?, temperature, check, tile_rows, tile_cols) -> (H (...), stats (..., 3))
+//   native_entropy_backward(grad, x, stats, mask?, temperature, tile_rows, tile_cols)
+//                           -> grad_x (..., V)
 // tile_rows/tile_cols are accepted for a common signature and ignored: a row is walked in
 // L1-sized chunks (kChunk elements).
 //
@@ -172,6 +175,16 @@ struct WideSum {
   }
 };
 
+// e·d, a term of Σ e^u·f(u); kCareful: 0 where e = 0 (0·log 0 = 0, also for d = ±inf or NaN).
+template <bool kCareful>
+inline VF moment_term(const VF& e, const VF& d) {
+  if constexpr (kCareful) {
+    return VF::blendv(e * d, VF(0.0f), e == VF(0.0f));
+  } else {
+    return e * d;
+  }
+}
+
 template <typename T>
 inline double chunk_max(const T* p, int64_t n) {
   VF m0(-std::numeric_limits<float>::infinity()), m1 = m0;
@@ -332,14 +345,20 @@ struct KLRow {
   bool bad = false;      // a maximum is NaN or +inf (vector path only): redo it in double
 };
 
+// engine._rescale_moment: α·(a + shift·s), a sum Σ e^u·f(u) after u ← u + δ (the KL's a with
+// shift δ_x − δ_y, the entropy's b with δ_x); 0 where the slice has no mass.
+inline double rescale_moment(double s, double a, double shift, double alpha) {
+  const double shift_term = s > 0 ? shift * s : 0.0;
+  return alpha > 0 ? alpha * (a + shift_term) : 0.0;
+}
+
 // The engine's merge of a chunk state into the row state (kl_rescale + add), in double.
 inline void merge_kl(KLRow& row, double m_x, double m_y, double T, double cs_x, double cs_y,
                      double ca) {
   // rescale the row to the new maxima; the chunk was computed against them already
   auto [dx, alpha] = scales(row.m_x, m_x, T);
   auto [dy, beta] = scales(row.m_y, m_y, T);
-  double shift_term = row.s_x > 0 ? (dx - dy) * row.s_x : 0.0;
-  row.a = alpha > 0 ? alpha * (row.a + shift_term) : 0.0;
+  row.a = rescale_moment(row.s_x, row.a, dx - dy, alpha);
   row.s_x *= alpha;
   row.s_y *= beta;
   row.m_x = m_x;
@@ -404,13 +423,8 @@ KLRow kl_row_vec(const T* px, const T* py, int64_t V, double T_) {
         sx1 = sx1 + eu1;
         sy0 = sy0 + ew0;
         sy1 = sy1 + ew1;
-        VF t0 = eu0 * (dx0 - dy0), t1 = eu1 * (dx1 - dy1);
-        if constexpr (kCareful) {
-          t0 = VF::blendv(t0, zero, eu0 == zero);
-          t1 = VF::blendv(t1, zero, eu1 == zero);
-        }
-        a0 = a0 + t0;
-        a1 = a1 + t1;
+        a0 = a0 + moment_term<kCareful>(eu0, dx0 - dy0);
+        a1 = a1 + moment_term<kCareful>(eu1, dx1 - dy1);
       }
       ws_x.add(sx0 + sx1);
       ws_y.add(sy0 + sy1);
@@ -516,6 +530,18 @@ at::Tensor flat_mask(const std::optional<at::Tensor>& mask, c10::IntArrayRef lea
   TORCH_CHECK_VALUE(m.sizes() == leading, "mask must have shape ", py_tuple(leading.vec()),
                     " (the leading dims of the logits), got ", describe(m));
   return m.contiguous();
+}
+
+// A backward op's upstream gradient (...) and stats (..., cols), checked, in contiguous double.
+std::pair<at::Tensor, at::Tensor> backward_inputs(const at::Tensor& grad, const at::Tensor& stats,
+                                                  const std::vector<int64_t>& leading,
+                                                  int64_t cols, int64_t N) {
+  TORCH_CHECK_VALUE(grad.sizes() == c10::IntArrayRef(leading), "grad must have shape ",
+                    py_tuple(leading), ", got ", describe(grad));
+  at::Tensor st = stats.to(at::kDouble).contiguous();
+  TORCH_CHECK_VALUE(st.numel() == cols * N, "stats must have shape (..., ", cols, "), got ",
+                    describe(stats));
+  return {grad.to(at::kDouble).contiguous(), st};
 }
 
 // The forward outputs: result (...) and stats (..., cols) in dtype.
@@ -674,12 +700,8 @@ std::tuple<at::Tensor, at::Tensor> full_kl_backward(
   }
   const auto leading = leading_of(x);
   const int64_t V = x.size(-1), N = x.numel() / V;
-  TORCH_CHECK_VALUE(grad.sizes() == c10::IntArrayRef(leading), "grad must have shape ",
-                    py_tuple(leading), ", got ", describe(grad));
   at::Tensor m = flat_mask(mask, leading);
-  at::Tensor g = grad.to(at::kDouble).contiguous();
-  at::Tensor st = stats.to(at::kDouble).contiguous();
-  TORCH_CHECK_VALUE(st.numel() == 6 * N, "stats must have shape (..., 6), got ", describe(stats));
+  const auto [g, st] = backward_inputs(grad, stats, leading, 6, N);
   at::Tensor gx = need_x ? at::empty(x.sizes(), x.options()) : at::empty({0}, x_in.options());
   at::Tensor gy = need_y ? at::empty(y.sizes(), y.options()) : at::empty({0}, y_in.options());
   const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
@@ -724,58 +746,91 @@ std::tuple<at::Tensor, at::Tensor> full_kl_backward(
   return {gx, gy};
 }
 
-// ------------------------------------------------------------------------------ token ops
+// ------------------------------------------------------------------------------ LSE rows
+// The log-sum-exp state of a row and, for the entropy (kMoment), b = Σ e^u·u (0·log 0 = 0).
 struct LSERow {
-  double m = -kInf, s = 0.0;
+  double m = -kInf, s = 0.0, b = 0.0;
+  bool bad = false;  // a maximum is NaN or +inf (vector path only): redo it in double
 };
 
-template <typename T>
+template <bool kMoment, typename T>
 LSERow lse_row_scalar(const T* px, int64_t V, double T_) {
   LSERow row;
   for (int64_t j = 0; j < V; ++j) row.m = max_nan(row.m, static_cast<double>(px[j]));
   const double sh = finite_or_zero(row.m);
-  for (int64_t j = 0; j < V; ++j) row.s += std::exp((static_cast<double>(px[j]) - sh) / T_);
+  double b = 0.0;
+  for (int64_t j = 0; j < V; ++j) {
+    const double d = static_cast<double>(px[j]) - sh, e = std::exp(d / T_);
+    row.s += e;
+    if (kMoment && e != 0.0) b += e * d;  // 0·log 0 = 0
+  }
+  row.b = b / T_;
   return row;
 }
 
-template <typename T>
+// One row, float32 vectors, chunk by chunk. kCareful (with kMoment): e^u = 0 terms of b are
+// dropped; without it a −inf logit gives NaN and the caller redoes the row carefully.
+template <bool kMoment, bool kCareful, typename T>
+LSERow lse_row_vec(const T* px, int64_t V, double T_) {
+  LSERow row;
+  const float c = static_cast<float>(kLog2e / T_);
+  const VF vc(c), zero(0.0f);
+  row.bad = !for_each_chunk(V, [&](int64_t c0, int64_t n) {
+    const T* x = px + c0;
+    const double cm = chunk_max(x, n);
+    if (std::isnan(cm) || cm == kInf) return false;
+    const double m = std::max(row.m, cm);
+    const float sh = static_cast<float>(finite_or_zero(m));
+    const VF vsh(sh);
+    WideSum ws, wb;
+    int64_t i = 0;
+    while (i + kBlock <= n) {
+      VF s0 = zero, s1 = zero, b0 = zero, b1 = zero;
+      for (int64_t k = 0; k < kFlush && i + kBlock <= n; ++k, i += kBlock) {
+        prefetch_block(x + kChunk + i);
+        VF x0, x1;
+        load2(x + i, x0, x1);
+        const VF d0 = x0 - vsh, d1 = x1 - vsh;
+        const VF e0 = exp2_fast(d0 * vc), e1 = exp2_fast(d1 * vc);
+        s0 = s0 + e0;
+        s1 = s1 + e1;
+        if constexpr (kMoment) {
+          b0 = b0 + moment_term<kCareful>(e0, d0);
+          b1 = b1 + moment_term<kCareful>(e1, d1);
+        }
+      }
+      ws.add(s0 + s1);
+      if constexpr (kMoment) wb.add(b0 + b1);
+    }
+    double cs = ws.value(), cb = kMoment ? wb.value() : 0.0;
+    for (; i < n; ++i) {
+      const float d = static_cast<float>(x[i]) - sh, e = std::exp2(d * c);
+      cs += e;
+      if (kMoment && (!kCareful || e != 0.0f)) cb += static_cast<double>(e * d);
+    }
+    const auto [delta, alpha] = scales(row.m, m, T_);
+    if constexpr (kMoment) row.b = rescale_moment(row.s, row.b, delta, alpha) + cb / T_;
+    row.s = row.s * alpha + cs;
+    row.m = m;
+    return true;
+  });
+  return row;
+}
+
+// NaN or +inf: the engine's rules in double; float64: the scalar double path.
+template <bool kMoment, typename T>
 LSERow lse_row(const T* px, int64_t V, double T_) {
   if constexpr (std::is_same_v<T, double>) {
-    return lse_row_scalar(px, V, T_);
+    return lse_row_scalar<kMoment>(px, V, T_);
   } else {
-    LSERow row;
-    const float c = static_cast<float>(kLog2e / T_);
-    const VF vc(c), zero(0.0f);
-    const bool finite = for_each_chunk(V, [&](int64_t c0, int64_t n) {
-      const T* x = px + c0;
-      const double cm = chunk_max(x, n);
-      if (std::isnan(cm) || cm == kInf) return false;
-      const double m = std::max(row.m, cm);
-      const float sh = static_cast<float>(finite_or_zero(m));
-      const VF vsh(sh);
-      WideSum ws;
-      int64_t i = 0;
-      while (i + kBlock <= n) {
-        VF s0 = zero, s1 = zero;
-        for (int64_t b = 0; b < kFlush && i + kBlock <= n; ++b, i += kBlock) {
-          prefetch_block(x + kChunk + i);
-          VF x0, x1;
-          load2(x + i, x0, x1);
-          s0 = s0 + exp2_fast((x0 - vsh) * vc);
-          s1 = s1 + exp2_fast((x1 - vsh) * vc);
-        }
-        ws.add(s0 + s1);
-      }
-      double cs = ws.value();
-      for (; i < n; ++i) cs += std::exp2((static_cast<float>(x[i]) - sh) * c);
-      row.s = row.s * scales(row.m, m, T_).second + cs;
-      row.m = m;
-      return true;
-    });
-    return finite ? row : lse_row_scalar(px, V, T_);  // NaN or +inf: the engine's rules in double
+    LSERow row = lse_row_vec<kMoment, false>(px, V, T_);
+    if (row.bad) return lse_row_scalar<kMoment>(px, V, T_);
+    if (kMoment && !std::isfinite(row.b)) row = lse_row_vec<kMoment, true>(px, V, T_);
+    return row;
   }
 }
 
+// ------------------------------------------------------------------------------ token ops
 at::Tensor flat_tokens(const at::Tensor& tokens, c10::IntArrayRef leading) {
   TORCH_CHECK_TYPE(!tokens.is_floating_point() && !tokens.is_complex() &&
                        tokens.scalar_type() != at::kBool,
@@ -785,19 +840,26 @@ at::Tensor flat_tokens(const at::Tensor& tokens, c10::IntArrayRef leading) {
   return tokens.to(at::kLong).contiguous();
 }
 
-// The checked arguments of a token op: the logits with a unit last stride, their leading dims,
-// V, N, and the tokens as a flat contiguous int64 tensor.
-struct TokenArgs {
-  at::Tensor x, tok;
+// The checked arguments of a single-logits op: the logits with a unit last stride, their
+// leading dims, V and N.
+struct LogitsArgs {
+  at::Tensor x;
   std::vector<int64_t> leading;
   int64_t V, N;
-  TokenArgs(const at::Tensor& x_in, const at::Tensor& tokens, double T) {
+  LogitsArgs(const at::Tensor& x_in, double T) {
     check_logits_arg("logits", x_in);
     check_temperature(T);
     x = unit_last_stride(x_in);
     leading = leading_of(x);
     V = x.size(-1);
     N = x.numel() / V;
+  }
+};
+
+// ... and the tokens as a flat contiguous int64 tensor.
+struct TokenArgs : LogitsArgs {
+  at::Tensor tok;
+  TokenArgs(const at::Tensor& x_in, const at::Tensor& tokens, double T) : LogitsArgs(x_in, T) {
     tok = flat_tokens(tokens, leading);
   }
 };
@@ -829,7 +891,7 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x_in, const 
         return;
       }
       const T_in* xr = px + rx.offset(r);
-      const LSERow row = lse_row(xr, V, T);
+      const LSERow row = lse_row<false>(xr, V, T);
       const double shift = finite_or_zero(row.m), log_s = std::log(row.s);
       // (x_t − m)/T − log s: exact for nearby logits at any offset; no distribution: NaN
       double v = (static_cast<double>(xr[tp[r]]) - shift) / T - log_s;
@@ -844,25 +906,72 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x_in, const 
   return {out, stats};
 }
 
-// −π·g/T over a row (the caller adds the token term).
-template <typename T>
-void lse_grad_row(const T* px, double shift, double log_s, double g, double T_, T* gx, int64_t V) {
+// −π·g/T over a row (the caller adds the token term); kMoment: the entropy's
+// −π·(u − E_π[u])·g/T, 0 where π = 0 (0·log 0, −inf logits).
+template <bool kMoment, typename T>
+void lse_grad_row(const T* px, double shift, double log_s, double mean_u, double g, double T_,
+                  T* gx, int64_t V) {
+  // with d = x − shift = T·u: kMoment gives π·(d − T·E_π[u])·(−g/T²), else π·(−g/T)
+  const double tm = kMoment ? mean_u * T_ : 0.0, sg = kMoment ? -g / (T_ * T_) : -g / T_;
   if constexpr (std::is_same_v<T, double>) {
-    for (int64_t j = 0; j < V; ++j) gx[j] = -std::exp((px[j] - shift) / T_ - log_s) * g / T_;
+    for (int64_t j = 0; j < V; ++j) {
+      const double d = px[j] - shift, p = std::exp(d / T_ - log_s);
+      gx[j] = kMoment ? (p == 0.0 ? 0.0 : p * (d - tm) * sg) : p * sg;
+    }
   } else {
     const float sh = static_cast<float>(shift), c = static_cast<float>(kLog2e / T_);
-    const float b = static_cast<float>(-log_s * kLog2e), sg = static_cast<float>(-g / T_);
-    const VF vsh(sh), vc(c), vb(b), vsg(sg);
+    const float b = static_cast<float>(-log_s * kLog2e), ftm = static_cast<float>(tm);
+    const float fsg = static_cast<float>(sg);
+    const VF vsh(sh), vc(c), vb(b), vtm(ftm), vsg(fsg), zero(0.0f);
+    auto term = [&](const VF& x) {
+      const VF d = x - vsh, p = exp2_fast(at::vec::fmadd(d, vc, vb));
+      if constexpr (kMoment) return VF::blendv(p * (d - vtm) * vsg, zero, p == zero);
+      else return p * vsg;
+    };
     int64_t i = 0;
     for (; i + kBlock <= V; i += kBlock) {
       prefetch_block(px + kChunk + i);
       VF x0, x1;
       load2(px + i, x0, x1);
-      store2(gx + i, exp2_fast(at::vec::fmadd(x0 - vsh, vc, vb)) * vsg,
-             exp2_fast(at::vec::fmadd(x1 - vsh, vc, vb)) * vsg);
+      store2(gx + i, term(x0), term(x1));
     }
-    for (; i < V; ++i) gx[i] = static_cast<T>(std::exp2((static_cast<float>(px[i]) - sh) * c + b) * sg);
+    for (; i < V; ++i) {
+      const float d = static_cast<float>(px[i]) - sh, p = std::exp2(d * c + b);
+      gx[i] = static_cast<T>(kMoment ? (p == 0.0f ? 0.0f : p * (d - ftm) * fsg) : p * fsg);
+    }
   }
+}
+
+// The gradient (..., V) of a single-logits op from its upstream gradient and stats (..., cols):
+// row(x_r, out_r, stats_r, g_r, r) for every row whose weighted gradient g_r = weight(r, grad_r)
+// is nonzero; the other rows (masked or ignored, garbage allowed) are exactly 0.
+template <typename W, typename F>
+at::Tensor backward_rows(const LogitsArgs& args, const at::Tensor& grad, const at::Tensor& stats,
+                         int64_t cols, const W& weight, const F& row) {
+  const at::Tensor& x = args.x;
+  const int64_t V = args.V, N = args.N;
+  const auto [g, st] = backward_inputs(grad, stats, args.leading, cols, N);
+  at::Tensor gx = at::empty(x.sizes(), x.options());
+  const double* gp = g.const_data_ptr<double>();
+  const double* sp = st.const_data_ptr<double>();
+  const Rows rx(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_backward_rows", [&] {
+    using T_in = scalar_t;
+    const T_in* px = x.const_data_ptr<T_in>();
+    T_in* gxp = gx.mutable_data_ptr<T_in>();
+    parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        T_in* out = gxp + r * V;
+        const double gr = weight(r, gp[r]);
+        if (gr == 0.0) {
+          std::fill(out, out + V, T_in(0));
+          continue;
+        }
+        row(px + rx.offset(r), out, sp + cols * r, gr, r);
+      }
+    });
+  });
+  return gx;
 }
 
 at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& x_in,
@@ -870,42 +979,75 @@ at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& x_i
                                    int64_t ignore_index, int64_t /*tile_rows*/,
                                    int64_t /*tile_cols*/) {
   const TokenArgs args(x_in, tokens, T);
+  const int64_t V = args.V;
+  const int64_t* tp = args.tok.const_data_ptr<int64_t>();
+  return backward_rows(
+      args, grad, stats, 3, [&](int64_t r, double g) { return tp[r] == ignore_index ? 0.0 : g; },
+      [&](const auto* xr, auto* out, const double* s, double gr, int64_t r) {
+        using O = std::remove_pointer_t<decltype(out)>;
+        TORCH_CHECK_INDEX(tp[r] >= 0 && tp[r] < V, "token ", tp[r], " at flat position ", r,
+                          " is out of range for a vocabulary of ", V);
+        lse_grad_row<false>(xr, s[0], s[1], 0.0, gr, T, out, V);
+        // at the token: (1 − π_t)·g/T = −expm1(log π_t)·g/T, exact for π_t near 1
+        out[tp[r]] = static_cast<O>(-std::expm1(s[2]) * gr / T);
+      });
+}
+
+// ------------------------------------------------------------------------------ entropy ops
+// engine.entropy_finalize for one row: writes H and the 3 stats (shift, log s, E_π[u]).
+template <typename O>
+void finalize_entropy(const LSERow& row, O* h, O* st) {
+  const double mean_u = row.b / row.s, log_s = std::log(row.s);
+  double v = log_s - mean_u;
+  v = v < 0.0 ? 0.0 : v;  // NaN stays NaN
+  const bool valid = row.s > 0 && std::isfinite(row.s);
+  *h = static_cast<O>(valid ? v : kNaN);
+  st[0] = static_cast<O>(finite_or_zero(row.m));
+  st[1] = static_cast<O>(finite_or_zero(log_s));
+  st[2] = static_cast<O>(mean_u);
+}
+
+std::tuple<at::Tensor, at::Tensor> entropy(const at::Tensor& x_in,
+                                           const std::optional<at::Tensor>& mask, double T,
+                                           bool check, int64_t /*tile_rows*/,
+                                           int64_t /*tile_cols*/) {
+  const LogitsArgs args(x_in, T);
   const at::Tensor& x = args.x;
   const auto& leading = args.leading;
   const int64_t V = args.V, N = args.N;
-  TORCH_CHECK_VALUE(grad.sizes() == c10::IntArrayRef(leading), "grad must have shape ",
-                    py_tuple(leading), ", got ", describe(grad));
-  at::Tensor g = grad.to(at::kDouble).contiguous();
-  at::Tensor st = stats.to(at::kDouble).contiguous();
-  TORCH_CHECK_VALUE(st.numel() == 3 * N, "stats must have shape (..., 3), got ", describe(stats));
-  at::Tensor gx = at::empty(x.sizes(), x.options());
-  const int64_t* tp = args.tok.const_data_ptr<int64_t>();
-  const double* gp = g.const_data_ptr<double>();
-  const double* sp = st.const_data_ptr<double>();
+  at::Tensor m = flat_mask(mask, leading);
+  const at::ScalarType out_t = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  auto [h, stats] = forward_outputs(leading, 3, x.options().dtype(out_t));
+  const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
   const Rows rx(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_token_bwd", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_entropy", [&] {
     using T_in = scalar_t;
     const T_in* px = x.const_data_ptr<T_in>();
-    T_in* gxp = gx.mutable_data_ptr<T_in>();
-    parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        T_in* out = gxp + r * V;
-        const bool ignored = tp[r] == ignore_index;
-        const double gr = ignored ? 0.0 : gp[r];
-        if (gr == 0.0) {
-          std::fill(out, out + V, T_in(0));
-          continue;
-        }
-        TORCH_CHECK_INDEX(tp[r] >= 0 && tp[r] < V, "token ", tp[r], " at flat position ", r,
-                          " is out of range for a vocabulary of ", V);
-        const double* s = sp + 3 * r;
-        lse_grad_row(px + rx.offset(r), s[0], s[1], gr, T, out, V);
-        // at the token: (1 − π_t)·g/T = −expm1(log π_t)·g/T, exact for π_t near 1
-        out[tp[r]] = static_cast<T_in>(-std::expm1(s[2]) * gr / T);
+    forward_rows(h, stats, 3, N, V, [&](int64_t r, auto* res, auto* st) {
+      using O = std::remove_pointer_t<decltype(res)>;
+      if (mp && !mp[r]) {  // masked: 0 whatever the row holds; no gradient will be asked
+        *res = O(0);
+        std::fill(st, st + 3, O(0));
+        return;
       }
+      finalize_entropy(lse_row<true>(px + rx.offset(r), V, T), res, st);
     });
   });
-  return gx;
+  if (check) raise_if_nan(h, leading, {{"logits", x_in}});
+  return {h, stats};
+}
+
+at::Tensor entropy_backward(const at::Tensor& grad, const at::Tensor& x_in,
+                            const at::Tensor& stats, const std::optional<at::Tensor>& mask,
+                            double T, int64_t /*tile_rows*/, int64_t /*tile_cols*/) {
+  const LogitsArgs args(x_in, T);
+  const at::Tensor m = flat_mask(mask, args.leading);
+  const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
+  return backward_rows(
+      args, grad, stats, 3, [&](int64_t r, double g) { return (mp && !mp[r]) ? 0.0 : g; },
+      [&](const auto* xr, auto* out, const double* s, double gr, int64_t) {
+        lse_grad_row<true>(xr, s[0], s[1], s[2], gr, T, out, args.V);
+      });
 }
 
 }  // namespace
@@ -924,6 +1066,12 @@ TORCH_LIBRARY_FRAGMENT(klpenalty, m) {
   m.def(
       "native_token_logprobs_backward(Tensor grad, Tensor x, Tensor tokens, Tensor stats, "
       "float temperature, int ignore_index, int tile_rows, int tile_cols) -> Tensor");
+  m.def(
+      "native_entropy(Tensor x, Tensor? mask, float temperature, bool check, int tile_rows, "
+      "int tile_cols) -> (Tensor, Tensor)");
+  m.def(
+      "native_entropy_backward(Tensor grad, Tensor x, Tensor stats, Tensor? mask, "
+      "float temperature, int tile_rows, int tile_cols) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(klpenalty, CPU, m) {
@@ -931,6 +1079,8 @@ TORCH_LIBRARY_IMPL(klpenalty, CPU, m) {
   m.impl("native_full_kl_backward", &full_kl_backward);
   m.impl("native_token_logprobs", &token_logprobs);
   m.impl("native_token_logprobs_backward", &token_logprobs_backward);
+  m.impl("native_entropy", &entropy);
+  m.impl("native_entropy_backward", &entropy_backward);
 }
 
 }  // namespace klpenalty_native

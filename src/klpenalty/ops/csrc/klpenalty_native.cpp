@@ -563,13 +563,22 @@ void with_output_ptrs(at::Tensor& result, at::Tensor& stats, F&& run) {
 }
 
 // f(r, result + r, stats + cols·r) for every row r, in parallel, with the pointers typed as the
-// outputs' dtype.
-template <typename F>
+// outputs' dtype. Rows where skip(r) (masked rows, ignored tokens) are not computed: result 0
+// and stats 0 whatever the row holds; no gradient will be asked of them.
+template <typename Skip, typename F>
 void forward_rows(at::Tensor& result, at::Tensor& stats, int64_t cols, int64_t N, int64_t V,
-                  const F& f) {
+                  const Skip& skip, const F& f) {
   with_output_ptrs(result, stats, [&](auto* res, auto* stp) {
+    using O = std::remove_pointer_t<decltype(res)>;
     parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) f(r, res + r, stp + cols * r);
+      for (int64_t r = r0; r < r1; ++r) {
+        if (skip(r)) {
+          res[r] = O(0);
+          std::fill(stp + cols * r, stp + cols * (r + 1), O(0));
+        } else {
+          f(r, res + r, stp + cols * r);
+        }
+      }
     });
   });
 }
@@ -602,13 +611,8 @@ std::tuple<at::Tensor, at::Tensor> full_kl(const at::Tensor& x_in, const at::Ten
     using T_in = scalar_t;
     const T_in* px = x.const_data_ptr<T_in>();
     const T_in* py = y.const_data_ptr<T_in>();
-    forward_rows(kl, stats, 6, N, V, [&](int64_t r, auto* res, auto* st) {
-      using O = std::remove_pointer_t<decltype(res)>;
-      if (mp && !mp[r]) {  // masked: 0 whatever the row holds; no gradient will be asked
-        *res = O(0);
-        std::fill(st, st + 6, O(0));
-        return;
-      }
+    const auto masked = [&](int64_t r) { return mp && !mp[r]; };
+    forward_rows(kl, stats, 6, N, V, masked, [&](int64_t r, auto* res, auto* st) {
       finalize_kl(kl_row(px + rx.offset(r), py + ry.offset(r), V, T), res, st);
     });
   });
@@ -883,13 +887,9 @@ std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x_in, const 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_token_logprobs", [&] {
     using T_in = scalar_t;
     const T_in* px = x.const_data_ptr<T_in>();
-    forward_rows(out, stats, 3, N, V, [&](int64_t r, auto* res, auto* st) {
+    const auto ignored = [&](int64_t r) { return tp[r] == ignore_index; };
+    forward_rows(out, stats, 3, N, V, ignored, [&](int64_t r, auto* res, auto* st) {
       using O = std::remove_pointer_t<decltype(res)>;
-      if (tp[r] == ignore_index) {
-        *res = O(0);
-        std::fill(st, st + 3, O(0));
-        return;
-      }
       const T_in* xr = px + rx.offset(r);
       const LSERow row = lse_row<false>(xr, V, T);
       const double shift = finite_or_zero(row.m), log_s = std::log(row.s);
@@ -1023,13 +1023,8 @@ std::tuple<at::Tensor, at::Tensor> entropy(const at::Tensor& x_in,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_entropy", [&] {
     using T_in = scalar_t;
     const T_in* px = x.const_data_ptr<T_in>();
-    forward_rows(h, stats, 3, N, V, [&](int64_t r, auto* res, auto* st) {
-      using O = std::remove_pointer_t<decltype(res)>;
-      if (mp && !mp[r]) {  // masked: 0 whatever the row holds; no gradient will be asked
-        *res = O(0);
-        std::fill(st, st + 3, O(0));
-        return;
-      }
+    const auto masked = [&](int64_t r) { return mp && !mp[r]; };
+    forward_rows(h, stats, 3, N, V, masked, [&](int64_t r, auto* res, auto* st) {
       finalize_entropy(lse_row<true>(px + rx.offset(r), V, T), res, st);
     });
   });

@@ -7,6 +7,10 @@ VALUE_TOL, GRAD_REL_TOL) are re-exported from that plain module, which the distr
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
+
 import pytest
 import torch
 
@@ -29,7 +33,35 @@ __all__ = [
     "grad_tol",
     "tol",
     "make_logits",
+    "triton_interpreter_env",
 ]
+
+
+@contextlib.contextmanager
+def triton_interpreter_env():
+    """``TRITON_INTERPRET=1`` inside the block where no GPU exists (the previous value restored
+    after): Triton's kernels then run in its interpreter, on CPU tensors."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+# Triton chooses interpreter or compiler when it is first imported (and when each kernel is
+# decorated), and torch._dynamo imports it as soon as klpenalty is imported: so the choice is
+# made here, before any test module, for tests/ops/test_triton.py. The variable is set only
+# around this import and while that module's tests run, never for the other tests.
+with triton_interpreter_env():
+    try:
+        importlib.import_module("klpenalty.ops._triton_jit")
+    except ImportError:  # Triton not installed: test_triton.py skips itself
+        pass
 
 
 def make_logits(

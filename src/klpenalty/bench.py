@@ -6,7 +6,7 @@ times, in one process with warm-up and interleaved rounds (median and min of the
 - ``seed``: the formula klpenalty replaces, log_softmax twice (in float32), exp, subtract,
   multiply, sum: it materialises several (B, T, V) float32 tensors;
 - ``kl_div``: ``F.kl_div`` on two float32 ``log_softmax`` es (``log_target=True``);
-- every backend of :func:`klpenalty.ops.dispatch.available_backends`;
+- every CPU backend of :func:`klpenalty.ops.dispatch.device_backends`;
 - the floors: ``floor`` = reading both inputs once (``x.sum(); y.sum()``); for forward+backward
   ``floor`` = that plus reading both again and writing one new tensor of the input's size
   (``torch.add(x, y)``), the least a backward that returns a fresh gradient can do.
@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .ops.dispatch import available_backends
+from .ops.dispatch import device_backends
 from .ops.reference import full_kl_reference
 
 __all__ = [
@@ -112,7 +112,7 @@ def cpu_load(processes: int, seconds: float = 3600.0):
 def providers(names: list[str] | None = None) -> dict[str, Callable]:
     """Name -> ``fn(policy_logits, ref_logits) -> (...) KL`` for the baselines and backends."""
     table: dict[str, Callable] = {"seed": seed_formula, "kl_div": kl_div_formula}
-    for b in available_backends():
+    for b in device_backends(torch.device("cpu")):
         table[b] = _backend_fn(b)
     table["streaming-mt"] = _streaming_all_threads
     if names is None:

@@ -16,7 +16,7 @@ from tests.conftest import tol
 
 NINF = float("-inf")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-BACKENDS = dispatch.available_backends()
+BACKENDS = dispatch.device_backends(torch.device("cpu"))  # triton: tests/ops/test_triton.py
 
 
 def _logits(shape, dtype, seed=0, scale=2.0, noise=0.7):
@@ -352,7 +352,8 @@ def test_dispatch_auto_picks_native_on_cpu_and_lists_backends():
     want = native if native.available() else streaming  # tests/ops/test_native.py: it builds
     assert dispatch.get_backend("auto", torch.device("cpu")) is want
     assert dispatch.get_backend("auto", torch.device("meta")) is streaming
-    assert dispatch.available_backends() == ["streaming", "native"]
+    assert dispatch.available_backends() == ["streaming", "native", "triton"]
+    assert dispatch.device_backends(torch.device("cpu")) == ["streaming", "native"]
     with pytest.raises(ValueError, match="streaming"):
         dispatch.get_backend("fast", torch.device("cpu"))
     with pytest.raises(ValueError, match="CPU tensors only"):

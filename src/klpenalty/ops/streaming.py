@@ -262,7 +262,7 @@ def _rows_and_tiles(x: Tensor, tile_rows: int, tile_cols: int) -> tuple[Tensor, 
     return (xf, *tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols))
 
 
-def _masked_checked(
+def masked_checked(
     out: Tensor, stats: Tensor, mask: Tensor | None, check: bool, named: dict[str, Tensor]
 ) -> tuple[Tensor, Tensor]:
     """(N,) result and (N, k) stats → 0 at masked positions, the NaN check, (...) shapes."""
@@ -290,7 +290,7 @@ def _full_kl_op(
     with _cpu_threads(x.device):
         state, careful = kl_state(xf, yf, temperature, rows, cols)
         kl, stats = kl_finalize(state, careful)
-    return _masked_checked(kl, stats, mask, check, {"policy_logits": x, "ref_logits": y})
+    return masked_checked(kl, stats, mask, check, {"policy_logits": x, "ref_logits": y})
 
 
 @torch.library.custom_op("klpenalty::streaming_full_kl_backward", mutates_args=())
@@ -329,7 +329,7 @@ def _token_logprobs_op(
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
     """(..., V) logits, (...) tokens → log π(token) (...) and stats (..., 3)."""
-    leading, vocab = x.shape[:-1], x.shape[-1]
+    vocab = x.shape[-1]
     if check:
         v.check_token_range(tokens, vocab, ignore_index)
     xf = x.reshape(-1, vocab)  # (N, V)
@@ -337,6 +337,22 @@ def _token_logprobs_op(
     rows, cols = tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols)
     with _cpu_threads(x.device):
         state = lse_state(xf, temperature, rows, cols)
+    return lse_finish(x, xf, tok, ignored, state, temperature, check)
+
+
+def lse_finish(
+    x: Tensor,
+    xf: Tensor,
+    tok: Tensor,
+    ignored: Tensor,
+    state: LSEState,
+    temperature: float,
+    check: bool,
+) -> tuple[Tensor, Tensor]:
+    """(log π(token) (...), stats (..., 3)) from the merged log-sum-exp state (N,) of the rows
+    ``xf`` (N, V) of ``x`` (..., V); ``tok``, ``ignored`` (N,) from :func:`.autograd.safe_tokens`.
+    Shared by the backends whose ops compute the state in their own loop."""
+    leading = x.shape[:-1]
     shift, log_s = finite_or_zero(state.m), torch.log(state.s)
     picked = xf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(log_s.dtype)  # (N,)
     # (x_t − m)/T − log s: the shifted difference is exact for nearby logits, even at ±1e4.
@@ -388,7 +404,7 @@ def _entropy_op(
     xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
     with _cpu_threads(x.device):
         h, stats = entropy_finalize(entropy_state(xf, temperature, rows, cols))
-    return _masked_checked(h, stats, mask, check, {"logits": x})
+    return masked_checked(h, stats, mask, check, {"logits": x})
 
 
 @torch.library.custom_op("klpenalty::streaming_entropy_backward", mutates_args=())

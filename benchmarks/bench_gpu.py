@@ -1,0 +1,185 @@
+"""GPU benchmark of the exact KL, side by side in one process (needs a CUDA device).
+
+Providers: the seed formula (two log_softmax, exp, product, sum), ``F.kl_div`` on two
+log-softmaxes, the streaming backend, the Triton backend, and Liger-Kernel's ``LigerKLDIVLoss``
+where it imports (it takes log-probs: its time includes the two log_softmax passes). Modes:
+forward, and forward+backward (gradient w.r.t. the policy logits). For each: the median time
+(CUDA events), the achieved GB/s (bytes of one read of both inputs; + the gradient write and a
+second read for forward+backward), the ratio to the read floor measured in the same run (one
+pass reading both inputs: ``x.sum() + y.sum()`` in fp32 accumulation; for forward+backward,
+read both, read again and write one tensor the size of the policy), the peak extra memory from
+``torch.cuda.max_memory_allocated`` and the max error vs float64 on a subset of rows.
+
+Written for torch 2.11 / Triton 3.6 / Python 3.12 (no network needed). Usage::
+
+    python benchmarks/bench_gpu.py                       # the four shapes of issue 11
+    python benchmarks/bench_gpu.py --shapes 2x512x32000 --dtypes bf16 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+
+SHAPES = [
+    ((8, 4096, 128256), "bf16"),
+    ((8, 4096, 128256), "fp32"),
+    ((4, 8192, 151936), "bf16"),
+    ((16, 2048, 32000), "fp32"),
+]
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
+ERROR_ROWS = 32
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", nargs="*", default=None,
+                   help="BxTxV shapes (default: the four of issue 11, each with its dtype)")
+    p.add_argument("--dtypes", nargs="*", default=None, choices=["bf16", "fp16", "fp32"],
+                   help="dtypes for --shapes (default bf16)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per provider (median)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--providers", nargs="*", default=None,
+                   help="subset of: seed kl_div streaming triton liger")
+    p.add_argument("--out", default=OUT_DIR, help="folder for bench_gpu.csv / bench_gpu.md")
+    return p.parse_args(argv)
+
+
+def _cases(args):
+    if not args.shapes:
+        return SHAPES
+    dtypes = args.dtypes or ["bf16"]
+    return [(tuple(int(n) for n in s.lower().split("x")), d) for s in args.shapes for d in dtypes]
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_gpu.py: no CUDA device here; this benchmark runs on a GPU only", file=sys.stderr)
+        return 2
+    import torch.nn.functional as F
+
+    import klpenalty
+    from klpenalty.bench import kl_div_formula, seed_formula
+    from klpenalty.ops.reference import full_kl_reference
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    table = {
+        "seed": seed_formula,
+        "kl_div": kl_div_formula,
+        "streaming": lambda x, y: klpenalty.full_kl(x, y, backend="streaming"),
+        "triton": lambda x, y: klpenalty.full_kl(x, y, backend="triton"),
+    }
+    try:
+        from liger_kernel.transformers import LigerKLDIVLoss
+
+        liger = LigerKLDIVLoss(reduction="none", log_target=True)
+
+        def liger_fn(x, y):  # log-probs first: Liger's KL starts from them
+            v = x.shape[-1]
+            logp = torch.log_softmax(x.float(), -1).reshape(-1, v)
+            logq = torch.log_softmax(y.float(), -1).reshape(-1, v)
+            return liger(logq, logp).sum(-1).reshape(x.shape[:-1])  # KL(π‖ρ)
+
+        table["liger"] = liger_fn
+    except Exception as exc:  # not installed / incompatible: reported, not fatal
+        print(f"liger: not available ({type(exc).__name__}: {exc})")
+    if args.providers:
+        table = {k: v for k, v in table.items() if k in args.providers}
+
+    def timed(fn, n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(n):
+            torch.cuda.synchronize()
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        times.sort()
+        return times[len(times) // 2]
+
+    rows = []
+    device = torch.device("cuda")
+    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    for shape, dname in _cases(args):
+        dtype = dtypes[dname]
+        g = torch.Generator(device=device).manual_seed(0)
+        x = (torch.randn(shape, generator=g, device=device) * 2).to(dtype)
+        y = (x.float() + 0.3 * torch.randn(shape, generator=g, device=device)).to(dtype)
+        v = shape[-1]
+        sub = (x.reshape(-1, v)[:ERROR_ROWS], y.reshape(-1, v)[:ERROR_ROWS])
+        want = full_kl_reference(*sub)
+        in_bytes = 2 * x.numel() * x.element_size()
+        floors = {
+            "fwd": timed(lambda: (x.sum(dtype=torch.float32), y.sum(dtype=torch.float32)), args.repeats),
+            "fwd+bwd": timed(
+                lambda: (x.sum(dtype=torch.float32), y.sum(dtype=torch.float32),
+                         x.sum(dtype=torch.float32), y.sum(dtype=torch.float32),
+                         torch.empty_like(x).fill_(1)),
+                args.repeats,
+            ),
+        }
+        moved = {"fwd": in_bytes, "fwd+bwd": 2 * in_bytes + x.numel() * x.element_size()}
+        for mode in ("fwd", "fwd+bwd"):
+            print(f"{shape} {dname} {mode}: floor {floors[mode]:.3f} ms")
+            for name, fn in table.items():
+                xg = x.detach().requires_grad_(mode == "fwd+bwd")
+
+                def call():
+                    kl = fn(xg, y)
+                    if mode == "fwd+bwd":
+                        kl.sum().backward()
+                        xg.grad = None
+                    return kl
+
+                try:
+                    for _ in range(args.warmup):
+                        call()
+                    torch.cuda.synchronize()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    ms = timed(call, args.repeats)
+                    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                    with torch.no_grad():
+                        err = (fn(*sub).double() - want).abs().max().item()
+                    note = ""
+                except Exception as exc:  # e.g. out of memory: recorded, the run goes on
+                    ms, peak, err, note = float("nan"), float("nan"), float("nan"), type(exc).__name__
+                    torch.cuda.empty_cache()
+                row = {
+                    "shape": "x".join(map(str, shape)), "dtype": dname, "mode": mode,
+                    "provider": name, "ms": ms, "GB/s": moved[mode] / ms / 1e6,
+                    "x_floor": ms / floors[mode], "peak_extra_MiB": peak, "max_err": err,
+                    "note": note,
+                }
+                rows.append(row)
+                print("  " + "  ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else
+                                        f"{k}={row[k]}" for k in row))
+        del x, y
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    fields = list(rows[0]) if rows else []
+    with open(os.path.join(args.out, "bench_gpu.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
+        f.write(f"GPU benchmark, {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
+                f"{time.strftime('%Y-%m-%d')}\n\n| " + " | ".join(fields) + " |\n|"
+                + "---|" * len(fields) + "\n")
+        for r in rows:
+            f.write("| " + " | ".join(f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k])
+                                      for k in fields) + " |\n")
+    print(f"wrote {args.out}/bench_gpu.csv and bench_gpu.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

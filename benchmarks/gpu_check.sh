@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# GPU check of issue 11 (≤ 6 minutes on one H200): the Triton kernel tests compiled on CUDA, the
+# distributed tests where more than one GPU exists, and the GPU benchmark. Prints everything and
+# writes its logs, CSV and markdown under benchmarks/results/gpu/.
+# Run from the repository root: bash benchmarks/gpu_check.sh   (PYTHON=... to pick the interpreter)
+set -u
+PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}
+OUT=benchmarks/results/gpu
+mkdir -p "$OUT"
+unset TRITON_INTERPRET
+status=0
+
+echo "== environment"
+$PY -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'gpus', torch.cuda.device_count())"
+$PY -c "import triton; print('triton', triton.__version__)" || echo "triton: not importable"
+GPUS=$($PY -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" = "0" ]; then echo "no CUDA device: nothing to check"; exit 2; fi
+
+echo "== kernel tests on CUDA (tests/ops/test_triton.py, compiled, no interpreter)"
+timeout 150 $PY -m pytest -q -p no:cacheprovider tests/ops/test_triton.py --durations=5 2>&1 | tee "$OUT/test_triton.log"
+[ "${PIPESTATUS[0]}" = "0" ] || status=1
+
+if [ "$GPUS" -gt 1 ]; then
+  echo "== distributed tests ($GPUS GPUs; the worker's process groups are gloo: it has no NCCL mode yet)"
+  timeout 120 $PY -m pytest -q -p no:cacheprovider tests/distributed 2>&1 | tee "$OUT/test_distributed.log"
+  [ "${PIPESTATUS[0]}" = "0" ] || status=1
+else
+  echo "== distributed tests: skipped, one GPU (NCCL needs more than one rank on distinct GPUs here)"
+fi
+
+echo "== benchmark (benchmarks/bench_gpu.py)"
+timeout 240 $PY benchmarks/bench_gpu.py --repeats 7 --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log"
+[ "${PIPESTATUS[0]}" = "0" ] || status=1
+echo "== done (status $status); results in $OUT"
+exit $status

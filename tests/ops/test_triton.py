@@ -1,0 +1,465 @@
+"""The Triton backend against the float64 reference: dtypes, −inf patterns, masks with garbage
+rows, temperatures, strides, odd V and V = 1, the split-vocabulary forward, gradients with a
+non-unit upstream gradient, token log-probs, entropy, torch.compile, the empty batch, the NaN
+check, dispatch, and a compilation of the kernels for a CUDA target.
+
+With a GPU the tensors live on it and the kernels run compiled; without one they run on CPU
+tensors in Triton's interpreter (``TRITON_INTERPRET=1``, set by this module's fixture only, for
+its own tests). Shapes are small: the interpreter runs each program in numpy.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import klpenalty
+from klpenalty.ops import dispatch, streaming
+from klpenalty.ops import triton_kernels as tk
+from klpenalty.ops.reference import entropy_reference, full_kl_reference, token_logprobs_reference
+from tests.conftest import grad_tol, make_logits, tol, triton_interpreter_env
+
+CUDA = torch.cuda.is_available()
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+NINF = float("-inf")
+LOW = [torch.float32, torch.bfloat16, torch.float16]
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# tests/conftest.py imported Triton and the kernels under TRITON_INTERPRET=1 where no GPU exists
+triton = pytest.importorskip("triton", reason="Triton is not installed: pip install 'klpenalty[triton]'")
+
+# the interpreter evaluates masked-off lanes too (−inf − −inf): numpy warns, the kernel guards
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _interpreter_on_cpu():
+    """Without a GPU: TRITON_INTERPRET=1 while this module's tests run (Triton reads it at run
+    time too), and a clear failure if Triton was imported without it by someone else."""
+    with triton_interpreter_env():
+        if not CUDA and not tk.interpreted():
+            pytest.fail(
+                "Triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets "
+                "it for its first import): run the tests through pytest from the repository root"
+            )
+        yield
+
+
+def _on(*tensors):
+    out = tuple(t.to(DEVICE) for t in tensors)
+    return out if len(out) > 1 else out[0]
+
+
+def _kl_grads_ref(x, y, mask, temperature, grad_out):
+    """∂Σ grad_out·KL/∂(x, y) through the float64 reference; masked rows excluded."""
+    xr = x.detach().double().requires_grad_()
+    yr = y.detach().double().requires_grad_()
+    keep = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if mask is None else mask
+    k = keep.unsqueeze(-1)
+    kl = full_kl_reference(torch.where(k, xr, 0.0), torch.where(k, yr, 0.0), temperature)
+    kl = torch.where(keep, kl, 0.0)
+    return torch.autograd.grad((kl * grad_out.double()).sum(), (xr, yr))
+
+
+def _garbage_row(x, y, leading, vocab):
+    """A mask whose last row is False, that row filled with −inf / NaN garbage."""
+    mask = torch.ones(leading, dtype=torch.bool, device=DEVICE)
+    mask.view(-1)[-1] = False
+    x.view(-1, vocab)[-1] = NINF
+    if y is not None:
+        y.view(-1, vocab)[-1] = float("nan")
+    return mask
+
+
+# --------------------------------------------------------------------------- full KL
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("leading,vocab", [((3,), 1), ((2, 3), 37), ((4,), 300)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-program", "split"])
+def test_full_kl_values_and_gradients(dtype, leading, vocab, temperature, vocab_chunk):
+    x, y = _on(*make_logits((*leading, vocab), dtype, seed=vocab))
+    mask = _garbage_row(x, y, leading, vocab)
+    x.requires_grad_()
+    y.requires_grad_()
+    kl = tk.full_kl(x, y, mask, temperature, check=True, vocab_chunk=vocab_chunk)
+    assert kl.shape == leading and kl.dtype == torch.float32
+    want = torch.where(mask, full_kl_reference(x.detach(), y.detach(), temperature), 0.0)
+    torch.testing.assert_close(kl.double(), want, **tol(dtype))
+    grad_out = torch.linspace(-1.5, 2.0, mask.numel(), device=DEVICE).reshape(leading)
+    gx, gy = torch.autograd.grad(kl, (x, y), grad_out)
+    assert gx.dtype == dtype and gy.dtype == dtype
+    wx, wy = _kl_grads_ref(x, y, mask, temperature, grad_out)
+    torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
+    torch.testing.assert_close(gy.double(), wy, **grad_tol(dtype))
+    assert torch.all(gx.view(-1, vocab)[-1] == 0) and torch.all(gy.view(-1, vocab)[-1] == 0)
+    # one gradient asked for: the other is not computed, the asked one is the same
+    (gx_only,) = torch.autograd.grad(
+        tk.full_kl(x, y.detach(), mask, temperature, vocab_chunk=vocab_chunk), (x,), grad_out
+    )
+    assert torch.equal(gx_only, gx)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab_chunk", [0, 32], ids=["one-program", "split"])
+def test_minus_inf_patterns(dtype, vocab_chunk):
+    vocab = 100
+    x, y = make_logits((4, vocab), torch.float32, seed=5)
+    pad = torch.zeros(vocab, dtype=torch.bool)
+    pad[[2, 7, 40, vocab - 1]] = True
+    xp, yp = x.masked_fill(pad, NINF), y.masked_fill(pad, NINF)  # shared −inf padding
+    xp[1, 3] = NINF  # policy −inf alone: contributes nothing
+    yp[2, 4] = NINF  # reference −inf where the policy has mass: +inf
+    xp[3, 64:] = NINF  # a whole split of the policy row without mass
+    xp, yp = (t.to(dtype).to(DEVICE).requires_grad_() for t in (xp, yp))
+    kl = tk.full_kl(xp, yp, None, 1.0, vocab_chunk=vocab_chunk)
+    want = full_kl_reference(xp.detach(), yp.detach())
+    assert kl[2].item() == float("inf") and want[2].item() == float("inf")
+    keep = [0, 1, 3]
+    torch.testing.assert_close(kl[keep].double(), want[keep], **tol(dtype))
+    grad_out = torch.tensor([1.5, -0.5, 0.0, 2.0], device=DEVICE)  # no gradient for the +inf row
+    gx, gy = torch.autograd.grad(kl, (xp, yp), grad_out)
+    assert torch.isfinite(gx).all() and torch.isfinite(gy).all()
+    assert torch.all(gx[:, pad] == 0) and torch.all(gy[:, pad] == 0)
+    # the reference's autograd gives 0·(−inf) = NaN at −inf entries: −1e4 has float64 mass 0
+    finite = [torch.nan_to_num(t.detach()[keep].double(), neginf=-1e4) for t in (xp, yp)]
+    wx, wy = _kl_grads_ref(*finite, None, 1.0, grad_out[keep])
+    torch.testing.assert_close(gx[keep].double(), wx, **grad_tol(dtype))
+    torch.testing.assert_close(gy[keep].double(), wy, **grad_tol(dtype))
+    # the same results as the streaming backend
+    ks = streaming.full_kl(xp, yp, None, 1.0)
+    torch.testing.assert_close(kl, ks, **tol(dtype))
+    sx, sy = torch.autograd.grad(ks, (xp, yp), grad_out)
+    torch.testing.assert_close(gx, sx, **grad_tol(dtype))
+    torch.testing.assert_close(gy, sy, **grad_tol(dtype))
+
+
+def test_hand_values_identical_logits_and_rows_without_a_distribution():
+    t = lambda rows: torch.tensor(rows, device=DEVICE)  # noqa: E731
+    assert tk.full_kl(t([[0.0, NINF]]), t([[0.0, 0.0]]), None, 1.0).item() == pytest.approx(
+        0.6931471805599453
+    )
+    assert tk.full_kl(t([[0.0, 0.0, NINF]]), t([[0.0, NINF, NINF]]), None, 1.0).item() == float("inf")
+    x, _ = make_logits((3, 4, 77), torch.float32, seed=12)
+    x = _on(x)
+    for chunk in (0, 16):  # exactly 0, bit for bit, also merged across splits
+        assert torch.all(tk.full_kl(x, x.clone(), None, 0.3, vocab_chunk=chunk) == 0)
+    rows = torch.zeros(4, 5, device=DEVICE)
+    rows[0] = NINF  # no policy mass
+    rows[1, 2] = float("inf")
+    rows[2, 3] = float("nan")
+    kl = tk.full_kl(rows, torch.zeros(4, 5, device=DEVICE), None, 1.0)
+    assert torch.isnan(kl[:3]).all() and kl[3].item() == 0.0
+
+
+@pytest.mark.parametrize("offset_x,offset_y", [(1e4, -1e4), (-1e4, 1e4)])
+def test_large_opposite_offsets_keep_float32_accuracy(offset_x, offset_y):
+    x, y = make_logits((3, 300), torch.float64, seed=17, scale=2.0)
+    xs, ys = _on((x + offset_x).float(), (y + offset_y).float())
+    want = full_kl_reference(xs, ys, 0.7)
+    for chunk in (0, 64):
+        got = tk.full_kl(xs, ys, None, 0.7, vocab_chunk=chunk)
+        torch.testing.assert_close(got.double(), want, **tol(torch.float32))
+
+
+def test_stats_match_the_streaming_op():
+    """The (..., 6) stats of the engine's finalize: shifts, log-sums and E_π[u − w]."""
+    x, y = _on(*make_logits((5, 300), torch.float32, seed=3))
+    x[1, 7] = NINF
+    y[2, 9] = NINF  # KL = +inf: flagged in both
+    args = (None, 0.9, False, 0, 16)
+    kl_t, st_t = torch.ops.klpenalty.triton_full_kl(x, y, *args)
+    kl_s, st_s = torch.ops.klpenalty.streaming_full_kl(x, y, *args)
+    torch.testing.assert_close(kl_t, kl_s, **tol(torch.float32))
+    torch.testing.assert_close(st_t[:, :5], st_s[:, :5], atol=2e-6, rtol=1e-5)
+    assert st_t[2, 5].item() == 1.0 and st_t[0, 5].item() == 0.0
+    h_t, hs_t = torch.ops.klpenalty.triton_entropy(x, None, 0.9, False, 0, 0)
+    h_s, hs_s = torch.ops.klpenalty.streaming_entropy(x, None, 0.9, False, 0, 0)
+    torch.testing.assert_close(hs_t, hs_s, atol=2e-6, rtol=1e-5)
+
+
+def test_non_contiguous_inputs_give_the_contiguous_results():
+    x, y = _on(*make_logits((2, 4, 65), torch.float32, seed=21))
+    views = [
+        (x[:, :-1], y[:, :-1]),  # rows with a gap: copied by reshape
+        (x[..., :-1], y[..., :-1]),  # vocabulary slice: row stride V + 1, read in place
+        (x.transpose(0, 1), y.transpose(0, 1)),
+        (x.transpose(-1, -2).contiguous().transpose(-1, -2), y),  # column stride ≠ 1: copied
+    ]
+    for a, b in views:
+        assert torch.equal(tk.full_kl(a, b, None, 1.0), tk.full_kl(a.contiguous(), b.contiguous(), None, 1.0))
+        assert torch.equal(tk.entropy(a, None, 1.0), tk.entropy(a.contiguous(), None, 1.0))
+        tokens = torch.zeros(a.shape[:-1], dtype=torch.long, device=DEVICE)
+        assert torch.equal(
+            tk.token_logprobs(a, tokens, 0.8), tk.token_logprobs(a.contiguous(), tokens, 0.8)
+        )
+    xs = x.clone().requires_grad_()
+    view = xs[..., :-1]  # strided rows inside autograd
+    (g,) = torch.autograd.grad(tk.full_kl(view, y[..., :-1], None, 1.0).sum(), (xs,))
+    (g_ref,) = torch.autograd.grad(
+        tk.full_kl(view.contiguous(), y[..., :-1].contiguous(), None, 1.0).sum(), (xs,)
+    )
+    assert torch.equal(g, g_ref) and torch.all(g[..., -1] == 0)
+
+
+def test_mixed_dtypes_float64_and_the_empty_batch():
+    x, y = _on(*make_logits((3, 50), torch.float32, seed=2))
+    xb = x.bfloat16().requires_grad_()
+    y.requires_grad_()
+    kl = tk.full_kl(xb, y, None, 1.0)
+    torch.testing.assert_close(kl.double(), full_kl_reference(xb.detach(), y.detach()), **tol(torch.float32))
+    gx, gy = torch.autograd.grad(kl.sum(), (xb, y))
+    assert gx.dtype == torch.bfloat16 and gy.dtype == torch.float32
+    xd, yd = x.detach().double(), y.detach().double()  # float64: the streaming ops, float64 math
+    assert tk.full_kl(xd, yd, None, 1.0).dtype == torch.float64
+    torch.testing.assert_close(tk.full_kl(xd, yd, None, 1.0), full_kl_reference(xd, yd), **tol(torch.float64))
+    empty = torch.zeros(0, 7, device=DEVICE, requires_grad=True)
+    out = tk.full_kl(empty, empty, None, 1.0)
+    assert out.shape == (0,)
+    (g,) = torch.autograd.grad(out.sum(), empty)
+    assert g.shape == (0, 7)
+    assert tk.entropy(empty, None, 1.0).shape == (0,)
+    assert tk.token_logprobs(empty, torch.zeros(0, dtype=torch.long, device=DEVICE), 1.0).shape == (0,)
+
+
+def test_double_backward_matches_the_streaming_backend():
+    x, y = _on(*make_logits((3, 20), torch.float32, seed=9))
+    mask = torch.tensor([True, False, True], device=DEVICE)
+
+    def second(backend):
+        xs, ys = x.clone().requires_grad_(), y.clone().requires_grad_()
+        kl = klpenalty.full_kl(xs, ys, mask=mask, temperature=0.7, backend=backend)
+        (gx,) = torch.autograd.grad(kl.sum(), xs, create_graph=True)
+        return torch.autograd.grad((gx * gx).sum(), (xs, ys))
+
+    for got, want in zip(second("triton"), second("streaming")):
+        torch.testing.assert_close(got, want, **grad_tol(torch.float32))
+
+
+# --------------------------------------------------------------------------- token log-probs
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("leading,vocab", [((3,), 1), ((2, 3), 37), ((4,), 300)])
+@pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-program", "split"])
+def test_token_logprobs_values_and_gradients(dtype, leading, vocab, vocab_chunk):
+    x, _ = make_logits((*leading, vocab), dtype, seed=vocab + 1)
+    x = _on(x).requires_grad_()
+    gen = torch.Generator().manual_seed(vocab)
+    tokens = _on(torch.randint(0, vocab, leading, generator=gen))
+    tokens.view(-1)[0] = -100  # ignored position
+    tokens.view(-1)[-1] = vocab - 1  # the last column, in the last block
+    out = tk.token_logprobs(x, tokens, 1.3, ignore_index=-100, check=True, vocab_chunk=vocab_chunk)
+    ignored = tokens == -100
+    assert torch.all(out[ignored] == 0)
+    want = token_logprobs_reference(x.detach(), tokens.clamp_min(0), 1.3)
+    torch.testing.assert_close(out[~ignored].double(), want[~ignored], **tol(dtype))
+    grad_out = torch.linspace(-2.0, 1.0, tokens.numel(), device=DEVICE).reshape(leading)
+    (gx,) = torch.autograd.grad(out, (x,), grad_out)
+    assert gx.dtype == dtype
+    xr = x.detach().double().requires_grad_()
+    ref = token_logprobs_reference(xr, tokens.clamp_min(0), 1.3)
+    (wx,) = torch.autograd.grad((torch.where(ignored, 0.0, ref) * grad_out.double()).sum(), (xr,))
+    torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
+    assert torch.all(gx.view(-1, vocab)[0] == 0)
+
+
+def test_token_logprobs_with_minus_inf_and_a_row_without_a_distribution():
+    x, _ = make_logits((3, 40), torch.float32, seed=4)
+    x = _on(x)
+    x[0, 5:] = NINF
+    x[2] = NINF
+    tokens = torch.tensor([1, 2, 0], device=DEVICE)
+    got = tk.token_logprobs(x, tokens, 1.0)
+    want = streaming.token_logprobs(x, tokens, 1.0)
+    torch.testing.assert_close(got, want, equal_nan=True, **tol(torch.float32))
+    assert torch.isnan(got[2])
+    xs = x[:2].clone().requires_grad_()
+    (g,) = torch.autograd.grad(tk.token_logprobs(xs, tokens[:2], 1.0).sum(), xs)
+    assert torch.isfinite(g).all() and torch.all(g[0, 5:] == 0)
+
+
+# --------------------------------------------------------------------------- entropy
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("leading,vocab", [((3,), 1), ((2, 3), 37), ((4,), 300)])
+@pytest.mark.parametrize("temperature", [1.0, 2.5])
+@pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-program", "split"])
+def test_entropy_values_and_gradients(dtype, leading, vocab, temperature, vocab_chunk):
+    x, _ = make_logits((*leading, vocab), dtype, seed=vocab)
+    x = _on(x)
+    mask = _garbage_row(x, None, leading, vocab)
+    if vocab > 8:
+        x.view(-1, vocab)[0, 3:8] = NINF  # −inf entries in a counted row
+    x.requires_grad_()
+    h = tk.entropy(x, mask, temperature, check=True, vocab_chunk=vocab_chunk)
+    assert h.shape == leading and h.dtype == torch.float32
+    xr = x.detach().double().requires_grad_()
+    keep = mask.unsqueeze(-1)
+    # the reference's autograd gives 0·(−inf) = NaN at −inf entries: −1e4 has float64 mass 0
+    xr_finite = torch.where(keep, torch.nan_to_num(xr, neginf=-1e4), 0.0)
+    want = torch.where(mask, entropy_reference(xr_finite, temperature), 0.0)
+    torch.testing.assert_close(h.double(), want.detach(), **tol(dtype))
+    assert torch.all(h >= 0)
+    grad_out = torch.linspace(-1.5, 2.0, mask.numel(), device=DEVICE).reshape(leading)
+    (gx,) = torch.autograd.grad(h, x, grad_out)
+    (wx,) = torch.autograd.grad((want * grad_out.double()).sum(), xr)
+    assert gx.dtype == dtype and torch.isfinite(gx).all()
+    torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
+    assert torch.all(gx.view(-1, vocab)[-1] == 0)
+    if vocab == 1:  # one entry: π = 1, H = 0 and no gradient
+        assert torch.all(h == 0) and torch.all(gx == 0)
+
+
+# --------------------------------------------------------------------------- check, compile
+def _message(fn):
+    with pytest.raises(ValueError) as info:
+        fn()
+    return str(info.value)
+
+
+def test_check_errors_read_exactly_like_the_streaming_ones():
+    x, y = _on(*make_logits((2, 6), torch.float32, seed=1))
+    bad_x = x.clone()
+    bad_x[-1, 2] = float("nan")
+    no_mass = y.clone()
+    no_mass[-1] = NINF
+    tokens = torch.tensor([0, 6], device=DEVICE)
+    cases = [
+        lambda b: b.full_kl(bad_x, y, None, 1.0, check=True),
+        lambda b: b.full_kl(x, no_mass, None, 1.0, check=True),
+        lambda b: b.entropy(bad_x, None, 1.0, check=True),
+        lambda b: b.token_logprobs(bad_x, torch.zeros(2, dtype=torch.long, device=DEVICE), 1.0, check=True),
+        lambda b: b.token_logprobs(x, tokens, 1.0, check=True),
+    ]
+    for case in cases:
+        assert _message(lambda: case(tk)) == _message(lambda: case(streaming))
+    assert torch.isnan(tk.full_kl(bad_x, y, None, 1.0, check=False)[-1])
+    mask = torch.tensor([True, False], device=DEVICE)
+    assert tk.full_kl(bad_x, no_mass, mask, 1.0, check=True)[-1].item() == 0.0
+
+
+@pytest.mark.slow
+def test_torch_compile_fullgraph_traces_through_the_ops():
+    x, y = _on(*make_logits((2, 3, 40), torch.float32, seed=6))
+    mask = torch.tensor([[True, True, False], [True, False, True]], device=DEVICE)
+    tokens = torch.tensor([[1, 2, -100], [0, 39, 5]], device=DEVICE)
+
+    def step(a, b):
+        kl = klpenalty.full_kl(a, b, mask=mask, temperature=0.8, backend="triton")
+        h = klpenalty.entropy(a, mask=mask, backend="triton")
+        lp = klpenalty.token_logprobs(a, tokens, backend="triton")
+        return (kl * 2 + h - lp).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    xs, ys = x.clone().requires_grad_(), y.clone().requires_grad_()
+    xe, ye = x.clone().requires_grad_(), y.clone().requires_grad_()
+    got, want = compiled(xs, ys), step(xe, ye)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(torch.autograd.grad(got, (xs, ys)), torch.autograd.grad(want, (xe, ye))):
+        torch.testing.assert_close(a, b)
+
+
+# --------------------------------------------------------------------------- dispatch
+def test_dispatch_forces_triton_and_auto_picks_it_on_cuda():
+    assert "triton" in dispatch.available_backends()
+    assert dispatch.get_backend("triton", DEVICE) is tk
+    x, y = _on(*make_logits((2, 30), torch.float32, seed=8))
+    got = klpenalty.full_kl(x, y, backend="triton")
+    torch.testing.assert_close(got.double(), full_kl_reference(x, y), **tol(torch.float32))
+    if CUDA:
+        assert dispatch.get_backend("auto", DEVICE) is tk
+        assert "triton" in dispatch.device_backends(DEVICE)
+    else:
+        assert "triton" not in dispatch.device_backends(DEVICE)
+        assert dispatch.get_backend("auto", DEVICE) is not tk
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        dispatch.get_backend("triton", torch.device("meta"))
+
+
+def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(tk._kernels(), "INTERPRETED", False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        dispatch.get_backend("triton", torch.device("cpu"))
+    x, y = make_logits((2, 5), torch.float32)
+    with pytest.raises(ValueError, match="only in Triton's interpreter"):
+        klpenalty.full_kl(x, y, backend="triton")
+
+
+def test_auto_on_cuda_without_triton_notes_the_fallback_once(monkeypatch):
+    monkeypatch.setattr(tk, "_error", "ImportError: simulated")
+    monkeypatch.setattr(tk, "_warned", False)
+    cuda = torch.device("cuda")  # no tensor is made: only the choice is tested
+    with pytest.warns(RuntimeWarning, match="simulated") as record:
+        assert dispatch.get_backend("auto", cuda) is streaming
+        assert dispatch.get_backend("auto", cuda) is streaming
+    assert len(record) == 1 and "klpenalty[triton]" in str(record[0].message)
+    with pytest.raises(ValueError, match="needs Triton"):
+        dispatch.get_backend("triton", cuda)
+
+
+_NO_TRITON_CHILD = """
+    import sys
+    sys.modules["triton"] = None  # import triton raises ImportError
+    import torch, klpenalty
+    from klpenalty.ops import dispatch, triton_kernels
+    x = torch.randn(2, 9)
+    print("KL", klpenalty.full_kl(x, x.flip(-1)).shape)
+    print("AVAILABLE", triton_kernels.available())
+    try:
+        dispatch.get_backend("triton", torch.device("cpu"))
+    except ValueError as exc:
+        print("ERROR", exc)
+"""
+
+
+def test_the_library_works_without_triton():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_NO_TRITON_CHILD)],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "KL torch.Size([2])" in done.stdout and "AVAILABLE False" in done.stdout
+    assert "ERROR backend 'triton' needs Triton" in done.stdout and "klpenalty[triton]" in done.stdout
+
+
+def test_split_heuristic():
+    cpu = torch.device("cpu")
+    assert tk.split_columns(64, 1000, cpu) == (1024, 1000)  # enough rows: one program a row
+    block, cols = tk.split_columns(1, 128256, cpu)  # one row: split into up to 4 programs
+    assert block == tk.MAX_BLOCK and -(-128256 // cols) == 4
+    assert tk.split_columns(1, 5000, cpu, vocab_chunk=100) == (128, 128)  # forced
+
+
+# --------------------------------------------------------------------------- GPU compilation
+@pytest.mark.slow
+def test_kernels_compile_for_a_cuda_target():
+    """The kernels lower to PTX for sm_90 (no GPU needed): what the interpreter cannot catch."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = f"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from klpenalty.ops import _triton_jit as k
+t = GPUTarget("cuda", 90, 32)
+kl = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "out_ptr": "*fp32", "stride_x": "i64", "stride_y": "i64",
+      "V": "i32", "cols": "i32", "n_splits": "i32", "inv_t": "fp32", "c2": "fp32", "BLOCK": "constexpr"}}
+g = {{"x_ptr": "*bf16", "y_ptr": "*bf16", "gx_ptr": "*bf16", "gy_ptr": "*bf16", "stats_ptr": "*fp32",
+     "g_ptr": "*fp32", "tok_ptr": "*i64", "at_tok_ptr": "*fp32", "stride_x": "i64", "stride_y": "i64",
+     "V": "i32", "inv_t": "fp32", "c2": "fp32", "KIND": "constexpr", "NEED_X": "constexpr",
+     "NEED_Y": "constexpr", "BLOCK": "constexpr"}}
+for fn, s, c in [(k.kl_state_kernel, kl, {{"BLOCK": 4096}}),
+                 (k.grad_kernel, g, {{"KIND": 0, "NEED_X": True, "NEED_Y": True, "BLOCK": 1024}})]:
+    assert ".entry" in triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=t).asm["ptx"]
+print("OK")
+"""
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]

@@ -19,7 +19,12 @@ import torch
 import klpenalty
 from klpenalty.ops import native, streaming
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
-from tests.conftest import DTYPES, grad_tol, make_logits, tol
+from tests.conftest import DTYPES, make_logits, tol
+from tests.ops.cases import (
+    check_kl_and_grads,
+    check_minus_inf_patterns,
+    check_token_logprobs_and_grads,
+)
 
 NINF = float("-inf")
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
@@ -33,17 +38,6 @@ SHAPES = [((3,), 1), ((2, 3), 37), ((4,), 64), ((2, 2), 2048 + 37), ((3,), 9001)
 
 def _kl(x, y, mask=None, temperature=1.0, check=True):
     return native.full_kl(x, y, mask, temperature, check=check)
-
-
-def _ref_grads(x, y, mask, temperature, grad_out):
-    """Gradients of Σ grad_out·KL through the float64 reference; masked rows excluded."""
-    xr = x.detach().double().requires_grad_()
-    yr = y.detach().double().requires_grad_()
-    keep = torch.ones(x.shape[:-1], dtype=torch.bool) if mask is None else mask
-    k = keep.unsqueeze(-1)
-    kl = full_kl_reference(torch.where(k, xr, 0.0), torch.where(k, yr, 0.0), temperature)
-    kl = torch.where(keep, kl, 0.0)
-    return torch.autograd.grad((kl * grad_out.double()).sum(), (xr, yr))
 
 
 def test_kernel_builds_where_a_compiler_exists():
@@ -66,18 +60,7 @@ def test_full_kl_values_and_gradients_match_reference(dtype, leading, vocab, tem
     y.view(-1, vocab)[-1] = float("nan")
     x.requires_grad_()
     y.requires_grad_()
-    kl = _kl(x, y, mask, temperature)
-    assert kl.shape == leading
-    assert kl.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    want = torch.where(mask, full_kl_reference(x.detach(), y.detach(), temperature), 0.0)
-    torch.testing.assert_close(kl.double(), want, **tol(dtype))
-    grad_out = torch.linspace(-1.5, 2.0, mask.numel()).reshape(leading)
-    gx, gy = torch.autograd.grad(kl, (x, y), grad_out)
-    assert gx.dtype == dtype and gy.dtype == dtype
-    wx, wy = _ref_grads(x, y, mask, temperature, grad_out)
-    torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
-    torch.testing.assert_close(gy.double(), wy, **grad_tol(dtype))
-    assert torch.all(gx.view(-1, vocab)[-1] == 0) and torch.all(gy.view(-1, vocab)[-1] == 0)
+    check_kl_and_grads(_kl(x, y, mask, temperature), x, y, mask, temperature, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -89,17 +72,7 @@ def test_token_logprobs_values_and_gradients_match_reference(dtype, leading, voc
     tokens = torch.randint(0, vocab, leading, generator=gen)
     tokens.view(-1)[0] = -100  # ignored position
     out = native.token_logprobs(x, tokens, 1.3, ignore_index=-100, check=True)
-    ignored = tokens == -100
-    assert torch.all(out[ignored] == 0)
-    want = token_logprobs_reference(x.detach(), tokens.clamp_min(0), 1.3)
-    torch.testing.assert_close(out[~ignored].double(), want[~ignored], **tol(dtype))
-    grad_out = torch.linspace(-2.0, 1.0, tokens.numel()).reshape(leading)
-    (gx,) = torch.autograd.grad(out, (x,), grad_out)
-    assert gx.dtype == dtype
-    xr = x.detach().double().requires_grad_()
-    ref = token_logprobs_reference(xr, tokens.clamp_min(0), 1.3)
-    (wx,) = torch.autograd.grad((torch.where(ignored, 0.0, ref) * grad_out.double()).sum(), (xr,))
-    torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
+    check_token_logprobs_and_grads(out, x, tokens, 1.3, dtype)
 
 
 def test_stats_match_the_streaming_op():
@@ -122,28 +95,9 @@ def test_stats_match_the_streaming_op():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab", [10, 2048 + 100])
 def test_minus_inf_patterns(dtype, vocab):
-    x, y = make_logits((4, vocab), torch.float32, seed=5)
-    pad = torch.zeros(vocab, dtype=torch.bool)
-    pad[[2, 7, vocab - 1]] = True
-    xp, yp = x.masked_fill(pad, NINF), y.masked_fill(pad, NINF)  # shared −inf padding
-    xp[1, 3] = NINF  # policy −inf alone: contributes nothing
-    yp[2, 4] = NINF  # reference −inf where the policy has mass: +inf
-    xp, yp = xp.to(dtype).requires_grad_(), yp.to(dtype).requires_grad_()
-    kl = _kl(xp, yp, check=False)
-    want = full_kl_reference(xp.detach(), yp.detach())
-    assert kl[2].item() == float("inf") and want[2].item() == float("inf")
-    keep = [0, 1, 3]
-    torch.testing.assert_close(kl[keep].double(), want[keep], **tol(dtype))
-    grad_out = torch.tensor([1.5, -0.5, 0.0, 2.0])  # no gradient asked for the +inf row
-    gx, gy = torch.autograd.grad(kl, (xp, yp), grad_out)
-    assert torch.isfinite(gx).all() and torch.isfinite(gy).all()
-    assert torch.all(gx[:, pad] == 0) and torch.all(gy[:, pad] == 0)
-    # the reference's autograd gives 0·(−inf) = NaN at −inf entries: use −1e4 instead, whose
-    # float64 probability is exactly 0 (the same KL, the gradient's limit)
-    finite = [torch.nan_to_num(t.detach()[keep].double(), neginf=-1e4) for t in (xp, yp)]
-    wx, wy = _ref_grads(*finite, None, 1.0, grad_out[keep])
-    torch.testing.assert_close(gx[keep].double(), wx, **grad_tol(dtype))
-    torch.testing.assert_close(gy[keep].double(), wy, **grad_tol(dtype))
+    check_minus_inf_patterns(
+        lambda a, b: _kl(a, b, check=False), vocab, dtype, [2, 7, vocab - 1]
+    )
 
 
 def test_hand_values_and_rows_without_a_distribution():

@@ -13,6 +13,7 @@ import klpenalty
 from klpenalty.ops import dispatch, native, streaming
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
 from tests.conftest import tol
+from tests.ops.cases import ref_kl_grads
 
 NINF = float("-inf")
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -24,20 +25,6 @@ def _logits(shape, dtype, seed=0, scale=2.0, noise=0.7):
     x = torch.randn(shape, generator=g, dtype=torch.float64) * scale
     y = x + noise * torch.randn(shape, generator=g, dtype=torch.float64)
     return x.to(dtype), y.to(dtype)
-
-
-def _ref_grads(x, y, mask, temperature, grad_out, need_y=True):
-    """Gradients of Σ grad_out·KL through the float64 reference (masked rows excluded)."""
-    xr = x.detach().double().requires_grad_()
-    yr = y.detach().double().requires_grad_(need_y)
-    if mask is None:
-        kl = full_kl_reference(xr, yr, temperature)
-    else:  # masked rows may hold garbage (−inf): keep it out of the reference's autograd
-        m = mask.unsqueeze(-1)
-        kl = full_kl_reference(torch.where(m, xr, 0.0), torch.where(m, yr, 0.0), temperature)
-        kl = torch.where(mask, kl, torch.zeros_like(kl))
-    inputs = (xr, yr) if need_y else (xr,)
-    return torch.autograd.grad((kl * grad_out.double()).sum(), inputs)
 
 
 def _close_grad(got, want, dtype, grad_rel_tol):
@@ -77,7 +64,7 @@ def test_full_kl_matches_reference_grid(backend, dtype, leading, vocab, value_to
     grad_out = torch.linspace(-1.5, 2.0, mask.numel()).reshape(leading)
     gx, gy = torch.autograd.grad(kl, (x, y), grad_out)
     assert gx.dtype == dtype and gy.dtype == dtype
-    wx, wy = _ref_grads(x, y, mask, 0.8, grad_out)
+    wx, wy = ref_kl_grads(x, y, mask, 0.8, grad_out)
     assert torch.all(gx.view(-1, vocab)[0] == 0) and torch.all(gy.view(-1, vocab)[0] == 0)
     _close_grad(gx, wx, dtype, grad_rel_tol)
     _close_grad(gy, wy, dtype, grad_rel_tol)
@@ -105,7 +92,7 @@ def test_streaming_larger_than_any_tile_matches_reference(value_tol, grad_rel_to
     torch.testing.assert_close(kl.double(), want, **tol(torch.float32))
     g = torch.randn(7)
     (gx,) = torch.autograd.grad(kl, (x,), g)
-    (wx,) = _ref_grads(x, y, None, 1.3, g, need_y=False)
+    (wx,) = ref_kl_grads(x, y, None, 1.3, g, need_y=False)
     _close_grad(gx, wx, torch.float32, grad_rel_tol)
 
 

@@ -21,8 +21,13 @@ import torch
 import klpenalty
 from klpenalty.ops import dispatch, streaming
 from klpenalty.ops import triton_kernels as tk
-from klpenalty.ops.reference import entropy_reference, full_kl_reference, token_logprobs_reference
+from klpenalty.ops.reference import entropy_reference, full_kl_reference
 from tests.conftest import grad_tol, make_logits, tol, triton_interpreter_env
+from tests.ops.cases import (
+    check_kl_and_grads,
+    check_minus_inf_patterns,
+    check_token_logprobs_and_grads,
+)
 
 CUDA = torch.cuda.is_available()
 DEVICE = torch.device("cuda" if CUDA else "cpu")
@@ -59,17 +64,6 @@ def _on(*tensors):
     return out if len(out) > 1 else out[0]
 
 
-def _kl_grads_ref(x, y, mask, temperature, grad_out):
-    """∂Σ grad_out·KL/∂(x, y) through the float64 reference; masked rows excluded."""
-    xr = x.detach().double().requires_grad_()
-    yr = y.detach().double().requires_grad_()
-    keep = torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device) if mask is None else mask
-    k = keep.unsqueeze(-1)
-    kl = full_kl_reference(torch.where(k, xr, 0.0), torch.where(k, yr, 0.0), temperature)
-    kl = torch.where(keep, kl, 0.0)
-    return torch.autograd.grad((kl * grad_out.double()).sum(), (xr, yr))
-
-
 def _garbage_row(x, y, leading, vocab):
     """A mask whose last row is False, that row filled with −inf / NaN garbage."""
     mask = torch.ones(leading, dtype=torch.bool, device=DEVICE)
@@ -91,16 +85,7 @@ def test_full_kl_values_and_gradients(dtype, leading, vocab, temperature, vocab_
     x.requires_grad_()
     y.requires_grad_()
     kl = tk.full_kl(x, y, mask, temperature, check=True, vocab_chunk=vocab_chunk)
-    assert kl.shape == leading and kl.dtype == torch.float32
-    want = torch.where(mask, full_kl_reference(x.detach(), y.detach(), temperature), 0.0)
-    torch.testing.assert_close(kl.double(), want, **tol(dtype))
-    grad_out = torch.linspace(-1.5, 2.0, mask.numel(), device=DEVICE).reshape(leading)
-    gx, gy = torch.autograd.grad(kl, (x, y), grad_out)
-    assert gx.dtype == dtype and gy.dtype == dtype
-    wx, wy = _kl_grads_ref(x, y, mask, temperature, grad_out)
-    torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
-    torch.testing.assert_close(gy.double(), wy, **grad_tol(dtype))
-    assert torch.all(gx.view(-1, vocab)[-1] == 0) and torch.all(gy.view(-1, vocab)[-1] == 0)
+    gx, gy, grad_out = check_kl_and_grads(kl, x, y, mask, temperature, dtype)
     # one gradient asked for: the other is not computed, the asked one is the same
     (gx_only,) = torch.autograd.grad(
         tk.full_kl(x, y.detach(), mask, temperature, vocab_chunk=vocab_chunk), (x,), grad_out
@@ -111,29 +96,10 @@ def test_full_kl_values_and_gradients(dtype, leading, vocab, temperature, vocab_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab_chunk", [0, 32], ids=["one-program", "split"])
 def test_minus_inf_patterns(dtype, vocab_chunk):
-    vocab = 100
-    x, y = make_logits((4, vocab), torch.float32, seed=5)
-    pad = torch.zeros(vocab, dtype=torch.bool)
-    pad[[2, 7, 40, vocab - 1]] = True
-    xp, yp = x.masked_fill(pad, NINF), y.masked_fill(pad, NINF)  # shared −inf padding
-    xp[1, 3] = NINF  # policy −inf alone: contributes nothing
-    yp[2, 4] = NINF  # reference −inf where the policy has mass: +inf
-    xp[3, 64:] = NINF  # a whole split of the policy row without mass
-    xp, yp = (t.to(dtype).to(DEVICE).requires_grad_() for t in (xp, yp))
-    kl = tk.full_kl(xp, yp, None, 1.0, vocab_chunk=vocab_chunk)
-    want = full_kl_reference(xp.detach(), yp.detach())
-    assert kl[2].item() == float("inf") and want[2].item() == float("inf")
-    keep = [0, 1, 3]
-    torch.testing.assert_close(kl[keep].double(), want[keep], **tol(dtype))
-    grad_out = torch.tensor([1.5, -0.5, 0.0, 2.0], device=DEVICE)  # no gradient for the +inf row
-    gx, gy = torch.autograd.grad(kl, (xp, yp), grad_out)
-    assert torch.isfinite(gx).all() and torch.isfinite(gy).all()
-    assert torch.all(gx[:, pad] == 0) and torch.all(gy[:, pad] == 0)
-    # the reference's autograd gives 0·(−inf) = NaN at −inf entries: −1e4 has float64 mass 0
-    finite = [torch.nan_to_num(t.detach()[keep].double(), neginf=-1e4) for t in (xp, yp)]
-    wx, wy = _kl_grads_ref(*finite, None, 1.0, grad_out[keep])
-    torch.testing.assert_close(gx[keep].double(), wx, **grad_tol(dtype))
-    torch.testing.assert_close(gy[keep].double(), wy, **grad_tol(dtype))
+    kl, gx, gy, xp, yp, grad_out = check_minus_inf_patterns(
+        lambda a, b: tk.full_kl(a, b, None, 1.0, vocab_chunk=vocab_chunk),
+        100, dtype, [2, 7, 40, 99], device=DEVICE,
+    )
     # the same results as the streaming backend
     ks = streaming.full_kl(xp, yp, None, 1.0)
     torch.testing.assert_close(kl, ks, **tol(dtype))
@@ -256,17 +222,7 @@ def test_token_logprobs_values_and_gradients(dtype, leading, vocab, vocab_chunk)
     tokens.view(-1)[0] = -100  # ignored position
     tokens.view(-1)[-1] = vocab - 1  # the last column, in the last block
     out = tk.token_logprobs(x, tokens, 1.3, ignore_index=-100, check=True, vocab_chunk=vocab_chunk)
-    ignored = tokens == -100
-    assert torch.all(out[ignored] == 0)
-    want = token_logprobs_reference(x.detach(), tokens.clamp_min(0), 1.3)
-    torch.testing.assert_close(out[~ignored].double(), want[~ignored], **tol(dtype))
-    grad_out = torch.linspace(-2.0, 1.0, tokens.numel(), device=DEVICE).reshape(leading)
-    (gx,) = torch.autograd.grad(out, (x,), grad_out)
-    assert gx.dtype == dtype
-    xr = x.detach().double().requires_grad_()
-    ref = token_logprobs_reference(xr, tokens.clamp_min(0), 1.3)
-    (wx,) = torch.autograd.grad((torch.where(ignored, 0.0, ref) * grad_out.double()).sum(), (xr,))
-    torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
+    gx = check_token_logprobs_and_grads(out, x, tokens, 1.3, dtype)
     assert torch.all(gx.view(-1, vocab)[0] == 0)
 
 

@@ -4,7 +4,7 @@ Shape letters in every docstring: B batch, T sequence, V vocabulary, N rows.
 """
 
 from . import rlhf
-from .functional import entropy, full_kl, kl_penalized_reward, token_logprobs
+from .functional import TokenStats, entropy, full_kl, kl_penalized_reward, token_logprobs
 from .modules import FullKL, KLPenalty
 from .rlhf import *  # noqa: F403  (the names in klpenalty.rlhf.__all__)
 
@@ -16,6 +16,7 @@ __all__ = [
     "kl_penalized_reward",
     "token_logprobs",
     "entropy",
+    "TokenStats",
     # the same as nn.Modules
     "FullKL",
     "KLPenalty",

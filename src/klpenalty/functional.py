@@ -6,12 +6,31 @@ All functions accept any leading dims: logits (..., V), per-token tensors (...).
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 
 from . import _validation as v
 from .ops.dispatch import get_backend
 
-__all__ = ["full_kl", "kl_penalized_reward", "token_logprobs", "entropy"]
+__all__ = ["full_kl", "kl_penalized_reward", "token_logprobs", "entropy", "TokenStats"]
+
+
+class TokenStats(NamedTuple):
+    """Per-position statistics of one batch, each (...) or None where not requested.
+
+    Returned by the one-pass functions (the policy logits, or the hidden states and LM heads,
+    are read once for all of them).
+    """
+
+    kl: Optional[torch.Tensor]
+    """Exact KL(π‖ρ) (π̃, the truncated policy, when a support is given)."""
+    logprobs: Optional[torch.Tensor]
+    """log π(token) of the given tokens (log π̃ with a support)."""
+    ref_logprobs: Optional[torch.Tensor]
+    """log ρ(token) of the given tokens under the (never truncated) reference."""
+    entropy: Optional[torch.Tensor]
+    """H(π) (H(π̃) with a support)."""
 
 
 def full_kl(

@@ -6,6 +6,7 @@ fullgraph torch.compile step of test_engine.py (parametrised over the CPU backen
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -17,9 +18,10 @@ import pytest
 import torch
 
 import klpenalty
+from klpenalty.ops import autograd as ag
 from klpenalty.ops import native, streaming
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
-from tests.conftest import DTYPES, make_logits, tol
+from tests.conftest import DTYPES, grad_tol, make_logits, tol
 from tests.ops.cases import (
     check_kl_and_grads,
     check_minus_inf_patterns,
@@ -76,19 +78,25 @@ def test_token_logprobs_values_and_gradients_match_reference(dtype, leading, voc
 
 
 def test_stats_match_the_streaming_op():
-    """The same (..., 6) backward stats as the streaming engine, careful flags included."""
+    """The KL engine's six stats columns (careful flags included) and the log-prob finish equal
+    the streaming ops'; the other columns hold 0 where not wanted."""
+    assert native.available()  # loads the ops
     x, y = make_logits((5, 3000), torch.float32, seed=3)
     x[1, 7] = NINF  # policy −inf: the 0·log 0 arithmetic
     y[2, 9] = NINF  # reference −inf where the policy has mass: KL = +inf
-    args = (None, 0.9, False, 0, 0)
-    kl_n, st_n = torch.ops.klpenalty.native_full_kl(x, y, *args)
-    kl_s, st_s = torch.ops.klpenalty.streaming_full_kl(x, y, *args)
-    torch.testing.assert_close(kl_n, kl_s, **tol(torch.float32))
-    torch.testing.assert_close(st_n, st_s, atol=2e-6, rtol=1e-5)
-    assert st_n[:, 5].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0]
-    lp_n, lst_n = torch.ops.klpenalty.native_token_logprobs(x, torch.arange(5), 0.9, -100, False, 0, 0)
-    lp_s, lst_s = torch.ops.klpenalty.streaming_token_logprobs(x, torch.arange(5), 0.9, -100, False, 0, 0)
-    torch.testing.assert_close(lst_n, lst_s, **tol(torch.float32))
+    ops = torch.ops.klpenalty
+    out_n, st_n = ops.native_token_stats(x, y, None, None, None, None, 0.9, -100, ag.WANT_KL, False, 0, 0)
+    kl_s, st_s = ops.streaming_full_kl(x, y, None, 0.9, False, 0, 0)
+    torch.testing.assert_close(out_n[:, ag.OUT_KL], kl_s, **tol(torch.float32))
+    torch.testing.assert_close(st_n[:, :6], st_s, atol=2e-6, rtol=1e-5)
+    assert st_n[:, ag.ST_CAREFUL].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0]
+    assert torch.all(out_n[:, 1:] == 0) and torch.all(st_n[:, 6:] == 0)
+    tokens = torch.arange(5)
+    out_n, st_n = ops.native_token_stats(x, None, tokens, None, None, None, 0.9, -100, ag.WANT_LOGP, False, 0, 0)
+    lp_s, lst_s = ops.streaming_token_logprobs(x, tokens, 0.9, -100, False, 0, 0)
+    cols = [ag.ST_SHIFT_X, ag.ST_LOG_S_X, ag.ST_LOGP]
+    torch.testing.assert_close(st_n[:, cols], lst_s, **tol(torch.float32))
+    torch.testing.assert_close(out_n[:, ag.OUT_LOGP], lp_s, **tol(torch.float32))
 
 
 # --------------------------------------------------------------------------- −inf patterns
@@ -239,20 +247,43 @@ def test_check_errors_read_exactly_like_the_streaming_ones(leading):
 
 
 def test_ops_validate_their_arguments_when_called_directly():
+    assert native.available()  # loads the ops
     x, y = make_logits((2, 5), torch.float32)
-    ops = torch.ops.klpenalty
+    op = torch.ops.klpenalty.native_token_stats
+    tail = (1.0, -100, ag.WANT_KL, False, 0, 0)
     with pytest.raises(TypeError, match="policy_logits must be a floating-point"):
-        ops.native_full_kl(x.long(), y, None, 1.0, False, 0, 0)
+        op(x.long(), y, None, None, None, None, *tail)
     with pytest.raises(ValueError, match="same shape"):
-        ops.native_full_kl(x, y[:, :4], None, 1.0, False, 0, 0)
+        op(x, y[:, :4], None, None, None, None, *tail)
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
-        ops.native_full_kl(x, y, None, 0.0, False, 0, 0)
+        op(x, y, None, None, None, None, 0.0, -100, ag.WANT_KL, False, 0, 0)
     with pytest.raises(TypeError, match="mask must be a bool tensor"):
-        ops.native_full_kl(x, y, torch.ones(2), 1.0, False, 0, 0)
+        op(x, y, None, torch.ones(2), None, None, *tail)
+    with pytest.raises(TypeError, match="keep must be a bool tensor"):
+        op(x, y, None, None, torch.ones(2, 5), None, *tail)
+    with pytest.raises(ValueError, match=r"keep must have the shape of the logits \(2, 5\)"):
+        op(x, y, None, None, torch.ones(2, 4, dtype=torch.bool), None, *tail)
+    with pytest.raises(TypeError, match="tau must be a float32 or float64 tensor"):
+        op(x, y, None, None, None, torch.zeros(2, dtype=torch.long), *tail)
+    with pytest.raises(ValueError, match=r"tau must have shape \(2,\)"):
+        op(x, y, None, None, None, torch.zeros(3), *tail)
+    with pytest.raises(ValueError, match="want must be a nonzero sum"):
+        op(x, y, None, None, None, None, 1.0, -100, 16, False, 0, 0)
+    with pytest.raises(ValueError, match="but ref_logits is None"):
+        op(x, None, torch.zeros(2, dtype=torch.long), None, None, None, *tail)
+    with pytest.raises(ValueError, match="but tokens is None"):
+        op(x, y, None, None, None, None, 1.0, -100, ag.WANT_LOGP, False, 0, 0)
+    lp = (1.0, -100, ag.WANT_LOGP, False, 0, 0)
     with pytest.raises(TypeError, match="tokens must be an integer tensor"):
-        ops.native_token_logprobs(x, torch.zeros(2), 1.0, -100, False, 0, 0)
+        op(x, None, torch.zeros(2), None, None, None, *lp)
     with pytest.raises(IndexError, match="out of range"):  # check=False never reads past a row
-        ops.native_token_logprobs(x, torch.tensor([0, 5]), 1.0, -100, False, 0, 0)
+        op(x, None, torch.tensor([0, 5]), None, None, None, *lp)
+    bwd = torch.ops.klpenalty.native_token_stats_backward
+    _, stats = op(x, y, None, None, None, None, *tail)
+    with pytest.raises(ValueError, match=r"grad must have shape \(2, 4\)"):
+        bwd(torch.ones(2), x, y, None, stats, None, None, None, 1.0, -100, 1, True, True, 0, 0)
+    with pytest.raises(ValueError, match=r"stats must have shape \(2, 9\)"):
+        bwd(torch.ones(2, 4), x, y, None, stats[:, :6], None, None, None, 1.0, -100, 1, True, True, 0, 0)
 
 
 # --------------------------------------------------------------------------- fallback, cache
@@ -362,3 +393,241 @@ def test_cold_build_then_a_second_process_loads_from_the_cache(tmp_path, monkeyp
     load_s = float(warm.stdout.split("LOAD True ")[1].split()[0])
     assert load_s < 1.0
     assert warm.stdout.split("KL")[1] == cold.stdout.split("KL")[1]
+
+
+# --------------------------------------------------------------------------- token_stats
+ALL = ag.WANT_KL | ag.WANT_LOGP | ag.WANT_REF_LOGP | ag.WANT_ENTROPY
+
+
+def _stats_reference(x, y, tokens, mask, keep, tau, temperature, want):
+    """out (..., 4) in float64 from the reference functions on the truncated logits."""
+    from klpenalty.ops.reference import entropy_reference
+
+    xk = ag.kept_logits(x.detach().double(), keep, tau)
+    cols = [torch.zeros(x.shape[:-1], dtype=torch.float64) for _ in range(4)]
+    if want & ag.WANT_KL:
+        cols[ag.OUT_KL] = full_kl_reference(xk, y.detach(), temperature)
+    if want & ag.WANT_ENTROPY:
+        cols[ag.OUT_ENTROPY] = entropy_reference(xk, temperature)
+    if tokens is not None:
+        ignored, tok = tokens == -100, tokens.clamp_min(0)
+        if want & ag.WANT_LOGP:
+            lp = token_logprobs_reference(xk, tok, temperature)
+            cols[ag.OUT_LOGP] = lp.masked_fill(ignored, 0.0)
+        if want & ag.WANT_REF_LOGP:
+            rl = token_logprobs_reference(y.detach(), tok, temperature)
+            cols[ag.OUT_REF_LOGP] = rl.masked_fill(ignored, 0.0)
+    out = torch.stack(cols, -1)
+    return out if mask is None else torch.where(mask.unsqueeze(-1), out, 0.0)
+
+
+def _check_stats(x, y, tokens, mask, keep, tau, temperature, want, dtype, check=True):
+    """native.token_stats against float64: values (wanted columns, 0 elsewhere), and the
+    gradients of a non-unit upstream gradient against the contract's formula in float64.
+    Returns (out, gx, gy)."""
+    out = native.token_stats(
+        x, y, tokens, mask, keep, tau, temperature, ignore_index=-100, want=want, check=check
+    )
+    assert out.shape == (*x.shape[:-1], 4)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    want_out = _stats_reference(x, y, tokens, mask, keep, tau, temperature, want)
+    torch.testing.assert_close(out.double(), want_out, **tol(dtype))
+    g = torch.linspace(-1.5, 2.0, out.numel()).reshape(out.shape)
+    inputs = (x, y) if y is not None else (x,)
+    grads = torch.autograd.grad(out, inputs, g)
+    wx, wy = ag._token_stats_grads_differentiable(
+        g.double(), x.detach().double(), None if y is None else y.detach().double(), tokens,
+        mask, keep, tau, temperature, -100, want,
+    )
+    torch.testing.assert_close(grads[0].double(), wx.double(), **grad_tol(dtype))
+    if y is not None:
+        torch.testing.assert_close(grads[1].double(), wy.double(), **grad_tol(dtype))
+    return out, *grads
+
+
+def _top_k(x, k):
+    """bool (..., V): the k largest logits of each row (ties at the k-th kept)."""
+    kth = x.float().topk(k, -1).values[..., -1:]
+    return x.float() >= kth
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("leading,vocab", [((2, 3), 37), ((3,), 2 * 2048 + 37)])
+@pytest.mark.parametrize("support", ["none", "keep", "tau", "both"])
+def test_token_stats_match_the_reference(dtype, leading, vocab, support):
+    """All four columns and their gradients, with a masked garbage row, an ignored token, and
+    the support as a mask, a threshold or both."""
+    x, y = make_logits((*leading, vocab), dtype, seed=vocab)
+    gen = torch.Generator().manual_seed(vocab)
+    tokens = torch.randint(0, vocab, leading, generator=gen)
+    keep = tau = None
+    if support in ("keep", "both"):
+        keep = _top_k(x, max(1, vocab // 3))
+    if support in ("tau", "both"):
+        tau = x.to(ag.compute_dtype(x)).amax(-1) - 4.0  # min-p style: within 4 of the max
+    kept = ag.kept_logits(x, keep, tau) > float("-inf")
+    tokens = torch.where(kept.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), tokens, x.argmax(-1))
+    tokens.view(-1)[0] = -100
+    mask = torch.ones(leading, dtype=torch.bool)
+    mask.view(-1)[-1] = False  # a masked row holding garbage
+    x.view(-1, vocab)[-1] = NINF
+    y.view(-1, vocab)[-1] = float("nan")
+    x.requires_grad_()
+    y.requires_grad_()
+    _, gx, gy = _check_stats(x, y, tokens, mask, keep, tau, 0.7, ALL, dtype)
+    assert torch.all(gx.view(-1, vocab)[-1] == 0) and torch.all(gy.view(-1, vocab)[-1] == 0)
+    if keep is not None or tau is not None:  # no gradient off the support
+        assert torch.all(gx.detach()[~kept & mask.unsqueeze(-1)] == 0)
+
+
+@pytest.mark.parametrize("want", [ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY,
+                                  ag.WANT_KL | ag.WANT_ENTROPY, ag.WANT_LOGP | ag.WANT_REF_LOGP,
+                                  ag.WANT_REF_LOGP | ag.WANT_ENTROPY])
+def test_token_stats_each_instance_of_the_walker(want):
+    """Every specialisation of the row walker (KL with/without entropy, entropy only, log-sum-exp
+    only, y alone) and of the gradient row, with and without a support."""
+    x, y = make_logits((4, 2048 + 100), torch.float32, seed=want)
+    tokens = torch.tensor([3, -100, 2000, 2100])
+    x.requires_grad_()
+    y.requires_grad_()
+    _check_stats(x, y, tokens, None, None, None, 1.3, want, torch.float32)
+    keep = torch.ones_like(x, dtype=torch.bool)
+    keep[:, 1000:1500] = False
+    _check_stats(x, y, tokens, None, keep, None, 1.3, want, torch.float32)
+
+
+def test_token_stats_fast_and_careful_paths_agree():
+    """A support that keeps everything runs the careful (support-buffer) path; it gives the fast
+    path's results, and so does a row whose −inf entries force the careful redo."""
+    x, y = make_logits((6, 2 * 2048 + 300), torch.float32, seed=8)
+    tokens = torch.arange(6) * 500
+    fast = native.token_stats(x, y, tokens, None, None, None, 0.8, want=ALL)
+    everything = torch.ones_like(x, dtype=torch.bool)
+    low = torch.full((6,), -1e30)
+    for keep, tau in [(everything, None), (None, low), (everything, low)]:
+        careful = native.token_stats(x, y, tokens, None, keep, tau, 0.8, want=ALL)
+        torch.testing.assert_close(careful, fast, **tol(torch.float32))
+    _, st_fast = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, None, None, 0.8, -100, ALL, False, 0, 0)
+    _, st_care = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, everything, None, 0.8, -100, ALL, False, 0, 0)
+    assert torch.all(st_fast[:, ag.ST_CAREFUL] == 0) and torch.all(st_care[:, ag.ST_CAREFUL] == 1)
+    # a −inf logit forces the careful redo: the same values as the truncation that removes it
+    xi = x.clone()
+    xi[:, 5] = NINF
+    cut = torch.ones_like(x, dtype=torch.bool)
+    cut[:, 5] = False
+    a = native.token_stats(xi, y, tokens, None, None, None, 0.8, want=ALL)
+    b = native.token_stats(x, y, tokens, None, cut, None, 0.8, want=ALL)
+    torch.testing.assert_close(a, b, **tol(torch.float32))
+
+
+def test_token_stats_support_crossing_chunks_and_top_k_ties():
+    """V > 2 chunks, not a multiple of 2048: kept runs straddling the chunk borders, a chunk
+    without any kept entry, and ties at the k-th logit (all kept)."""
+    vocab = 3 * 2048 + 51
+    x, y = make_logits((3, vocab), torch.float32, seed=31)
+    keep = torch.zeros(3, vocab, dtype=torch.bool)
+    keep[0, 2000:2100] = True  # across the first border
+    keep[0, 4090:4100] = True  # across the second
+    keep[1, 6100:] = True  # only in the last, partial chunk
+    x[2, [10, 3000, 6150]] = 30.0  # a three-way tie at the top: top-2 keeps all three
+    keep[2] = _top_k(x[2], 2)
+    assert keep[2].sum() == 3
+    tokens = torch.tensor([2050, 6143, 3000])
+    x.requires_grad_()
+    y.requires_grad_()
+    out, gx, _ = _check_stats(x, y, tokens, None, keep, None, 1.0, ALL, torch.float32)
+    assert torch.all(gx[~keep] == 0)
+    assert out[2, ag.OUT_LOGP].item() == pytest.approx(-math.log(3), abs=1e-6)
+
+
+def test_token_stats_threshold_above_every_logit():
+    """tau above the row's maximum: an empty support. Masked: 0 and zero gradients, no error
+    with check=True; counted: NaN (check=False) or the no-distribution ValueError."""
+    x, y = make_logits((3, 300), torch.float32, seed=2)
+    tau = x.amax(-1) - 1.0
+    tau[1] = x[1].max() + 1.0
+    mask = torch.tensor([True, False, True])
+    tokens = x.argmax(-1)
+    x.requires_grad_()
+    y.requires_grad_()
+    out, gx, gy = _check_stats(x, y, tokens, mask, None, tau, 1.0, ALL, torch.float32)
+    assert torch.all(out[1] == 0) and torch.all(gx[1] == 0) and torch.all(gy[1] == 0)
+    counted = native.token_stats(x, y, tokens, None, None, tau, 1.0, want=ALL, check=False)
+    assert torch.isnan(counted[1, [ag.OUT_KL, ag.OUT_LOGP, ag.OUT_ENTROPY]]).all()
+    with pytest.raises(ValueError, match="the result is NaN in 1 counted position"):
+        native.token_stats(x, y, tokens, None, None, tau, 1.0, want=ALL, check=True)
+
+
+def test_token_stats_token_outside_the_support_raises():
+    x, y = make_logits((2, 3, 50), torch.float32, seed=4)
+    keep = _top_k(x, 5)
+    tokens = x.argmax(-1)
+    tokens[1, 2] = (~keep[1, 2]).nonzero()[0, 0]  # a token the sampler could not have drawn
+    kw = dict(want=ag.WANT_KL | ag.WANT_LOGP)
+    with pytest.raises(ValueError, match=r"sampled token \d+ at position \(1, 2\) is outside the support"):
+        native.token_stats(x, y, tokens, None, keep, None, 1.0, check=True, **kw)
+    out = native.token_stats(x, y, tokens, None, keep, None, 1.0, check=False, **kw)
+    assert out[1, 2, ag.OUT_LOGP].item() == float("-inf")
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 2] = False  # masked, or ignored: no error
+    native.token_stats(x, y, tokens, mask, keep, None, 1.0, check=True, **kw)
+    tokens[1, 2] = -100
+    native.token_stats(x, y, tokens, None, keep, None, 1.0, check=True, **kw)
+
+
+def test_token_stats_threads_give_identical_bits():
+    x, y = make_logits((64, 4096 + 7), torch.float32, seed=4)
+    keep = _top_k(x, 900)
+    tokens = x.argmax(-1)
+    g = torch.linspace(-1.0, 1.0, 64 * 4).reshape(64, 4)
+
+    def run():
+        a, b = x.clone().requires_grad_(), y.clone().requires_grad_()
+        out = native.token_stats(a, b, tokens, None, keep, None, 0.9, want=ALL)
+        return (out, *torch.autograd.grad(out, (a, b), g))
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(p, q) for p, q in zip(one, two))  # rows are independent
+
+
+def test_token_stats_fullgraph_compile():
+    x, y = make_logits((2, 3, 300), torch.float32, seed=6)
+    keep = _top_k(x, 40)
+    tokens = x.argmax(-1)
+
+    def step(a, b):
+        out = native.token_stats(a, b, tokens, None, keep, None, 0.9, want=ALL)
+        return (out * torch.tensor([1.0, -0.5, 0.25, 0.1])).sum()
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    a, b = x.clone().requires_grad_(), y.clone().requires_grad_()
+    loss = compiled(a, b)
+    gc = torch.autograd.grad(loss, (a, b))
+    a2, b2 = x.clone().requires_grad_(), y.clone().requires_grad_()
+    ge = torch.autograd.grad(step(a2, b2), (a2, b2))
+    torch.testing.assert_close(loss, step(x, y))
+    assert all(torch.equal(p, q) for p, q in zip(gc, ge))
+
+
+def test_token_stats_gradcheck_in_float64():
+    x, y = make_logits((4, 9), torch.float64, seed=9)
+    keep = torch.ones(4, 9, dtype=torch.bool)
+    keep[:, 2] = False
+    keep[0, 6:] = False
+    tau = torch.tensor([-50.0, x[1].min().item() + 1e-3, -50.0, -50.0], dtype=torch.float64)
+    tokens = torch.tensor([0, -100, 5, x[3].argmax().item()])
+    mask = torch.tensor([True, True, False, True])
+    x.requires_grad_()
+    y.requires_grad_()
+
+    def fn(a, b):
+        return native.token_stats(a, b, tokens, mask, keep, tau, 0.7, want=ALL)
+
+    assert torch.autograd.gradcheck(fn, (x, y), eps=1e-6, atol=1e-8)

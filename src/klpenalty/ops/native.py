@@ -40,6 +40,7 @@ from . import autograd as ag
 from . import streaming
 
 __all__ = [
+    "token_stats",
     "full_kl",
     "token_logprobs",
     "entropy",
@@ -187,11 +188,7 @@ def _load() -> None:
     else:
         _compile(directory, instruction_set)  # also loads it
     ops = torch.ops.klpenalty
-    ag.register_full_kl(ops.native_full_kl.default, ops.native_full_kl_backward.default)
-    ag.register_token_logprobs(
-        ops.native_token_logprobs.default, ops.native_token_logprobs_backward.default
-    )
-    ag.register_entropy(ops.native_entropy.default, ops.native_entropy_backward.default)
+    ag.register_token_stats(ops.native_token_stats.default, ops.native_token_stats_backward.default)
 
 
 def _reason(exc: BaseException) -> str:
@@ -234,18 +231,50 @@ def status() -> str:
 
 
 # ------------------------------------------------------------------------------ entry points
+def token_stats(
+    x: Tensor,
+    y: Tensor | None,
+    tokens: Tensor | None,
+    mask: Tensor | None,
+    keep: Tensor | None,
+    tau: Tensor | None,
+    temperature: float,
+    *,
+    ignore_index: int = -100,
+    want: int,
+    check: bool = False,
+) -> Tensor:
+    """The one-pass per-token statistics with the native CPU kernel: out (..., 4).
+
+    Columns KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃) (:data:`.autograd.OUT_KL` ...), 0 where
+    not in ``want`` (a sum of the :data:`.autograd.WANT_KL` ... bits). Shapes: x, y, keep (..., V);
+    tokens, mask, tau (...). π̃ is the policy on its support (``keep`` and/or ``x >= tau``; both
+    None: π̃ = π). The contract of ``register_token_stats`` in :mod:`.autograd` (unchecked internal
+    entry point on validated CPU tensors); falls back to the streaming backend, with one warning,
+    when the kernel is unavailable.
+    """
+    if not available():
+        return streaming.token_stats(
+            x, y, tokens, mask, keep, tau, temperature,
+            ignore_index=ignore_index, want=want, check=check,
+        )
+    out, _ = torch.ops.klpenalty.native_token_stats(
+        x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
+        bool(check), 0, 0,
+    )
+    return out
+
+
 def full_kl(
     x: Tensor, y: Tensor, mask: Tensor | None, temperature: float, *, check: bool = False
 ) -> Tensor:
-    """Exact KL(softmax(x/T) ‖ softmax(y/T)) per position with the native CPU kernel.
-
-    The same contract as :func:`.streaming.full_kl` (unchecked internal entry point on CPU
-    tensors); falls back to it, with one warning, when the kernel is unavailable.
-    """
+    """Exact KL(softmax(x/T) ‖ softmax(y/T)) per position, (...): the KL column of
+    :func:`token_stats` (the contract of :func:`.streaming.full_kl`; falls back to it when the
+    kernel is unavailable)."""
     if not available():
         return streaming.full_kl(x, y, mask, temperature, check=check)
-    kl, _ = torch.ops.klpenalty.native_full_kl(x, y, mask, float(temperature), bool(check), 0, 0)
-    return kl
+    out = token_stats(x, y, None, mask, None, None, temperature, want=ag.WANT_KL, check=check)
+    return out[..., ag.OUT_KL]
 
 
 def token_logprobs(
@@ -256,22 +285,24 @@ def token_logprobs(
     ignore_index: int = -100,
     check: bool = False,
 ) -> Tensor:
-    """log softmax(x/T)[token] per position with the native CPU kernel (as
-    :func:`.streaming.token_logprobs`; falls back to it when the kernel is unavailable)."""
+    """log softmax(x/T)[token] per position, (...): the log-prob column of :func:`token_stats`
+    (as :func:`.streaming.token_logprobs`; falls back to it when the kernel is unavailable)."""
     if not available():
         return streaming.token_logprobs(
             x, tokens, temperature, ignore_index=ignore_index, check=check
         )
-    out, _ = torch.ops.klpenalty.native_token_logprobs(
-        x, tokens, float(temperature), int(ignore_index), bool(check), 0, 0
+    out = token_stats(
+        x, None, tokens, None, None, None, temperature,
+        ignore_index=ignore_index, want=ag.WANT_LOGP, check=check,
     )
-    return out
+    return out[..., ag.OUT_LOGP]
 
 
 def entropy(x: Tensor, mask: Tensor | None, temperature: float, *, check: bool = False) -> Tensor:
-    """Policy entropy H(softmax(x/T)) per position with the native CPU kernel (as
-    :func:`.streaming.entropy`; falls back to it when the kernel is unavailable)."""
+    """Policy entropy H(softmax(x/T)) per position, (...): the entropy column of
+    :func:`token_stats` (as :func:`.streaming.entropy`; falls back to it when the kernel is
+    unavailable)."""
     if not available():
         return streaming.entropy(x, mask, temperature, check=check)
-    h, _ = torch.ops.klpenalty.native_entropy(x, mask, float(temperature), bool(check), 0, 0)
-    return h
+    out = token_stats(x, None, None, mask, None, None, temperature, want=ag.WANT_ENTROPY, check=check)
+    return out[..., ag.OUT_ENTROPY]

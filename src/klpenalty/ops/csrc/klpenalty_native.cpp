@@ -1,24 +1,26 @@
 // klpenalty native CPU kernel: the engine of klpenalty/ops/engine.py in one fused pass per row.
 //
-// Ops (torch.ops.klpenalty.*), with the signatures and outputs of the streaming backend:
-//   native_full_kl(x, y, mask?, temperature, check, tile_rows, tile_cols) -> (kl (...), stats (..., 6))
-//   native_full_kl_backward(grad, x, y, stats, mask?, temperature, need_x, need_y, tile_rows,
-//                           tile_cols) -> (grad_x (..., V) or empty, grad_y (..., V) or empty)
-//   native_token_logprobs(x, tokens, temperature, ignore_index, check, tile_rows, tile_cols)
-//                           -> (logp (...), stats (..., 3))
-//   native_token_logprobs_backward(grad, x, tokens, stats, temperature, ignore_index,
-//                                  tile_rows, tile_cols) -> grad_x (..., V)
-//   native_entropy(x, mask?, temperature, check, tile_rows, tile_cols) -> (H (...), stats (..., 3))
-//   native_entropy_backward(grad, x, stats, mask?, temperature, tile_rows, tile_cols)
-//                           -> grad_x (..., V)
+// Ops (torch.ops.klpenalty.*), the one-pass token statistics of the op contract in
+// klpenalty/ops/autograd.py (register_token_stats):
+//   native_token_stats(x, y?, tokens?, mask?, keep?, tau?, temperature, ignore_index, want,
+//                      check, tile_rows, tile_cols) -> (out (..., 4), stats (..., 9))
+//     out: KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃), 0 where not in `want`
+//   native_token_stats_backward(grad (..., 4), x, y?, tokens?, stats, mask?, keep?, tau?,
+//                               temperature, ignore_index, want, need_x, need_y, tile_rows,
+//                               tile_cols) -> (grad_x (..., V) or empty, grad_y (..., V) or empty)
+// π̃ is the policy restricted to its support: kept(v) = keep[v] and x_v >= tau (either optional).
 // tile_rows/tile_cols are accepted for a common signature and ignored: a row is walked in
 // L1-sized chunks (kChunk elements).
 //
-// Per row, in one read of the row from memory: each chunk is read twice (its maxima, then from L1
-// the exps and sums), the row state (maxima in logit units, s_x, s_y, a; engine.py) is kept in
-// double and rescaled when a chunk raises a maximum. float32/bfloat16/float16 inputs are read
-// directly and computed in float32 vectors (at::vec::Vectorized<float>) with a polynomial exp2;
-// float64 inputs, and rows holding NaN or +inf, take a scalar double path with the engine's rules.
+// Per row, in one read of the row from memory, ONE row walker (walk_row) computes whatever is
+// wanted, specialised at compile time: the log-sum-exp of x (log-probs), with the entropy's
+// Σ e^u·u, with y's log-sum-exp and the KL's Σ e^u·(u − w). Each chunk is read twice (its maxima,
+// then from L1 the exps and sums); with a support the chunk of x is first copied into an L1
+// buffer with −inf off the support. The row state (maxima in logit units, sums; engine.py) is
+// kept in double and rescaled when a chunk raises a maximum. float32/bfloat16/float16 inputs are
+// read directly and computed in float32 vectors (at::vec::Vectorized<float>) with a polynomial
+// exp2; float64 inputs, and rows holding NaN or +inf, take a scalar double path with the
+// engine's rules. The backward is one walk per row writing ∂/∂x and ∂/∂y for all wanted outputs.
 // One parallel region per call, its threads taking blocks of rows from a shared counter.
 
 #include <ATen/Dispatch.h>
@@ -27,6 +29,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -51,6 +54,13 @@ constexpr double kLog2e = 1.4426950408889634;
 constexpr int64_t kBlock = 2 * VF::size();  // elements per inner step: two float vectors
 constexpr int64_t kChunk = 2048;            // elements of one row kept in L1 between the passes
 constexpr int64_t kGrainElements = 1 << 16; // work per parallel task, in elements
+
+// the want bits and the stats columns of klpenalty/ops/autograd.py
+constexpr int64_t kWantKL = 1, kWantLogp = 2, kWantRefLogp = 4, kWantEntropy = 8;
+constexpr int64_t kOutCols = 4, kStatsCols = 9;
+enum StatsCol : int {
+  kShiftX, kLogSX, kShiftY, kLogSY, kMeanD, kCareful, kMeanU, kLogpT, kRefLogpT
+};
 
 // ------------------------------------------------------------------------------ fast exp2
 // 2^t = 2^n · 2^f, n = round(t), f in [-1/2, 1/2]; 2^f by a degree-6 polynomial fitted for
@@ -112,8 +122,8 @@ inline bool for_each_chunk(int64_t V, F&& f) {
 
 // The next kBlock elements of a row of x and of y, minus their shifts, as two float vectors each;
 // the same elements of the next chunk are requested meanwhile.
-template <typename T>
-inline void load_shifted(const T* x, const T* y, const VF& shx, const VF& shy, VF& dx0, VF& dx1,
+template <typename TX, typename TY>
+inline void load_shifted(const TX* x, const TY* y, const VF& shx, const VF& shy, VF& dx0, VF& dx1,
                          VF& dy0, VF& dy1) {
   prefetch_block(x + kChunk);
   prefetch_block(y + kChunk);
@@ -293,34 +303,6 @@ bool any_nan_in_rows(const at::Tensor& t, const std::vector<int64_t>& rows) {
   return found;
 }
 
-template <typename O>
-std::vector<int64_t> nan_rows(const O* result, int64_t n) {
-  std::vector<int64_t> rows;
-  for (int64_t r = 0; r < n; ++r)
-    if (std::isnan(static_cast<double>(result[r]))) rows.push_back(r);
-  return rows;
-}
-
-// klpenalty._validation.raise_if_nan: result (...) float or double; named inputs (..., V).
-void raise_if_nan(const at::Tensor& result, c10::IntArrayRef leading,
-                  const std::vector<std::pair<std::string, at::Tensor>>& named) {
-  const std::vector<int64_t> rows =
-      result.scalar_type() == at::kDouble
-          ? nan_rows(result.const_data_ptr<double>(), result.numel())
-          : nan_rows(result.const_data_ptr<float>(), result.numel());
-  if (rows.empty()) return;
-  const std::string first = py_tuple(unravel(rows[0], leading));
-  for (const auto& [name, t] : named) {
-    TORCH_CHECK_VALUE(!any_nan_in_rows(unit_last_stride(t), rows), name, " contains NaN (",
-                      describe(t), ") in ", rows.size(), " counted position(s), the first at index ",
-                      first);
-  }
-  TORCH_CHECK_VALUE(false, "the result is NaN in ", rows.size(),
-                    " counted position(s), the first at index ", first,
-                    ", although the inputs hold no NaN there: a row whose logits are all -inf (or "
-                    "hold +inf) defines no distribution; mask such positions out");
-}
-
 // klpenalty._validation.check_token_range; tok (N,) int64 contiguous, tokens the caller's.
 void check_token_range(const at::Tensor& tokens, const int64_t* tok, int64_t n, int64_t vocab,
                        int64_t ignore_index) {
@@ -338,9 +320,95 @@ void check_token_range(const at::Tensor& tokens, const int64_t* tok, int64_t n, 
                     describe(tokens), ")");
 }
 
-// ------------------------------------------------------------------------------ KL rows
-struct KLRow {
-  double m_x = -kInf, s_x = 0.0, m_y = -kInf, s_y = 0.0, a = 0.0;  // a = Σ e^u (u − w)
+
+// Rows r with a NaN in one of the wanted columns of out (N, 4) (want: a mask of the columns).
+template <typename O>
+std::vector<int64_t> nan_rows(const O* out, int64_t n, int64_t want) {
+  std::vector<int64_t> rows;
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < kOutCols; ++c) {
+      if ((want >> c & 1) && std::isnan(static_cast<double>(out[kOutCols * r + c]))) {
+        rows.push_back(r);
+        break;
+      }
+    }
+  }
+  return rows;
+}
+
+// klpenalty._validation.raise_if_nan on the wanted columns of out (..., 4) (float or double);
+// named inputs (..., V).
+void raise_if_nan(const at::Tensor& out, int64_t want, c10::IntArrayRef leading,
+                  const std::vector<std::pair<std::string, at::Tensor>>& named) {
+  const int64_t n = out.numel() / kOutCols;
+  const std::vector<int64_t> rows = out.scalar_type() == at::kDouble
+                                        ? nan_rows(out.const_data_ptr<double>(), n, want)
+                                        : nan_rows(out.const_data_ptr<float>(), n, want);
+  if (rows.empty()) return;
+  const std::string first = py_tuple(unravel(rows[0], leading));
+  for (const auto& [name, t] : named) {
+    TORCH_CHECK_VALUE(!any_nan_in_rows(unit_last_stride(t), rows), name, " contains NaN (",
+                      describe(t), ") in ", rows.size(), " counted position(s), the first at index ",
+                      first);
+  }
+  TORCH_CHECK_VALUE(false, "the result is NaN in ", rows.size(),
+                    " counted position(s), the first at index ", first,
+                    ", although the inputs hold no NaN there: a row whose logits are all -inf (or "
+                    "hold +inf) defines no distribution; mask such positions out");
+}
+
+// ------------------------------------------------------------------------------ the support
+// The policy's support in one row: kept(v) = (no keep or keep[v]) and (no tau or x_v >= tau),
+// the comparison made in tau's dtype (float32 or float64), as autograd.kept_logits.
+struct Support {
+  const bool* keep = nullptr;  // this row of the (..., V) bool mask, or null
+  bool has_tau = false, tau_double = false;
+  float tau_f = 0.0f;
+  double tau_d = 0.0;
+
+  bool any() const { return keep != nullptr || has_tau; }
+  template <typename T>
+  bool kept(const T* x, int64_t j) const {
+    if (keep && !keep[j]) return false;
+    if (!has_tau) return true;
+    return tau_double ? static_cast<double>(x[j]) >= tau_d : static_cast<float>(x[j]) >= tau_f;
+  }
+  // logit j in double, −inf off the support
+  template <typename T>
+  double value(const T* x, int64_t j) const {
+    return kept(x, j) ? static_cast<double>(x[j]) : -kInf;
+  }
+  // the same support from column c0 on
+  Support from(int64_t c0) const {
+    Support s = *this;
+    if (s.keep) s.keep += c0;
+    return s;
+  }
+};
+
+// Elements [0, n) of a row of x (float32/bfloat16/float16) into buf as float, −inf off the
+// support: the chunk of the truncated policy, read once from memory.
+template <typename T>
+void load_support(const T* x, const Support& sup, int64_t n, float* buf) {
+  constexpr float ninf = -std::numeric_limits<float>::infinity();
+  if (sup.keep && !sup.has_tau) {
+    for (int64_t j = 0; j < n; ++j) buf[j] = sup.keep[j] ? static_cast<float>(x[j]) : ninf;
+  } else if (!sup.keep && sup.has_tau && !sup.tau_double) {
+    const float tau = sup.tau_f;
+    for (int64_t j = 0; j < n; ++j) {
+      const float v = static_cast<float>(x[j]);
+      buf[j] = v >= tau ? v : ninf;
+    }
+  } else {
+    for (int64_t j = 0; j < n; ++j) buf[j] = sup.kept(x, j) ? static_cast<float>(x[j]) : ninf;
+  }
+}
+
+// ------------------------------------------------------------------------------ row state
+// The engine's state of one row over the columns walked so far: maxima in logit units, s_x, s_y,
+// the KL's a = Σ e^u·(u − w) and the entropy's b = Σ e^u·u (0·log 0 = 0), in double.
+struct RowState {
+  double m_x = -kInf, s_x = 0.0, m_y = -kInf, s_y = 0.0, a = 0.0, b = 0.0;
   bool careful = false;  // the row needed the 0·log 0 arithmetic
   bool bad = false;      // a maximum is NaN or +inf (vector path only): redo it in double
 };
@@ -352,126 +420,187 @@ inline double rescale_moment(double s, double a, double shift, double alpha) {
   return alpha > 0 ? alpha * (a + shift_term) : 0.0;
 }
 
-// The engine's merge of a chunk state into the row state (kl_rescale + add), in double.
-inline void merge_kl(KLRow& row, double m_x, double m_y, double T, double cs_x, double cs_y,
-                     double ca) {
-  // rescale the row to the new maxima; the chunk was computed against them already
-  auto [dx, alpha] = scales(row.m_x, m_x, T);
-  auto [dy, beta] = scales(row.m_y, m_y, T);
-  row.a = rescale_moment(row.s_x, row.a, dx - dy, alpha);
-  row.s_x *= alpha;
-  row.s_y *= beta;
+// The engine's merge of a chunk's sums (computed against the new maxima m_x, m_y) into the row
+// state (kl_rescale / entropy_rescale + add), in double. ca, cb: already divided by T.
+template <bool kY, bool kB>
+inline void merge_chunk(RowState& row, double m_x, double m_y, double T, double cs_x,
+                        double cs_y, double ca, double cb) {
+  const auto [dx, alpha] = scales(row.m_x, m_x, T);
+  if constexpr (kY) {
+    const auto [dy, beta] = scales(row.m_y, m_y, T);
+    row.a = rescale_moment(row.s_x, row.a, dx - dy, alpha) + ca;
+    row.s_y = row.s_y * beta + cs_y;
+    row.m_y = m_y;
+  }
+  if constexpr (kB) row.b = rescale_moment(row.s_x, row.b, dx, alpha) + cb;
+  row.s_x = row.s_x * alpha + cs_x;
   row.m_x = m_x;
-  row.m_y = m_y;
-  row.s_x += cs_x;
-  row.s_y += cs_y;
-  row.a += ca;
 }
 
-// One row, scalar double: the engine's arithmetic over the whole row as one tile (float64
-// inputs, and rows with NaN or +inf).
+// One row, scalar double, the whole row as one tile with the engine's rules (float64 inputs,
+// and rows with NaN or +inf). kY: y's state and the KL's a; kB: the entropy's b.
 template <typename T>
-KLRow kl_row_scalar(const T* px, const T* py, int64_t V, double T_) {
-  KLRow row;
+RowState row_scalar(const T* px, const T* py, const Support& sup, int64_t V, double T_, bool kY,
+                    bool kB) {
+  RowState row;
+  const bool truncated = sup.any();
+  auto xv = [&](int64_t j) { return truncated ? sup.value(px, j) : static_cast<double>(px[j]); };
   for (int64_t j = 0; j < V; ++j) {
-    row.m_x = max_nan(row.m_x, static_cast<double>(px[j]));
-    row.m_y = max_nan(row.m_y, static_cast<double>(py[j]));
+    row.m_x = max_nan(row.m_x, xv(j));
+    if (kY) row.m_y = max_nan(row.m_y, static_cast<double>(py[j]));
   }
   const double shx = finite_or_zero(row.m_x), shy = finite_or_zero(row.m_y);
-  double a = 0.0;
+  double a = 0.0, b = 0.0;
   for (int64_t j = 0; j < V; ++j) {
-    double dx = static_cast<double>(px[j]) - shx, dy = static_cast<double>(py[j]) - shy;
-    double eu = std::exp(dx / T_), ew = std::exp(dy / T_);
+    const double dx = xv(j) - shx, eu = std::exp(dx / T_);
     row.s_x += eu;
-    row.s_y += ew;
-    if (eu == 0.0) {  // 0·log 0 = 0, also where y = −inf
-      if (!std::isfinite(dx - dy)) row.careful = true;
-    } else {
-      a += eu * (dx - dy);
+    if (eu == 0.0 && !std::isfinite(dx)) row.careful = true;  // 0·log 0 = 0
+    if (kY) {
+      const double dy = static_cast<double>(py[j]) - shy, ew = std::exp(dy / T_);
+      row.s_y += ew;
+      if (eu == 0.0) {  // 0·log 0 = 0, also where y = −inf
+        if (!std::isfinite(dx - dy)) row.careful = true;
+      } else {
+        a += eu * (dx - dy);
+      }
     }
+    if (kB && eu != 0.0) b += eu * dx;
   }
   row.a = a / T_;
+  row.b = b / T_;
   return row;
 }
 
-// One row, float32 vectors, chunk by chunk. kCareful: the 0·log 0 arithmetic (e^u = 0 terms
-// are dropped; without it such a term gives NaN and the caller redoes the row carefully).
-template <bool kCareful, typename T>
-KLRow kl_row_vec(const T* px, const T* py, int64_t V, double T_) {
-  KLRow row;
+// One chunk [0, n) of a row, float32 vectors: its maxima, then from L1 the exps and sums, merged
+// into the row state; false for a chunk holding NaN or +inf (the caller redoes the row in double).
+// kCareful: e^u = 0 terms of a and b are dropped (0·log 0 = 0); without it such a term gives NaN
+// and the caller redoes the row carefully.
+template <bool kY, bool kB, bool kCareful, typename TX, typename TY>
+bool chunk_step(RowState& row, const TX* x, const TY* y, int64_t n, double T_) {
+  const double cm_x = chunk_max(x, n);
+  if (std::isnan(cm_x) || cm_x == kInf) return false;
+  double m_y = -kInf;
+  if constexpr (kY) {
+    const double cm_y = chunk_max(y, n);
+    if (std::isnan(cm_y) || cm_y == kInf) return false;
+    m_y = std::max(row.m_y, cm_y);
+  }
+  const double m_x = std::max(row.m_x, cm_x);
   const float c = static_cast<float>(kLog2e / T_);
-  const VF vc(c), zero(0.0f);
-  row.bad = !for_each_chunk(V, [&](int64_t c0, int64_t n) {
-    const T* x = px + c0;
-    const T* y = py + c0;
-    const double cm_x = chunk_max(x, n), cm_y = chunk_max(y, n);
-    if (std::isnan(cm_x) || std::isnan(cm_y) || cm_x == kInf || cm_y == kInf) return false;
-    const double m_x = std::max(row.m_x, cm_x), m_y = std::max(row.m_y, cm_y);
-    const float shx = static_cast<float>(finite_or_zero(m_x));
-    const float shy = static_cast<float>(finite_or_zero(m_y));
-    const VF vsx(shx), vsy(shy);
-    WideSum ws_x, ws_y, wa;
-    int64_t i = 0;
-    while (i + kBlock <= n) {
-      VF sx0 = zero, sx1 = zero, sy0 = zero, sy1 = zero, a0 = zero, a1 = zero;
-      for (int64_t b = 0; b < kFlush && i + kBlock <= n; ++b, i += kBlock) {
-        VF dx0, dx1, dy0, dy1;
+  const float shx = static_cast<float>(finite_or_zero(m_x));
+  const float shy = static_cast<float>(finite_or_zero(m_y));
+  const VF vc(c), vsx(shx), vsy(shy), zero(0.0f);
+  WideSum ws_x, ws_y, wa, wb;
+  int64_t i = 0;
+  while (i + kBlock <= n) {
+    VF sx0 = zero, sx1 = zero, sy0 = zero, sy1 = zero, a0 = zero, a1 = zero, b0 = zero, b1 = zero;
+    for (int64_t k = 0; k < kFlush && i + kBlock <= n; ++k, i += kBlock) {
+      VF dx0, dx1;
+      if constexpr (kY) {
+        VF dy0, dy1;
         load_shifted(x + i, y + i, vsx, vsy, dx0, dx1, dy0, dy1);
-        VF eu0 = exp2_fast(dx0 * vc), eu1 = exp2_fast(dx1 * vc);
-        VF ew0 = exp2_fast(dy0 * vc), ew1 = exp2_fast(dy1 * vc);
+        const VF eu0 = exp2_fast(dx0 * vc), eu1 = exp2_fast(dx1 * vc);
+        const VF ew0 = exp2_fast(dy0 * vc), ew1 = exp2_fast(dy1 * vc);
         sx0 = sx0 + eu0;
         sx1 = sx1 + eu1;
         sy0 = sy0 + ew0;
         sy1 = sy1 + ew1;
         a0 = a0 + moment_term<kCareful>(eu0, dx0 - dy0);
         a1 = a1 + moment_term<kCareful>(eu1, dx1 - dy1);
+        if constexpr (kB) {
+          b0 = b0 + moment_term<kCareful>(eu0, dx0);
+          b1 = b1 + moment_term<kCareful>(eu1, dx1);
+        }
+      } else {
+        prefetch_block(x + kChunk + i);
+        VF x0, x1;
+        load2(x + i, x0, x1);
+        dx0 = x0 - vsx;
+        dx1 = x1 - vsx;
+        const VF eu0 = exp2_fast(dx0 * vc), eu1 = exp2_fast(dx1 * vc);
+        sx0 = sx0 + eu0;
+        sx1 = sx1 + eu1;
+        if constexpr (kB) {
+          b0 = b0 + moment_term<kCareful>(eu0, dx0);
+          b1 = b1 + moment_term<kCareful>(eu1, dx1);
+        }
       }
-      ws_x.add(sx0 + sx1);
+    }
+    ws_x.add(sx0 + sx1);
+    if constexpr (kY) {
       ws_y.add(sy0 + sy1);
       wa.add(a0 + a1);
     }
-    double cs_x = ws_x.value(), cs_y = ws_y.value(), ca = wa.value();
-    for (; i < n; ++i) {
-      float dx = static_cast<float>(x[i]) - shx, dy = static_cast<float>(y[i]) - shy;
-      float eu = std::exp2(dx * c), ew = std::exp2(dy * c);
-      cs_x += eu;
-      cs_y += ew;
+    if constexpr (kB) wb.add(b0 + b1);
+  }
+  double cs_x = ws_x.value(), cs_y = kY ? ws_y.value() : 0.0;
+  double ca = kY ? wa.value() : 0.0, cb = kB ? wb.value() : 0.0;
+  for (; i < n; ++i) {
+    const float dx = static_cast<float>(x[i]) - shx, eu = std::exp2(dx * c);
+    cs_x += eu;
+    if constexpr (kY) {
+      const float dy = static_cast<float>(y[i]) - shy;
+      cs_y += std::exp2(dy * c);
       if (!kCareful || eu != 0.0f) ca += static_cast<double>(eu * (dx - dy));
     }
-    merge_kl(row, m_x, m_y, T_, cs_x, cs_y, ca / T_);
-    return true;
+    if constexpr (kB) {
+      if (!kCareful || eu != 0.0f) cb += static_cast<double>(eu * dx);
+    }
+  }
+  merge_chunk<kY, kB>(row, m_x, m_y, T_, cs_x, cs_y, ca / T_, cb / T_);
+  return true;
+}
+
+// One row, float32 vectors, chunk by chunk; kSupport: each chunk of x is first copied into an
+// L1 buffer with −inf off the support (and walked with the careful arithmetic).
+template <bool kY, bool kB, bool kCareful, bool kSupport, typename T>
+RowState row_vec(const T* px, const T* py, const Support& sup, int64_t V, double T_) {
+  RowState row;
+  alignas(64) float buf[kSupport ? kChunk : 1];
+  row.bad = !for_each_chunk(V, [&](int64_t c0, int64_t n) {
+    const T* y = kY ? py + c0 : nullptr;
+    if constexpr (kSupport) {
+      load_support(px + c0, sup.from(c0), n, buf);
+      return chunk_step<kY, kB, kCareful>(row, static_cast<const float*>(buf), y, n, T_);
+    } else {
+      return chunk_step<kY, kB, kCareful>(row, px + c0, y, n, T_);
+    }
   });
   row.careful = kCareful;
   return row;
 }
 
-template <typename T>
-KLRow kl_row(const T* px, const T* py, int64_t V, double T_) {
+// THE row walker: the state of one row for what is wanted (kY: y and the KL, kB: the entropy;
+// neither: the log-sum-exp of x for its log-probs), with or without a support. Untruncated rows
+// take the fast vector arithmetic and are redone carefully (0·log 0 = 0) only if a sum is not
+// finite; truncated rows take the careful arithmetic (−inf off the support); NaN or +inf, and
+// float64 inputs, the scalar double path.
+template <bool kY, bool kB, typename T>
+RowState walk_row(const T* px, const T* py, const Support& sup, int64_t V, double T_) {
   if constexpr (std::is_same_v<T, double>) {
-    return kl_row_scalar(px, py, V, T_);
+    return row_scalar(px, py, sup, V, T_, kY, kB);
   } else {
-    KLRow row = kl_row_vec<false>(px, py, V, T_);
-    if (row.bad) return kl_row_scalar(px, py, V, T_);
-    if (!std::isfinite(row.a)) row = kl_row_vec<true>(px, py, V, T_);
+    RowState row;
+    if (sup.any()) {
+      row = row_vec<kY, kB, true, true>(px, py, sup, V, T_);
+    } else {
+      row = row_vec<kY, kB, false, false>(px, py, sup, V, T_);
+      if constexpr (kY || kB) {
+        if (!row.bad && !(std::isfinite(row.a) && std::isfinite(row.b))) {
+          row = row_vec<kY, kB, true, false>(px, py, sup, V, T_);
+        }
+      }
+    }
+    if (row.bad) row = row_scalar(px, py, sup, V, T_, kY, kB);
     return row;
   }
 }
 
-// engine.kl_finalize for one row: writes KL and the 6 stats.
-template <typename O>
-void finalize_kl(const KLRow& row, O* kl, O* st) {
-  const double mean_d = row.a / row.s_x;
-  const double lsx = std::log(row.s_x), lsy = std::log(row.s_y);
-  double v = mean_d - lsx + lsy;
-  v = v < 0.0 ? 0.0 : v;  // NaN stays NaN
-  const bool valid = row.s_x > 0 && std::isfinite(row.s_x) && row.s_y > 0 && std::isfinite(row.s_y);
-  *kl = static_cast<O>(valid ? v : kNaN);
-  st[0] = static_cast<O>(finite_or_zero(row.m_x));
-  st[1] = static_cast<O>(finite_or_zero(lsx));
-  st[2] = static_cast<O>(finite_or_zero(row.m_y));
-  st[3] = static_cast<O>(finite_or_zero(lsy));
-  st[4] = static_cast<O>(mean_d);
-  st[5] = static_cast<O>((!valid || !std::isfinite(mean_d) || row.careful) ? 1.0 : 0.0);
+template <typename T>
+RowState walk(const T* px, const T* py, const Support& sup, int64_t V, double T_, bool kY,
+              bool kB) {
+  if (kY) return kB ? walk_row<true, true>(px, py, sup, V, T_) : walk_row<true, false>(px, py, sup, V, T_);
+  return kB ? walk_row<false, true>(px, py, sup, V, T_) : walk_row<false, false>(px, py, sup, V, T_);
 }
 
 int64_t grain_rows(int64_t V) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(V, 1)); }
@@ -496,7 +625,7 @@ void parallel_rows(int64_t N, int64_t V, const F& f) {
   });
 }
 
-// ------------------------------------------------------------------------------ arg checks
+// ------------------------------------------------------------------------------ arguments
 void check_logits_arg(const char* name, const at::Tensor& t) {
   TORCH_CHECK_TYPE(t.is_floating_point(), name, " must be a floating-point tensor (..., V), got ",
                    describe(t));
@@ -508,11 +637,6 @@ void check_logits_arg(const char* name, const at::Tensor& t) {
 
 void check_temperature(double T) {
   TORCH_CHECK_VALUE(std::isfinite(T) && T > 0, "temperature must be finite and > 0, got ", T);
-}
-
-at::ScalarType compute_dtype(const at::Tensor& a, const at::Tensor& b) {
-  return (a.scalar_type() == at::kDouble || b.scalar_type() == at::kDouble) ? at::kDouble
-                                                                             : at::kFloat;
 }
 
 std::vector<int64_t> leading_of(const at::Tensor& t) {
@@ -532,309 +656,6 @@ at::Tensor flat_mask(const std::optional<at::Tensor>& mask, c10::IntArrayRef lea
   return m.contiguous();
 }
 
-// A backward op's upstream gradient (...) and stats (..., cols), checked, in contiguous double.
-std::pair<at::Tensor, at::Tensor> backward_inputs(const at::Tensor& grad, const at::Tensor& stats,
-                                                  const std::vector<int64_t>& leading,
-                                                  int64_t cols, int64_t N) {
-  TORCH_CHECK_VALUE(grad.sizes() == c10::IntArrayRef(leading), "grad must have shape ",
-                    py_tuple(leading), ", got ", describe(grad));
-  at::Tensor st = stats.to(at::kDouble).contiguous();
-  TORCH_CHECK_VALUE(st.numel() == cols * N, "stats must have shape (..., ", cols, "), got ",
-                    describe(stats));
-  return {grad.to(at::kDouble).contiguous(), st};
-}
-
-// The forward outputs: result (...) and stats (..., cols) in dtype.
-std::pair<at::Tensor, at::Tensor> forward_outputs(std::vector<int64_t> leading, int64_t cols,
-                                                  const at::TensorOptions& options) {
-  at::Tensor result = at::empty(leading, options);
-  leading.push_back(cols);
-  return {result, at::empty(leading, options)};
-}
-
-// run(result_ptr, stats_ptr) with the pointers typed as the outputs' dtype (float or double).
-template <typename F>
-void with_output_ptrs(at::Tensor& result, at::Tensor& stats, F&& run) {
-  if (result.scalar_type() == at::kDouble) {
-    run(result.mutable_data_ptr<double>(), stats.mutable_data_ptr<double>());
-  } else {
-    run(result.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>());
-  }
-}
-
-// f(r, result + r, stats + cols·r) for every row r, in parallel, with the pointers typed as the
-// outputs' dtype. Rows where skip(r) (masked rows, ignored tokens) are not computed: result 0
-// and stats 0 whatever the row holds; no gradient will be asked of them.
-template <typename Skip, typename F>
-void forward_rows(at::Tensor& result, at::Tensor& stats, int64_t cols, int64_t N, int64_t V,
-                  const Skip& skip, const F& f) {
-  with_output_ptrs(result, stats, [&](auto* res, auto* stp) {
-    using O = std::remove_pointer_t<decltype(res)>;
-    parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        if (skip(r)) {
-          res[r] = O(0);
-          std::fill(stp + cols * r, stp + cols * (r + 1), O(0));
-        } else {
-          f(r, res + r, stp + cols * r);
-        }
-      }
-    });
-  });
-}
-
-// ------------------------------------------------------------------------------ full KL ops
-std::tuple<at::Tensor, at::Tensor> full_kl(const at::Tensor& x_in, const at::Tensor& y_in,
-                                           const std::optional<at::Tensor>& mask, double T,
-                                           bool check, int64_t /*tile_rows*/,
-                                           int64_t /*tile_cols*/) {
-  check_logits_arg("policy_logits", x_in);
-  check_logits_arg("ref_logits", y_in);
-  TORCH_CHECK_VALUE(x_in.sizes() == y_in.sizes(),
-                    "policy_logits and ref_logits must have the same shape (..., V): policy_logits ",
-                    describe(x_in), ", ref_logits ", describe(y_in));
-  check_temperature(T);
-  const at::ScalarType out_t = compute_dtype(x_in, y_in);
-  // mixed input dtypes: computed on copies in the compute dtype (a rare case)
-  at::Tensor x = unit_last_stride(x_in), y = unit_last_stride(y_in);
-  if (x.scalar_type() != y.scalar_type()) {
-    x = x.to(out_t);
-    y = y.to(out_t);
-  }
-  const auto leading = leading_of(x);
-  const int64_t V = x.size(-1), N = x.numel() / V;
-  at::Tensor m = flat_mask(mask, leading);
-  auto [kl, stats] = forward_outputs(leading, 6, x.options().dtype(out_t));
-  const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
-  const Rows rx(x), ry(y);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_full_kl", [&] {
-    using T_in = scalar_t;
-    const T_in* px = x.const_data_ptr<T_in>();
-    const T_in* py = y.const_data_ptr<T_in>();
-    const auto masked = [&](int64_t r) { return mp && !mp[r]; };
-    forward_rows(kl, stats, 6, N, V, masked, [&](int64_t r, auto* res, auto* st) {
-      finalize_kl(kl_row(px + rx.offset(r), py + ry.offset(r), V, T), res, st);
-    });
-  });
-  if (check) raise_if_nan(kl, leading, {{"policy_logits", x_in}, {"ref_logits", y_in}});
-  return {kl, stats};
-}
-
-// Gradient of one row, scalar double with the careful rules (float64, or any flagged row of
-// a float64 computation).
-template <typename T>
-void kl_grad_row_scalar(const T* px, const T* py, const double* st, double g, double T_, T* gx,
-                        T* gy, int64_t V) {
-  const double shx = st[0], lsx = st[1], shy = st[2], lsy = st[3], md = st[4];
-  for (int64_t j = 0; j < V; ++j) {
-    const double dx = static_cast<double>(px[j]) - shx, dy = static_cast<double>(py[j]) - shy;
-    const double p = std::exp(dx / T_ - lsx);
-    if (gx) {
-      double v = p * ((dx - dy) - md * T_) * (g / (T_ * T_));
-      gx[j] = static_cast<T>(p == 0.0 ? 0.0 : v);
-    }
-    if (gy) {
-      double q = std::exp(dy / T_ - lsy) - p;
-      gy[j] = static_cast<T>(std::isnan(q) ? 0.0 : q * (g / T_));
-    }
-  }
-}
-
-// Gradient of one row, float32 vectors: gx = π·((u − w) − E_π[u − w])·g/T, gy = (ρ − π)·g/T.
-template <bool kCareful, typename T>
-void kl_grad_row_vec(const T* px, const T* py, const double* st, double g, double T_, T* gx,
-                     T* gy, int64_t V) {
-  const float shx = static_cast<float>(st[0]), shy = static_cast<float>(st[2]);
-  const float c = static_cast<float>(kLog2e / T_);
-  const float bx = static_cast<float>(-st[1] * kLog2e), by = static_cast<float>(-st[3] * kLog2e);
-  const float tmd = static_cast<float>(st[4] * T_);
-  const float sgx = static_cast<float>(g / (T_ * T_)), sgy = static_cast<float>(g / T_);
-  const VF vsx(shx), vsy(shy), vc(c), vbx(bx), vby(by), vtmd(tmd), vsgx(sgx), vsgy(sgy), zero(0.0f);
-  int64_t i = 0;
-  for (; i + kBlock <= V; i += kBlock) {
-    VF dx0, dx1, dy0, dy1;
-    load_shifted(px + i, py + i, vsx, vsy, dx0, dx1, dy0, dy1);
-    VF p0 = exp2_fast(at::vec::fmadd(dx0, vc, vbx)), p1 = exp2_fast(at::vec::fmadd(dx1, vc, vbx));
-    if (gx) {
-      VF v0 = p0 * ((dx0 - dy0) - vtmd) * vsgx, v1 = p1 * ((dx1 - dy1) - vtmd) * vsgx;
-      if constexpr (kCareful) {
-        v0 = VF::blendv(v0, zero, p0 == zero);
-        v1 = VF::blendv(v1, zero, p1 == zero);
-      }
-      store2(gx + i, v0, v1);
-    }
-    if (gy) {
-      VF q0 = exp2_fast(at::vec::fmadd(dy0, vc, vby)) - p0;
-      VF q1 = exp2_fast(at::vec::fmadd(dy1, vc, vby)) - p1;
-      VF v0 = q0 * vsgy, v1 = q1 * vsgy;
-      if constexpr (kCareful) {
-        v0 = VF::blendv(v0, zero, q0 != q0);
-        v1 = VF::blendv(v1, zero, q1 != q1);
-      }
-      store2(gy + i, v0, v1);
-    }
-  }
-  for (; i < V; ++i) {
-    float dx = static_cast<float>(px[i]) - shx, dy = static_cast<float>(py[i]) - shy;
-    float p = std::exp2(dx * c + bx);
-    if (gx) {
-      float v = p * ((dx - dy) - tmd) * sgx;
-      gx[i] = static_cast<T>((kCareful && p == 0.0f) ? 0.0f : v);
-    }
-    if (gy) {
-      float q = std::exp2(dy * c + by) - p;
-      gy[i] = static_cast<T>((kCareful && std::isnan(q)) ? 0.0f : q * sgy);
-    }
-  }
-}
-
-std::tuple<at::Tensor, at::Tensor> full_kl_backward(
-    const at::Tensor& grad, const at::Tensor& x_in, const at::Tensor& y_in, const at::Tensor& stats,
-    const std::optional<at::Tensor>& mask, double T, bool need_x, bool need_y,
-    int64_t /*tile_rows*/, int64_t /*tile_cols*/) {
-  check_logits_arg("policy_logits", x_in);
-  check_logits_arg("ref_logits", y_in);
-  check_temperature(T);
-  const at::ScalarType ct = compute_dtype(x_in, y_in);
-  at::Tensor x = unit_last_stride(x_in), y = unit_last_stride(y_in);
-  const bool mixed = x.scalar_type() != y.scalar_type();
-  if (mixed) {
-    x = x.to(ct);
-    y = y.to(ct);
-  }
-  const auto leading = leading_of(x);
-  const int64_t V = x.size(-1), N = x.numel() / V;
-  at::Tensor m = flat_mask(mask, leading);
-  const auto [g, st] = backward_inputs(grad, stats, leading, 6, N);
-  at::Tensor gx = need_x ? at::empty(x.sizes(), x.options()) : at::empty({0}, x_in.options());
-  at::Tensor gy = need_y ? at::empty(y.sizes(), y.options()) : at::empty({0}, y_in.options());
-  const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
-  const double* gp = g.const_data_ptr<double>();
-  const double* sp = st.const_data_ptr<double>();
-  const Rows rx(x), ry(y);
-  if (need_x || need_y) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_full_kl_bwd", [&] {
-      using T_in = scalar_t;
-      const T_in* px = x.const_data_ptr<T_in>();
-      const T_in* py = y.const_data_ptr<T_in>();
-      T_in* gxp = need_x ? gx.mutable_data_ptr<T_in>() : nullptr;
-      T_in* gyp = need_y ? gy.mutable_data_ptr<T_in>() : nullptr;
-      parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
-        for (int64_t r = r0; r < r1; ++r) {
-          T_in* gxr = gxp ? gxp + r * V : nullptr;
-          T_in* gyr = gyp ? gyp + r * V : nullptr;
-          const double gr = (mp && !mp[r]) ? 0.0 : gp[r];
-          if (gr == 0.0) {  // masked (garbage allowed) or no upstream gradient: exactly 0
-            if (gxr) std::fill(gxr, gxr + V, T_in(0));
-            if (gyr) std::fill(gyr, gyr + V, T_in(0));
-            continue;
-          }
-          const T_in* xr = px + rx.offset(r);
-          const T_in* yr = py + ry.offset(r);
-          const double* s = sp + 6 * r;
-          if constexpr (std::is_same_v<T_in, double>) {
-            kl_grad_row_scalar(xr, yr, s, gr, T, gxr, gyr, V);
-          } else if (s[5] != 0.0) {
-            kl_grad_row_vec<true>(xr, yr, s, gr, T, gxr, gyr, V);
-          } else {
-            kl_grad_row_vec<false>(xr, yr, s, gr, T, gxr, gyr, V);
-          }
-        }
-      });
-    });
-  }
-  if (mixed) {
-    if (need_x) gx = gx.to(x_in.scalar_type());
-    if (need_y) gy = gy.to(y_in.scalar_type());
-  }
-  return {gx, gy};
-}
-
-// ------------------------------------------------------------------------------ LSE rows
-// The log-sum-exp state of a row and, for the entropy (kMoment), b = Σ e^u·u (0·log 0 = 0).
-struct LSERow {
-  double m = -kInf, s = 0.0, b = 0.0;
-  bool bad = false;  // a maximum is NaN or +inf (vector path only): redo it in double
-};
-
-template <bool kMoment, typename T>
-LSERow lse_row_scalar(const T* px, int64_t V, double T_) {
-  LSERow row;
-  for (int64_t j = 0; j < V; ++j) row.m = max_nan(row.m, static_cast<double>(px[j]));
-  const double sh = finite_or_zero(row.m);
-  double b = 0.0;
-  for (int64_t j = 0; j < V; ++j) {
-    const double d = static_cast<double>(px[j]) - sh, e = std::exp(d / T_);
-    row.s += e;
-    if (kMoment && e != 0.0) b += e * d;  // 0·log 0 = 0
-  }
-  row.b = b / T_;
-  return row;
-}
-
-// One row, float32 vectors, chunk by chunk. kCareful (with kMoment): e^u = 0 terms of b are
-// dropped; without it a −inf logit gives NaN and the caller redoes the row carefully.
-template <bool kMoment, bool kCareful, typename T>
-LSERow lse_row_vec(const T* px, int64_t V, double T_) {
-  LSERow row;
-  const float c = static_cast<float>(kLog2e / T_);
-  const VF vc(c), zero(0.0f);
-  row.bad = !for_each_chunk(V, [&](int64_t c0, int64_t n) {
-    const T* x = px + c0;
-    const double cm = chunk_max(x, n);
-    if (std::isnan(cm) || cm == kInf) return false;
-    const double m = std::max(row.m, cm);
-    const float sh = static_cast<float>(finite_or_zero(m));
-    const VF vsh(sh);
-    WideSum ws, wb;
-    int64_t i = 0;
-    while (i + kBlock <= n) {
-      VF s0 = zero, s1 = zero, b0 = zero, b1 = zero;
-      for (int64_t k = 0; k < kFlush && i + kBlock <= n; ++k, i += kBlock) {
-        prefetch_block(x + kChunk + i);
-        VF x0, x1;
-        load2(x + i, x0, x1);
-        const VF d0 = x0 - vsh, d1 = x1 - vsh;
-        const VF e0 = exp2_fast(d0 * vc), e1 = exp2_fast(d1 * vc);
-        s0 = s0 + e0;
-        s1 = s1 + e1;
-        if constexpr (kMoment) {
-          b0 = b0 + moment_term<kCareful>(e0, d0);
-          b1 = b1 + moment_term<kCareful>(e1, d1);
-        }
-      }
-      ws.add(s0 + s1);
-      if constexpr (kMoment) wb.add(b0 + b1);
-    }
-    double cs = ws.value(), cb = kMoment ? wb.value() : 0.0;
-    for (; i < n; ++i) {
-      const float d = static_cast<float>(x[i]) - sh, e = std::exp2(d * c);
-      cs += e;
-      if (kMoment && (!kCareful || e != 0.0f)) cb += static_cast<double>(e * d);
-    }
-    const auto [delta, alpha] = scales(row.m, m, T_);
-    if constexpr (kMoment) row.b = rescale_moment(row.s, row.b, delta, alpha) + cb / T_;
-    row.s = row.s * alpha + cs;
-    row.m = m;
-    return true;
-  });
-  return row;
-}
-
-// NaN or +inf: the engine's rules in double; float64: the scalar double path.
-template <bool kMoment, typename T>
-LSERow lse_row(const T* px, int64_t V, double T_) {
-  if constexpr (std::is_same_v<T, double>) {
-    return lse_row_scalar<kMoment>(px, V, T_);
-  } else {
-    LSERow row = lse_row_vec<kMoment, false>(px, V, T_);
-    if (row.bad) return lse_row_scalar<kMoment>(px, V, T_);
-    if (kMoment && !std::isfinite(row.b)) row = lse_row_vec<kMoment, true>(px, V, T_);
-    return row;
-  }
-}
-
-// ------------------------------------------------------------------------------ token ops
 at::Tensor flat_tokens(const at::Tensor& tokens, c10::IntArrayRef leading) {
   TORCH_CHECK_TYPE(!tokens.is_floating_point() && !tokens.is_complex() &&
                        tokens.scalar_type() != at::kBool,
@@ -844,238 +665,551 @@ at::Tensor flat_tokens(const at::Tensor& tokens, c10::IntArrayRef leading) {
   return tokens.to(at::kLong).contiguous();
 }
 
-// The checked arguments of a single-logits op: the logits with a unit last stride, their
-// leading dims, V and N.
-struct LogitsArgs {
-  at::Tensor x;
+// The checked arguments of both ops: logits with a unit last stride (both in the compute dtype
+// when their dtypes differ, a rare case), flat contiguous per-position tensors, and the support.
+struct StatsArgs {
+  at::Tensor x_in, y_in, tokens_in;  // the caller's, for messages
+  at::Tensor x, y, tok, mask, keep, tau;
   std::vector<int64_t> leading;
-  int64_t V, N;
-  LogitsArgs(const at::Tensor& x_in, double T) {
-    check_logits_arg("logits", x_in);
+  int64_t V = 0, N = 0, want = 0;
+  at::ScalarType ct = at::kFloat;  // compute dtype
+  bool mixed = false;
+  bool need_x_state = false, need_y_state = false;  // which logits the forward walks
+
+  StatsArgs(const at::Tensor& x_arg, const std::optional<at::Tensor>& y_arg,
+            const std::optional<at::Tensor>& tokens_arg, const std::optional<at::Tensor>& mask_arg,
+            const std::optional<at::Tensor>& keep_arg, const std::optional<at::Tensor>& tau_arg,
+            double T, int64_t want_arg)
+      : x_in(x_arg), want(want_arg) {
+    const bool has_y = y_arg.has_value();
+    check_logits_arg(has_y ? "policy_logits" : "logits", x_in);
+    if (has_y) {
+      y_in = *y_arg;
+      check_logits_arg("ref_logits", y_in);
+      TORCH_CHECK_VALUE(x_in.sizes() == y_in.sizes(),
+                        "policy_logits and ref_logits must have the same shape (..., V): "
+                        "policy_logits ", describe(x_in), ", ref_logits ", describe(y_in));
+    }
     check_temperature(T);
+    TORCH_CHECK_VALUE(want > 0 && want < 16,
+                      "want must be a nonzero sum of WANT_KL=1, WANT_LOGP=2, WANT_REF_LOGP=4 and "
+                      "WANT_ENTROPY=8, got ", want);
+    TORCH_CHECK_VALUE(has_y || !(want & (kWantKL | kWantRefLogp)),
+                      "want asks for the KL or the reference log-probs (", want,
+                      ") but ref_logits is None");
+    TORCH_CHECK_VALUE(tokens_arg.has_value() || !(want & (kWantLogp | kWantRefLogp)),
+                      "want asks for token log-probs (", want, ") but tokens is None");
+    ct = (x_in.scalar_type() == at::kDouble || (has_y && y_in.scalar_type() == at::kDouble))
+             ? at::kDouble
+             : at::kFloat;
     x = unit_last_stride(x_in);
+    if (has_y) {
+      y = unit_last_stride(y_in);
+      mixed = x.scalar_type() != y.scalar_type();
+      if (mixed) {
+        x = x.to(ct);
+        y = y.to(ct);
+      }
+    }
     leading = leading_of(x);
     V = x.size(-1);
     N = x.numel() / V;
+    mask = flat_mask(mask_arg, leading);
+    if (tokens_arg.has_value()) {
+      tokens_in = *tokens_arg;
+      tok = flat_tokens(tokens_in, leading);
+    }
+    if (keep_arg.has_value()) {
+      const at::Tensor& k = *keep_arg;
+      TORCH_CHECK_TYPE(k.scalar_type() == at::kBool,
+                       "keep must be a bool tensor (True = kept), got ", describe(k));
+      TORCH_CHECK_VALUE(k.sizes() == x_in.sizes(), "keep must have the shape of the logits ",
+                        py_tuple(x_in.sizes().vec()), ", got ", describe(k));
+      keep = unit_last_stride(k);
+    }
+    if (tau_arg.has_value()) {
+      const at::Tensor& t = *tau_arg;
+      TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
+                       "tau must be a float32 or float64 tensor, got ", describe(t));
+      TORCH_CHECK_VALUE(t.sizes() == c10::IntArrayRef(leading), "tau must have shape ",
+                        py_tuple(leading), " (the leading dims of the logits), got ", describe(t));
+      tau = t.contiguous();
+    }
+    need_x_state = want & (kWantKL | kWantLogp | kWantEntropy);
+    need_y_state = want & (kWantKL | kWantRefLogp);
+  }
+
+  bool truncated() const { return keep.defined() || tau.defined(); }
+};
+
+// Per-row pointers and flags shared by the forward and backward loops.
+struct RowAccess {
+  const StatsArgs& a;
+  Rows rx, ry, rk;
+  const bool* mp;
+  const int64_t* tp;
+  const bool* kp;
+  const float* tau_f;
+  const double* tau_d;
+
+  explicit RowAccess(const StatsArgs& args)
+      : a(args),
+        rx(args.x),
+        ry(args.y.defined() ? args.y : args.x),
+        rk(args.keep.defined() ? args.keep : args.x),
+        mp(args.mask.defined() ? args.mask.const_data_ptr<bool>() : nullptr),
+        tp(args.tok.defined() ? args.tok.const_data_ptr<int64_t>() : nullptr),
+        kp(args.keep.defined() ? args.keep.const_data_ptr<bool>() : nullptr),
+        tau_f(args.tau.defined() && args.tau.scalar_type() == at::kFloat
+                  ? args.tau.const_data_ptr<float>()
+                  : nullptr),
+        tau_d(args.tau.defined() && args.tau.scalar_type() == at::kDouble
+                  ? args.tau.const_data_ptr<double>()
+                  : nullptr) {}
+
+  bool masked(int64_t r) const { return mp && !mp[r]; }
+  // the row's token, or -1 where there is none or it is ignored
+  int64_t token(int64_t r, int64_t ignore_index) const {
+    return (tp && tp[r] != ignore_index) ? tp[r] : -1;
+  }
+  Support support(int64_t r) const {
+    Support s;
+    if (kp) s.keep = kp + rk.offset(r);
+    if (tau_f) {
+      s.has_tau = true;
+      s.tau_f = tau_f[r];
+    } else if (tau_d) {
+      s.has_tau = true;
+      s.tau_double = true;
+      s.tau_d = tau_d[r];
+    }
+    return s;
   }
 };
 
-// ... and the tokens as a flat contiguous int64 tensor.
-struct TokenArgs : LogitsArgs {
-  at::Tensor tok;
-  TokenArgs(const at::Tensor& x_in, const at::Tensor& tokens, double T) : LogitsArgs(x_in, T) {
-    tok = flat_tokens(tokens, leading);
+// Tokens of counted rows that are read must lie in the row (also with check=False).
+void check_tokens_inside_rows(const StatsArgs& a, const RowAccess& ra, int64_t ignore_index) {
+  if (!ra.tp || !(a.want & (kWantLogp | kWantRefLogp))) return;
+  for (int64_t r = 0; r < a.N; ++r) {
+    const int64_t t = ra.tp[r];
+    TORCH_CHECK_INDEX(ra.masked(r) || t == ignore_index || (t >= 0 && t < a.V), "token ", t,
+                      " at flat position ", r, " is out of range for a vocabulary of ", a.V);
   }
-};
+}
 
-std::tuple<at::Tensor, at::Tensor> token_logprobs(const at::Tensor& x_in, const at::Tensor& tokens,
-                                                  double T, int64_t ignore_index, bool check,
-                                                  int64_t /*tile_rows*/, int64_t /*tile_cols*/) {
-  const TokenArgs args(x_in, tokens, T);
-  const at::Tensor& x = args.x;
-  const auto& leading = args.leading;
-  const int64_t V = args.V, N = args.N;
-  const int64_t* tp = args.tok.const_data_ptr<int64_t>();
-  if (check) check_token_range(tokens, tp, N, V, ignore_index);
-  for (int64_t r = 0; r < N; ++r) {  // never read outside a row, even with check=False
-    TORCH_CHECK_INDEX(tp[r] == ignore_index || (tp[r] >= 0 && tp[r] < V), "token ", tp[r],
-                      " at flat position ", r, " is out of range for a vocabulary of ", V);
+// ------------------------------------------------------------------------------ forward
+// engine.kl_finalize / entropy_finalize / the log-prob finish for one row: out (4) and stats (9);
+// columns not wanted hold 0. tok: the row's token or -1.
+template <typename O, typename T>
+void finalize_row(const RowState& row, int64_t want, bool x_state, bool y_state, const T* xr,
+                  const T* yr, const Support& sup, int64_t tok, double T_, O* out, O* st) {
+  std::fill(out, out + kOutCols, O(0));
+  std::fill(st, st + kStatsCols, O(0));
+  const double lsx = std::log(row.s_x), lsy = std::log(row.s_y);
+  const double shx = finite_or_zero(row.m_x), shy = finite_or_zero(row.m_y);
+  const bool valid_x = row.s_x > 0 && std::isfinite(row.s_x);
+  const bool valid_y = row.s_y > 0 && std::isfinite(row.s_y);
+  bool careful = row.careful;
+  if (x_state) {
+    st[kShiftX] = static_cast<O>(shx);
+    st[kLogSX] = static_cast<O>(finite_or_zero(lsx));
+    careful = careful || !valid_x;
   }
-  const at::ScalarType out_t = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  auto [out, stats] = forward_outputs(leading, 3, x.options().dtype(out_t));
-  const Rows rx(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_token_logprobs", [&] {
+  if (y_state) {
+    st[kShiftY] = static_cast<O>(shy);
+    st[kLogSY] = static_cast<O>(finite_or_zero(lsy));
+    careful = careful || !valid_y;
+  }
+  if (want & kWantKL) {
+    const double mean_d = row.a / row.s_x;
+    double v = mean_d - lsx + lsy;
+    v = v < 0.0 ? 0.0 : v;  // NaN stays NaN
+    out[0] = static_cast<O>(valid_x && valid_y ? v : kNaN);
+    st[kMeanD] = static_cast<O>(mean_d);
+    careful = careful || !std::isfinite(mean_d);
+  }
+  if (want & kWantEntropy) {
+    const double mean_u = row.b / row.s_x;
+    double v = lsx - mean_u;
+    v = v < 0.0 ? 0.0 : v;  // NaN stays NaN
+    out[3] = static_cast<O>(valid_x ? v : kNaN);
+    st[kMeanU] = static_cast<O>(mean_u);
+  }
+  if (tok >= 0 && (want & kWantLogp)) {
+    // (x_t − m)/T − log s: exact for nearby logits at any offset; −inf off the support;
+    // no distribution: NaN
+    const double xt = sup.any() ? sup.value(xr, tok) : static_cast<double>(xr[tok]);
+    const double v = row.s_x == 0.0 ? kNaN : (xt - shx) / T_ - lsx;
+    out[1] = st[kLogpT] = static_cast<O>(v);
+  }
+  if (tok >= 0 && (want & kWantRefLogp)) {
+    const double v = row.s_y == 0.0 ? kNaN : (static_cast<double>(yr[tok]) - shy) / T_ - lsy;
+    out[2] = st[kRefLogpT] = static_cast<O>(v);
+  }
+  st[kCareful] = static_cast<O>(careful ? 1.0 : 0.0);
+}
+
+// With a support and WANT_LOGP: a counted, non-ignored token with log π̃(t) = −inf raises.
+template <typename O>
+void check_tokens_in_support(const StatsArgs& a, const RowAccess& ra, const O* out,
+                             int64_t ignore_index) {
+  int64_t bad = 0, first = -1;
+  for (int64_t r = 0; r < a.N; ++r) {
+    if (ra.masked(r) || ra.token(r, ignore_index) < 0) continue;
+    if (out[kOutCols * r + 1] == -std::numeric_limits<O>::infinity()) {
+      if (first < 0) first = r;
+      ++bad;
+    }
+  }
+  if (bad == 0) return;
+  TORCH_CHECK_VALUE(false, "sampled token ", ra.tp[first], " at position ",
+                    py_tuple(unravel(first, a.leading)),
+                    " is outside the support of the policy (log-prob -inf under the truncated "
+                    "distribution); ", bad,
+                    " counted position(s) are: build the support with the sampler's settings");
+}
+
+std::tuple<at::Tensor, at::Tensor> token_stats(
+    const at::Tensor& x_arg, const std::optional<at::Tensor>& y_arg,
+    const std::optional<at::Tensor>& tokens, const std::optional<at::Tensor>& mask,
+    const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& tau, double T,
+    int64_t ignore_index, int64_t want, bool check, int64_t /*tile_rows*/,
+    int64_t /*tile_cols*/) {
+  const StatsArgs a(x_arg, y_arg, tokens, mask, keep, tau, T, want);
+  const RowAccess ra(a);
+  if (check && a.tok.defined()) {
+    check_token_range(a.tokens_in, ra.tp, a.N, a.V, ignore_index);
+  }
+  check_tokens_inside_rows(a, ra, ignore_index);
+  std::vector<int64_t> out_shape = a.leading, stats_shape = a.leading;
+  out_shape.push_back(kOutCols);
+  stats_shape.push_back(kStatsCols);
+  at::Tensor out = at::empty(out_shape, a.x.options().dtype(a.ct));
+  at::Tensor stats = at::empty(stats_shape, a.x.options().dtype(a.ct));
+  // Only y is needed (the reference log-probs alone): y is walked as "x" without a support.
+  const bool y_only = !a.need_x_state;
+  const bool kY = a.need_x_state && a.need_y_state, kB = want & kWantEntropy;
+  // an ignored token leaves nothing to compute in a row that wants only token log-probs
+  const bool tokens_only = !(want & (kWantKL | kWantEntropy));
+  const int64_t V = a.V;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.x.scalar_type(), "native_token_stats", [&] {
     using T_in = scalar_t;
-    const T_in* px = x.const_data_ptr<T_in>();
-    const auto ignored = [&](int64_t r) { return tp[r] == ignore_index; };
-    forward_rows(out, stats, 3, N, V, ignored, [&](int64_t r, auto* res, auto* st) {
+    const T_in* px = a.x.const_data_ptr<T_in>();
+    const T_in* py = a.y.defined() ? a.y.const_data_ptr<T_in>() : nullptr;
+    auto run = [&](auto* res, auto* stp) {
       using O = std::remove_pointer_t<decltype(res)>;
-      const T_in* xr = px + rx.offset(r);
-      const LSERow row = lse_row<false>(xr, V, T);
-      const double shift = finite_or_zero(row.m), log_s = std::log(row.s);
-      // (x_t − m)/T − log s: exact for nearby logits at any offset; no distribution: NaN
-      double v = (static_cast<double>(xr[tp[r]]) - shift) / T - log_s;
-      if (row.s == 0.0) v = kNaN;
-      *res = static_cast<O>(v);
-      st[0] = static_cast<O>(shift);
-      st[1] = static_cast<O>(finite_or_zero(log_s));
-      st[2] = static_cast<O>(v);
-    });
+      parallel_rows(a.N, V, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          O* o = res + kOutCols * r;
+          O* s = stp + kStatsCols * r;
+          const int64_t t = ra.token(r, ignore_index);
+          if (ra.masked(r) || (tokens_only && t < 0)) {  // not computed: 0 whatever it holds
+            std::fill(o, o + kOutCols, O(0));
+            std::fill(s, s + kStatsCols, O(0));
+            continue;
+          }
+          const T_in* xr = px + ra.rx.offset(r);
+          const T_in* yr = py ? py + ra.ry.offset(r) : nullptr;
+          if (y_only) {
+            RowState row = walk(yr, yr, Support(), V, T, false, false);
+            std::swap(row.m_x, row.m_y);
+            std::swap(row.s_x, row.s_y);
+            finalize_row(row, want, false, true, xr, yr, Support(), t, T, o, s);
+          } else {
+            const Support sup = ra.support(r);
+            const RowState row = walk(xr, yr, sup, V, T, kY, kB);
+            finalize_row(row, want, true, a.need_y_state, xr, yr, sup, t, T, o, s);
+          }
+        }
+      });
+    };
+    if (a.ct == at::kDouble) {
+      run(out.mutable_data_ptr<double>(), stats.mutable_data_ptr<double>());
+    } else {
+      run(out.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>());
+    }
   });
-  if (check) raise_if_nan(out, leading, {{"logits", x_in}});
+  if (check) {
+    if (a.y.defined()) {
+      raise_if_nan(out, want, a.leading, {{"policy_logits", a.x_in}, {"ref_logits", a.y_in}});
+    } else {
+      raise_if_nan(out, want, a.leading, {{"logits", a.x_in}});
+    }
+    if (a.truncated() && (want & kWantLogp)) {
+      if (a.ct == at::kDouble) {
+        check_tokens_in_support(a, ra, out.const_data_ptr<double>(), ignore_index);
+      } else {
+        check_tokens_in_support(a, ra, out.const_data_ptr<float>(), ignore_index);
+      }
+    }
+  }
   return {out, stats};
 }
 
-// −π·g/T over a row (the caller adds the token term); kMoment: the entropy's
-// −π·(u − E_π[u])·g/T, 0 where π = 0 (0·log 0, −inf logits).
-template <bool kMoment, typename T>
-void lse_grad_row(const T* px, double shift, double log_s, double mean_u, double g, double T_,
-                  T* gx, int64_t V) {
-  // with d = x − shift = T·u: kMoment gives π·(d − T·E_π[u])·(−g/T²), else π·(−g/T)
-  const double tm = kMoment ? mean_u * T_ : 0.0, sg = kMoment ? -g / (T_ * T_) : -g / T_;
-  if constexpr (std::is_same_v<T, double>) {
-    for (int64_t j = 0; j < V; ++j) {
-      const double d = px[j] - shift, p = std::exp(d / T_ - log_s);
-      gx[j] = kMoment ? (p == 0.0 ? 0.0 : p * (d - tm) * sg) : p * sg;
+// ------------------------------------------------------------------------------ backward
+// The per-row coefficients of the gradient, with d_x = x − shift_x = T·u, d_y = y − shift_y:
+//   ∂/∂x_v = p·((d_x − d_y)·ckl + d_x·ch + c0) (+ the token's term), p = π̃_v,
+//   ∂/∂y_v = (q − p)·cy1 + q·cy2 (+ the token's term), q = ρ_v.
+struct GradRow {
+  double g_kl = 0, g_lp = 0, g_rl = 0, g_h = 0;  // upstream, 0 where not wanted or ignored
+  double shx = 0, lsx = 0, shy = 0, lsy = 0, md = 0, mu = 0, lpt = 0, lqt = 0;
+  bool careful = false;
+
+  bool zero() const { return g_kl == 0 && g_lp == 0 && g_rl == 0 && g_h == 0; }
+};
+
+struct GradCoef {
+  VF vsx, vsy, vc, vbx, vby, vckl, vch, vc0, vcy1, vcy2;
+  float shx, shy, c, bx, by, ckl, ch, c0, cy1, cy2;
+  GradCoef(const GradRow& g, double T) {
+    shx = static_cast<float>(g.shx);
+    shy = static_cast<float>(g.shy);
+    c = static_cast<float>(kLog2e / T);
+    bx = static_cast<float>(-g.lsx * kLog2e);
+    by = static_cast<float>(-g.lsy * kLog2e);
+    ckl = static_cast<float>(g.g_kl / (T * T));
+    ch = static_cast<float>(-g.g_h / (T * T));
+    c0 = static_cast<float>((g.g_h * g.mu - g.g_kl * g.md - g.g_lp) / T);
+    cy1 = static_cast<float>(g.g_kl / T);
+    cy2 = static_cast<float>(-g.g_rl / T);
+    vsx = VF(shx), vsy = VF(shy), vc = VF(c), vbx = VF(bx), vby = VF(by);
+    vckl = VF(ckl), vch = VF(ch), vc0 = VF(c0), vcy1 = VF(cy1), vcy2 = VF(cy2);
+  }
+};
+
+// Elements [0, n) of the gradient rows, float32 vectors. kDy: y is read (the KL, or ∂/∂y);
+// kInner: the KL's or the entropy's d-dependent terms; kCareful: 0 where p = 0 (−inf logits,
+// off the support) and where ∂/∂y is NaN.
+template <bool kDy, bool kInner, bool kCareful, typename TX, typename TY, typename TO>
+void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* gx, TO* gy) {
+  const VF zero(0.0f);
+  auto gx_of = [&](const VF& p, const VF& dx, const VF& dy) {
+    VF inner = k.vc0;
+    if constexpr (kInner) {
+      inner = at::vec::fmadd(dx, k.vch, inner);
+      if constexpr (kDy) inner = at::vec::fmadd(dx - dy, k.vckl, inner);
     }
-  } else {
-    const float sh = static_cast<float>(shift), c = static_cast<float>(kLog2e / T_);
-    const float b = static_cast<float>(-log_s * kLog2e), ftm = static_cast<float>(tm);
-    const float fsg = static_cast<float>(sg);
-    const VF vsh(sh), vc(c), vb(b), vtm(ftm), vsg(fsg), zero(0.0f);
-    auto term = [&](const VF& x) {
-      const VF d = x - vsh, p = exp2_fast(at::vec::fmadd(d, vc, vb));
-      if constexpr (kMoment) return VF::blendv(p * (d - vtm) * vsg, zero, p == zero);
-      else return p * vsg;
-    };
-    int64_t i = 0;
-    for (; i + kBlock <= V; i += kBlock) {
+    VF v = p * inner;
+    if constexpr (kCareful) v = VF::blendv(v, zero, p == zero);
+    return v;
+  };
+  auto gy_of = [&](const VF& p, const VF& dy) {
+    const VF q = exp2_fast(at::vec::fmadd(dy, k.vc, k.vby));
+    VF v = at::vec::fmadd(q - p, k.vcy1, q * k.vcy2);
+    if constexpr (kCareful) v = VF::blendv(v, zero, v != v);
+    return v;
+  };
+  int64_t i = 0;
+  for (; i + kBlock <= n; i += kBlock) {
+    VF dx0, dx1, dy0, dy1;
+    if constexpr (kDy) {
+      load_shifted(px + i, py + i, k.vsx, k.vsy, dx0, dx1, dy0, dy1);
+    } else {
       prefetch_block(px + kChunk + i);
       VF x0, x1;
       load2(px + i, x0, x1);
-      store2(gx + i, term(x0), term(x1));
+      dx0 = x0 - k.vsx;
+      dx1 = x1 - k.vsx;
     }
-    for (; i < V; ++i) {
-      const float d = static_cast<float>(px[i]) - sh, p = std::exp2(d * c + b);
-      gx[i] = static_cast<T>(kMoment ? (p == 0.0f ? 0.0f : p * (d - ftm) * fsg) : p * fsg);
+    const VF p0 = exp2_fast(at::vec::fmadd(dx0, k.vc, k.vbx));
+    const VF p1 = exp2_fast(at::vec::fmadd(dx1, k.vc, k.vbx));
+    if (gx) store2(gx + i, gx_of(p0, dx0, dy0), gx_of(p1, dx1, dy1));
+    if constexpr (kDy) {
+      if (gy) store2(gy + i, gy_of(p0, dy0), gy_of(p1, dy1));
+    }
+  }
+  for (; i < n; ++i) {
+    const float dx = static_cast<float>(px[i]) - k.shx;
+    const float dy = kDy ? static_cast<float>(py[i]) - k.shy : 0.0f;
+    const float p = std::exp2(dx * k.c + k.bx);
+    if (gx) {
+      float inner = k.c0;
+      if (kInner) inner += dx * k.ch + (kDy ? (dx - dy) * k.ckl : 0.0f);
+      const float v = p * inner;
+      gx[i] = static_cast<TO>((kCareful && p == 0.0f) ? 0.0f : v);
+    }
+    if (kDy && gy) {
+      const float q = std::exp2(dy * k.c + k.by);
+      const float v = (q - p) * k.cy1 + q * k.cy2;
+      gy[i] = static_cast<TO>((kCareful && std::isnan(v)) ? 0.0f : v);
     }
   }
 }
 
-// The gradient (..., V) of a single-logits op from its upstream gradient and stats (..., cols):
-// row(x_r, out_r, stats_r, g_r, r) for every row whose weighted gradient g_r = weight(r, grad_r)
-// is nonzero; the other rows (masked or ignored, garbage allowed) are exactly 0.
-template <typename W, typename F>
-at::Tensor backward_rows(const LogitsArgs& args, const at::Tensor& grad, const at::Tensor& stats,
-                         int64_t cols, const W& weight, const F& row) {
-  const at::Tensor& x = args.x;
-  const int64_t V = args.V, N = args.N;
-  const auto [g, st] = backward_inputs(grad, stats, args.leading, cols, N);
-  at::Tensor gx = at::empty(x.sizes(), x.options());
+// A whole gradient row in float32 vectors: chunk by chunk through the support buffer when
+// truncated (the careful arithmetic), else in one sweep.
+template <bool kDy, bool kInner, typename T>
+void grad_row_vec(const T* xr, const T* yr, const Support& sup, const GradRow& g, double T_,
+                  T* gx, T* gy, int64_t V) {
+  const GradCoef k(g, T_);
+  if (sup.any()) {
+    alignas(64) float buf[kChunk];
+    for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
+      const int64_t n = std::min(kChunk, V - c0);
+      load_support(xr + c0, sup.from(c0), n, buf);
+      grad_segment<kDy, kInner, true>(static_cast<const float*>(buf), kDy ? yr + c0 : yr, n, k,
+                                      gx ? gx + c0 : gx, gy ? gy + c0 : gy);
+    }
+  } else if (g.careful) {
+    grad_segment<kDy, kInner, true>(xr, yr, V, k, gx, gy);
+  } else {
+    grad_segment<kDy, kInner, false>(xr, yr, V, k, gx, gy);
+  }
+}
+
+// A whole gradient row, scalar double with the careful rules (float64 inputs).
+template <typename T>
+void grad_row_scalar(const T* xr, const T* yr, const Support& sup, const GradRow& g, double T_,
+                     T* gx, T* gy, int64_t V) {
+  const bool dy_needed = g.g_kl != 0.0 || gy != nullptr;
+  for (int64_t j = 0; j < V; ++j) {
+    const double xv = sup.any() ? sup.value(xr, j) : static_cast<double>(xr[j]);
+    const double dx = xv - g.shx;
+    const double dy = dy_needed ? static_cast<double>(yr[j]) - g.shy : 0.0;
+    const double p = std::exp(dx / T_ - g.lsx);
+    if (gx) {
+      double inner = -g.g_lp;
+      if (g.g_kl != 0.0) inner += g.g_kl * ((dx - dy) / T_ - g.md);
+      if (g.g_h != 0.0) inner -= g.g_h * (dx / T_ - g.mu);
+      gx[j] = static_cast<T>(p == 0.0 ? 0.0 : p * inner / T_);
+    }
+    if (gy) {
+      const double q = std::exp(dy / T_ - g.lsy);
+      const double v = (g.g_kl * (q - p) - g.g_rl * q) / T_;
+      gy[j] = static_cast<T>(std::isnan(v) ? 0.0 : v);
+    }
+  }
+}
+
+// The token's entries, in double: the one-hot terms with (1 − π̃_t) = −expm1(log π̃_t) (and
+// likewise for ρ), exact for a token of probability near 1.
+template <typename T>
+void grad_token(const T* xr, const T* yr, const Support& sup, const GradRow& g, double T_,
+                int64_t t, T* gx, T* gy) {
+  if (gx && g.g_lp != 0.0) {
+    const double xt = sup.any() ? sup.value(xr, t) : static_cast<double>(xr[t]);
+    const double dx = xt - g.shx, p = std::exp(g.lpt);
+    double inner = 0.0;
+    if (g.g_kl != 0.0) inner += g.g_kl * ((dx - (static_cast<double>(yr[t]) - g.shy)) / T_ - g.md);
+    if (g.g_h != 0.0) inner -= g.g_h * (dx / T_ - g.mu);
+    gx[t] = static_cast<T>((p == 0.0 ? 0.0 : p * inner / T_) - std::expm1(g.lpt) * g.g_lp / T_);
+  }
+  if (gy && g.g_rl != 0.0) {
+    const double q = std::exp(g.lqt);
+    double v = -std::expm1(g.lqt) * g.g_rl;
+    if (g.g_kl != 0.0) {
+      const double xt = sup.any() ? sup.value(xr, t) : static_cast<double>(xr[t]);
+      const double d = g.g_kl * (q - std::exp((xt - g.shx) / T_ - g.lsx));
+      v += std::isnan(d) ? 0.0 : d;
+    }
+    gy[t] = static_cast<T>(v / T_);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> token_stats_backward(
+    const at::Tensor& grad, const at::Tensor& x_arg, const std::optional<at::Tensor>& y_arg,
+    const std::optional<at::Tensor>& tokens, const at::Tensor& stats,
+    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& keep,
+    const std::optional<at::Tensor>& tau, double T, int64_t ignore_index, int64_t want,
+    bool need_x, bool need_y_arg, int64_t /*tile_rows*/, int64_t /*tile_cols*/) {
+  const StatsArgs a(x_arg, y_arg, tokens, mask, keep, tau, T, want);
+  const RowAccess ra(a);
+  const bool need_y = need_y_arg && a.y.defined();
+  const int64_t V = a.V, N = a.N;
+  std::vector<int64_t> gshape = a.leading, sshape = a.leading;
+  gshape.push_back(kOutCols);
+  sshape.push_back(kStatsCols);
+  TORCH_CHECK_VALUE(grad.sizes() == c10::IntArrayRef(gshape), "grad must have shape ",
+                    py_tuple(gshape), ", got ", describe(grad));
+  TORCH_CHECK_VALUE(stats.sizes() == c10::IntArrayRef(sshape), "stats must have shape ",
+                    py_tuple(sshape), ", got ", describe(stats));
+  check_tokens_inside_rows(a, ra, ignore_index);
+  const at::Tensor g = grad.to(at::kDouble).contiguous();
+  const at::Tensor st = stats.to(at::kDouble).contiguous();
+  at::Tensor gx = need_x ? at::empty(a.x.sizes(), a.x.options()) : at::empty({0}, x_arg.options());
+  at::Tensor gy = need_y ? at::empty(a.y.sizes(), a.y.options())
+                         : at::empty({0}, x_arg.options());
   const double* gp = g.const_data_ptr<double>();
   const double* sp = st.const_data_ptr<double>();
-  const Rows rx(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_backward_rows", [&] {
-    using T_in = scalar_t;
-    const T_in* px = x.const_data_ptr<T_in>();
-    T_in* gxp = gx.mutable_data_ptr<T_in>();
-    parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        T_in* out = gxp + r * V;
-        const double gr = weight(r, gp[r]);
-        if (gr == 0.0) {
-          std::fill(out, out + V, T_in(0));
-          continue;
+  if (need_x || need_y) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.x.scalar_type(), "native_token_stats_bwd", [&] {
+      using T_in = scalar_t;
+      const T_in* px = a.x.const_data_ptr<T_in>();
+      const T_in* py = a.y.defined() ? a.y.const_data_ptr<T_in>() : nullptr;
+      T_in* gxp = need_x ? gx.mutable_data_ptr<T_in>() : nullptr;
+      T_in* gyp = need_y ? gy.mutable_data_ptr<T_in>() : nullptr;
+      parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          T_in* gxr = gxp ? gxp + r * V : nullptr;
+          T_in* gyr = gyp ? gyp + r * V : nullptr;
+          const double* gr = gp + kOutCols * r;
+          const double* s = sp + kStatsCols * r;
+          const int64_t t = ra.token(r, ignore_index);
+          GradRow row;
+          if (!ra.masked(r)) {
+            row.g_kl = (want & kWantKL) ? gr[0] : 0.0;
+            row.g_lp = (want & kWantLogp) && t >= 0 ? gr[1] : 0.0;
+            row.g_rl = (want & kWantRefLogp) && t >= 0 ? gr[2] : 0.0;
+            row.g_h = (want & kWantEntropy) ? gr[3] : 0.0;
+          }
+          if (row.zero()) {  // masked (garbage allowed), ignored or no upstream gradient: 0
+            if (gxr) std::fill(gxr, gxr + V, T_in(0));
+            if (gyr) std::fill(gyr, gyr + V, T_in(0));
+            continue;
+          }
+          row.shx = s[kShiftX], row.lsx = s[kLogSX], row.shy = s[kShiftY], row.lsy = s[kLogSY];
+          row.md = s[kMeanD], row.mu = s[kMeanU], row.lpt = s[kLogpT], row.lqt = s[kRefLogpT];
+          row.careful = s[kCareful] != 0.0;
+          const T_in* xr = px + ra.rx.offset(r);
+          const T_in* yr = py ? py + ra.ry.offset(r) : nullptr;
+          const Support sup = ra.support(r);
+          if (!a.need_x_state) {  // the reference log-probs alone: ∂/∂y = (onehot − q)·g/T
+            row.shx = 0.0, row.lsx = kInf;  // p = 0 everywhere
+          }
+          if constexpr (std::is_same_v<T_in, double>) {
+            grad_row_scalar(xr, yr, sup, row, T, gxr, gyr, V);
+          } else {
+            const bool dy = row.g_kl != 0.0 || gyr != nullptr;
+            const bool inner = row.g_kl != 0.0 || row.g_h != 0.0;
+            if (!a.need_x_state) {  // x unread: walk y as both (p = 0 by lsx = inf)
+              grad_row_vec<true, false>(yr, yr, Support(), row, T, gxr, gyr, V);
+            } else if (dy) {
+              inner ? grad_row_vec<true, true>(xr, yr, sup, row, T, gxr, gyr, V)
+                    : grad_row_vec<true, false>(xr, yr, sup, row, T, gxr, gyr, V);
+            } else {
+              inner ? grad_row_vec<false, true>(xr, yr, sup, row, T, gxr, gyr, V)
+                    : grad_row_vec<false, false>(xr, yr, sup, row, T, gxr, gyr, V);
+            }
+          }
+          if (t >= 0) grad_token(xr, yr, sup, row, T, t, gxr, gyr);
         }
-        row(px + rx.offset(r), out, sp + cols * r, gr, r);
-      }
-    });
-  });
-  return gx;
-}
-
-at::Tensor token_logprobs_backward(const at::Tensor& grad, const at::Tensor& x_in,
-                                   const at::Tensor& tokens, const at::Tensor& stats, double T,
-                                   int64_t ignore_index, int64_t /*tile_rows*/,
-                                   int64_t /*tile_cols*/) {
-  const TokenArgs args(x_in, tokens, T);
-  const int64_t V = args.V;
-  const int64_t* tp = args.tok.const_data_ptr<int64_t>();
-  return backward_rows(
-      args, grad, stats, 3, [&](int64_t r, double g) { return tp[r] == ignore_index ? 0.0 : g; },
-      [&](const auto* xr, auto* out, const double* s, double gr, int64_t r) {
-        using O = std::remove_pointer_t<decltype(out)>;
-        TORCH_CHECK_INDEX(tp[r] >= 0 && tp[r] < V, "token ", tp[r], " at flat position ", r,
-                          " is out of range for a vocabulary of ", V);
-        lse_grad_row<false>(xr, s[0], s[1], 0.0, gr, T, out, V);
-        // at the token: (1 − π_t)·g/T = −expm1(log π_t)·g/T, exact for π_t near 1
-        out[tp[r]] = static_cast<O>(-std::expm1(s[2]) * gr / T);
       });
-}
-
-// ------------------------------------------------------------------------------ entropy ops
-// engine.entropy_finalize for one row: writes H and the 3 stats (shift, log s, E_π[u]).
-template <typename O>
-void finalize_entropy(const LSERow& row, O* h, O* st) {
-  const double mean_u = row.b / row.s, log_s = std::log(row.s);
-  double v = log_s - mean_u;
-  v = v < 0.0 ? 0.0 : v;  // NaN stays NaN
-  const bool valid = row.s > 0 && std::isfinite(row.s);
-  *h = static_cast<O>(valid ? v : kNaN);
-  st[0] = static_cast<O>(finite_or_zero(row.m));
-  st[1] = static_cast<O>(finite_or_zero(log_s));
-  st[2] = static_cast<O>(mean_u);
-}
-
-std::tuple<at::Tensor, at::Tensor> entropy(const at::Tensor& x_in,
-                                           const std::optional<at::Tensor>& mask, double T,
-                                           bool check, int64_t /*tile_rows*/,
-                                           int64_t /*tile_cols*/) {
-  const LogitsArgs args(x_in, T);
-  const at::Tensor& x = args.x;
-  const auto& leading = args.leading;
-  const int64_t V = args.V, N = args.N;
-  at::Tensor m = flat_mask(mask, leading);
-  const at::ScalarType out_t = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  auto [h, stats] = forward_outputs(leading, 3, x.options().dtype(out_t));
-  const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
-  const Rows rx(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_entropy", [&] {
-    using T_in = scalar_t;
-    const T_in* px = x.const_data_ptr<T_in>();
-    const auto masked = [&](int64_t r) { return mp && !mp[r]; };
-    forward_rows(h, stats, 3, N, V, masked, [&](int64_t r, auto* res, auto* st) {
-      finalize_entropy(lse_row<true>(px + rx.offset(r), V, T), res, st);
     });
-  });
-  if (check) raise_if_nan(h, leading, {{"logits", x_in}});
-  return {h, stats};
-}
-
-at::Tensor entropy_backward(const at::Tensor& grad, const at::Tensor& x_in,
-                            const at::Tensor& stats, const std::optional<at::Tensor>& mask,
-                            double T, int64_t /*tile_rows*/, int64_t /*tile_cols*/) {
-  const LogitsArgs args(x_in, T);
-  const at::Tensor m = flat_mask(mask, args.leading);
-  const bool* mp = m.defined() ? m.const_data_ptr<bool>() : nullptr;
-  return backward_rows(
-      args, grad, stats, 3, [&](int64_t r, double g) { return (mp && !mp[r]) ? 0.0 : g; },
-      [&](const auto* xr, auto* out, const double* s, double gr, int64_t) {
-        lse_grad_row<true>(xr, s[0], s[1], s[2], gr, T, out, args.V);
-      });
+  }
+  if (a.mixed) {
+    if (need_x) gx = gx.to(x_arg.scalar_type());
+    if (need_y) gy = gy.to(a.y_in.scalar_type());
+  }
+  return {gx, gy};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(klpenalty, m) {
   m.def(
-      "native_full_kl(Tensor x, Tensor y, Tensor? mask, float temperature, bool check, "
-      "int tile_rows, int tile_cols) -> (Tensor, Tensor)");
-  m.def(
-      "native_full_kl_backward(Tensor grad, Tensor x, Tensor y, Tensor stats, Tensor? mask, "
-      "float temperature, bool need_x, bool need_y, int tile_rows, int tile_cols) -> "
-      "(Tensor, Tensor)");
-  m.def(
-      "native_token_logprobs(Tensor x, Tensor tokens, float temperature, int ignore_index, "
-      "bool check, int tile_rows, int tile_cols) -> (Tensor, Tensor)");
-  m.def(
-      "native_token_logprobs_backward(Tensor grad, Tensor x, Tensor tokens, Tensor stats, "
-      "float temperature, int ignore_index, int tile_rows, int tile_cols) -> Tensor");
-  m.def(
-      "native_entropy(Tensor x, Tensor? mask, float temperature, bool check, int tile_rows, "
+      "native_token_stats(Tensor x, Tensor? y, Tensor? tokens, Tensor? mask, Tensor? keep, "
+      "Tensor? tau, float temperature, int ignore_index, int want, bool check, int tile_rows, "
       "int tile_cols) -> (Tensor, Tensor)");
   m.def(
-      "native_entropy_backward(Tensor grad, Tensor x, Tensor stats, Tensor? mask, "
-      "float temperature, int tile_rows, int tile_cols) -> Tensor");
+      "native_token_stats_backward(Tensor grad, Tensor x, Tensor? y, Tensor? tokens, "
+      "Tensor stats, Tensor? mask, Tensor? keep, Tensor? tau, float temperature, "
+      "int ignore_index, int want, bool need_x, bool need_y, int tile_rows, int tile_cols) -> "
+      "(Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(klpenalty, CPU, m) {
-  m.impl("native_full_kl", &full_kl);
-  m.impl("native_full_kl_backward", &full_kl_backward);
-  m.impl("native_token_logprobs", &token_logprobs);
-  m.impl("native_token_logprobs_backward", &token_logprobs_backward);
-  m.impl("native_entropy", &entropy);
-  m.impl("native_entropy_backward", &entropy_backward);
+  m.impl("native_token_stats", &token_stats);
+  m.impl("native_token_stats_backward", &token_stats_backward);
 }
 
 }  // namespace klpenalty_native

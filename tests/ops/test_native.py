@@ -20,12 +20,18 @@ import torch
 import klpenalty
 from klpenalty.ops import autograd as ag
 from klpenalty.ops import native, streaming
-from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
+from klpenalty.ops.reference import (
+    full_kl_reference,
+    token_logprobs_reference,
+    token_stats_reference,
+)
 from tests.conftest import DTYPES, grad_tol, make_logits, tol
 from tests.ops.cases import (
     check_kl_and_grads,
     check_minus_inf_patterns,
     check_token_logprobs_and_grads,
+    check_token_stats,
+    ref_token_stats_grads,
 )
 
 NINF = float("-inf")
@@ -237,6 +243,15 @@ def test_check_errors_read_exactly_like_the_streaming_ones(leading):
         lambda b: b.token_logprobs(bad_x, torch.zeros(leading, dtype=torch.long), 1.0, check=True),
         lambda b: b.token_logprobs(x, tokens.int(), 1.0, check=True),
     ]
+    keep = torch.ones((*leading, 6), dtype=torch.bool)
+    keep[..., 0] = False
+    zeros = torch.zeros(leading, dtype=torch.long)  # token 0: outside the support everywhere
+    cases += [
+        lambda b: b.token_stats(x, y, zeros, None, keep, None, 1.0, want=15, check=True),
+        lambda b: b.token_stats(bad_x, None, None, None, None, None, 1.0, want=8, check=True),
+        lambda b: b.token_stats(x, bad_y, zeros, None, None, None, 1.0, want=4, check=True),
+        lambda b: b.token_stats(x, y, tokens, None, keep, None, 1.0, want=2, check=True),
+    ]
     for case in cases:
         assert _message(lambda: case(native)) == _message(lambda: case(streaming))
     # check=False: NaN in the result, no error; masked rows may hold anything
@@ -399,50 +414,34 @@ def test_cold_build_then_a_second_process_loads_from_the_cache(tmp_path, monkeyp
 ALL = ag.WANT_KL | ag.WANT_LOGP | ag.WANT_REF_LOGP | ag.WANT_ENTROPY
 
 
-def _stats_reference(x, y, tokens, mask, keep, tau, temperature, want):
-    """out (..., 4) in float64 from the reference functions on the truncated logits."""
-    from klpenalty.ops.reference import entropy_reference
-
-    xk = ag.kept_logits(x.detach().double(), keep, tau)
-    cols = [torch.zeros(x.shape[:-1], dtype=torch.float64) for _ in range(4)]
-    if want & ag.WANT_KL:
-        cols[ag.OUT_KL] = full_kl_reference(xk, y.detach(), temperature)
-    if want & ag.WANT_ENTROPY:
-        cols[ag.OUT_ENTROPY] = entropy_reference(xk, temperature)
-    if tokens is not None:
-        ignored, tok = tokens == -100, tokens.clamp_min(0)
-        if want & ag.WANT_LOGP:
-            lp = token_logprobs_reference(xk, tok, temperature)
-            cols[ag.OUT_LOGP] = lp.masked_fill(ignored, 0.0)
-        if want & ag.WANT_REF_LOGP:
-            rl = token_logprobs_reference(y.detach(), tok, temperature)
-            cols[ag.OUT_REF_LOGP] = rl.masked_fill(ignored, 0.0)
-    out = torch.stack(cols, -1)
-    return out if mask is None else torch.where(mask.unsqueeze(-1), out, 0.0)
-
-
 def _check_stats(x, y, tokens, mask, keep, tau, temperature, want, dtype, check=True):
     """native.token_stats against float64: values (wanted columns, 0 elsewhere), and the
-    gradients of a non-unit upstream gradient against the contract's formula in float64.
+    gradients of a non-unit upstream gradient, through the float64 reference.
     Returns (out, gx, gy)."""
     out = native.token_stats(
         x, y, tokens, mask, keep, tau, temperature, ignore_index=-100, want=want, check=check
     )
     assert out.shape == (*x.shape[:-1], 4)
     assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    want_out = _stats_reference(x, y, tokens, mask, keep, tau, temperature, want)
+    want_out = token_stats_reference(x, y, tokens, mask, keep, tau, temperature, -100, want)
     torch.testing.assert_close(out.double(), want_out, **tol(dtype))
     g = torch.linspace(-1.5, 2.0, out.numel()).reshape(out.shape)
     inputs = (x, y) if y is not None else (x,)
     grads = torch.autograd.grad(out, inputs, g)
-    wx, wy = ag._token_stats_grads_differentiable(
-        g.double(), x.detach().double(), None if y is None else y.detach().double(), tokens,
-        mask, keep, tau, temperature, -100, want,
-    )
-    torch.testing.assert_close(grads[0].double(), wx.double(), **grad_tol(dtype))
+    wx, wy = ref_token_stats_grads(x, y, tokens, mask, keep, tau, temperature, -100, want, g)
+    torch.testing.assert_close(grads[0].double(), wx, **grad_tol(dtype))
     if y is not None:
-        torch.testing.assert_close(grads[1].double(), wy.double(), **grad_tol(dtype))
+        torch.testing.assert_close(grads[1].double(), wy, **grad_tol(dtype))
     return out, *grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_token_stats_shared_grid(dtype):
+    def run(x, y, tokens, mask, keep, tau, temperature, want, **kw):
+        return native.token_stats(x, y, tokens, mask, keep, tau, temperature, want=want, **kw)
+
+    assert native.available()
+    check_token_stats(run, dtype)
 
 
 def _top_k(x, k):

@@ -44,6 +44,7 @@ __all__ = [
     "full_kl",
     "token_logprobs",
     "entropy",
+    "token_stats",
     "available",
     "status",
     "build_dir",
@@ -243,6 +244,9 @@ def token_stats(
     ignore_index: int = -100,
     want: int,
     check: bool = False,
+    chunk_rows: int | None = None,
+    vocab_chunk: int | None = None,
+    tile_elements: int = streaming.TILE_ELEMENTS,
 ) -> Tensor:
     """The one-pass per-token statistics with the native CPU kernel: out (..., 4).
 
@@ -251,12 +255,14 @@ def token_stats(
     tokens, mask, tau (...). π̃ is the policy on its support (``keep`` and/or ``x >= tau``; both
     None: π̃ = π). The contract of ``register_token_stats`` in :mod:`.autograd` (unchecked internal
     entry point on validated CPU tensors); falls back to the streaming backend, with one warning,
-    when the kernel is unavailable.
+    when the kernel is unavailable. ``chunk_rows``, ``vocab_chunk``, ``tile_elements``: the
+    streaming backend's tiles, used only by that fallback (the kernel walks its own L1 chunks).
     """
     if not available():
         return streaming.token_stats(
-            x, y, tokens, mask, keep, tau, temperature,
-            ignore_index=ignore_index, want=want, check=check,
+            x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
+            check=check, chunk_rows=chunk_rows, vocab_chunk=vocab_chunk,
+            tile_elements=tile_elements,
         )
     out, _ = torch.ops.klpenalty.native_token_stats(
         x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),

@@ -864,9 +864,10 @@ void check_tokens_in_support(const StatsArgs& a, const RowAccess& ra, const O* o
   if (bad == 0) return;
   TORCH_CHECK_VALUE(false, "sampled token ", ra.tp[first], " at position ",
                     py_tuple(unravel(first, a.leading)),
-                    " is outside the support of the policy (log-prob -inf under the truncated "
-                    "distribution); ", bad,
-                    " counted position(s) are: build the support with the sampler's settings");
+                    " is outside the support (log-prob -inf under the truncated policy; ", bad,
+                    " position(s) in all): the support must contain the token that was sampled; "
+                    "build it with the sampler's own top_k/top_p/min_p and temperature, or pass "
+                    "the sampler's kept set");
 }
 
 std::tuple<at::Tensor, at::Tensor> token_stats(
@@ -1163,6 +1164,14 @@ std::tuple<at::Tensor, at::Tensor> token_stats_backward(
           const T_in* xr = px + ra.rx.offset(r);
           const T_in* yr = py ? py + ra.ry.offset(r) : nullptr;
           const Support sup = ra.support(r);
+          // a token off the support (or at a −inf logit): log π̃(t) = −inf whatever the
+          // logits, no gradient from that column (check=False lets it through)
+          if (row.g_lp != 0.0 && sup.value(xr, t) == -kInf) row.g_lp = 0.0;
+          if (row.zero()) {
+            if (gxr) std::fill(gxr, gxr + V, T_in(0));
+            if (gyr) std::fill(gyr, gyr + V, T_in(0));
+            continue;
+          }
           if (!a.need_x_state) {  // the reference log-probs alone: ∂/∂y = (onehot − q)·g/T
             row.shx = 0.0, row.lsx = kInf;  // p = 0 everywhere
           }

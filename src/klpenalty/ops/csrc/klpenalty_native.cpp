@@ -959,6 +959,9 @@ struct GradRow {
   bool zero() const { return g_kl == 0 && g_lp == 0 && g_rl == 0 && g_h == 0; }
 };
 
+// g·v, 0 where g = 0 (a column without upstream gradient adds nothing, even if v = ±inf)
+inline double times(double g, double v) { return g == 0.0 ? 0.0 : g * v; }
+
 struct GradCoef {
   VF vsx, vsy, vc, vbx, vby, vckl, vch, vc0, vcy1, vcy2;
   float shx, shy, c, bx, by, ckl, ch, c0, cy1, cy2;
@@ -970,7 +973,7 @@ struct GradCoef {
     by = static_cast<float>(-g.lsy * kLog2e);
     ckl = static_cast<float>(g.g_kl / (T * T));
     ch = static_cast<float>(-g.g_h / (T * T));
-    c0 = static_cast<float>((g.g_h * g.mu - g.g_kl * g.md - g.g_lp) / T);
+    c0 = static_cast<float>((times(g.g_h, g.mu) - times(g.g_kl, g.md) - g.g_lp) / T);
     cy1 = static_cast<float>(g.g_kl / T);
     cy2 = static_cast<float>(-g.g_rl / T);
     vsx = VF(shx), vsy = VF(shy), vc = VF(c), vbx = VF(bx), vby = VF(by);
@@ -979,17 +982,16 @@ struct GradCoef {
 };
 
 // Elements [0, n) of the gradient rows, float32 vectors. kDy: y is read (the KL, or ∂/∂y);
-// kInner: the KL's or the entropy's d-dependent terms; kCareful: 0 where p = 0 (−inf logits,
-// off the support) and where ∂/∂y is NaN.
-template <bool kDy, bool kInner, bool kCareful, typename TX, typename TY, typename TO>
+// kKL, kH: the KL's and the entropy's d-dependent terms of ∂/∂x (each only where its upstream
+// gradient is nonzero: a KL of +inf gives no NaN to the other columns' gradients); kCareful:
+// 0 where p = 0 (−inf logits, off the support) and where ∂/∂y is NaN.
+template <bool kDy, bool kKL, bool kH, bool kCareful, typename TX, typename TY, typename TO>
 void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* gx, TO* gy) {
   const VF zero(0.0f);
   auto gx_of = [&](const VF& p, const VF& dx, const VF& dy) {
     VF inner = k.vc0;
-    if constexpr (kInner) {
-      inner = at::vec::fmadd(dx, k.vch, inner);
-      if constexpr (kDy) inner = at::vec::fmadd(dx - dy, k.vckl, inner);
-    }
+    if constexpr (kH) inner = at::vec::fmadd(dx, k.vch, inner);
+    if constexpr (kKL) inner = at::vec::fmadd(dx - dy, k.vckl, inner);
     VF v = p * inner;
     if constexpr (kCareful) v = VF::blendv(v, zero, p == zero);
     return v;
@@ -1025,7 +1027,8 @@ void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* 
     const float p = std::exp2(dx * k.c + k.bx);
     if (gx) {
       float inner = k.c0;
-      if (kInner) inner += dx * k.ch + (kDy ? (dx - dy) * k.ckl : 0.0f);
+      if (kH) inner += dx * k.ch;
+      if (kKL) inner += (dx - dy) * k.ckl;
       const float v = p * inner;
       gx[i] = static_cast<TO>((kCareful && p == 0.0f) ? 0.0f : v);
     }
@@ -1039,7 +1042,7 @@ void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* 
 
 // A whole gradient row in float32 vectors: chunk by chunk through the support buffer when
 // truncated (the careful arithmetic), else in one sweep.
-template <bool kDy, bool kInner, typename T>
+template <bool kDy, bool kKL, bool kH, typename T>
 void grad_row_vec(const T* xr, const T* yr, const Support& sup, const GradRow& g, double T_,
                   T* gx, T* gy, int64_t V) {
   const GradCoef k(g, T_);
@@ -1048,13 +1051,13 @@ void grad_row_vec(const T* xr, const T* yr, const Support& sup, const GradRow& g
     for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
       const int64_t n = std::min(kChunk, V - c0);
       load_support(xr + c0, sup.from(c0), n, buf);
-      grad_segment<kDy, kInner, true>(static_cast<const float*>(buf), kDy ? yr + c0 : yr, n, k,
+      grad_segment<kDy, kKL, kH, true>(static_cast<const float*>(buf), kDy ? yr + c0 : yr, n, k,
                                       gx ? gx + c0 : gx, gy ? gy + c0 : gy);
     }
   } else if (g.careful) {
-    grad_segment<kDy, kInner, true>(xr, yr, V, k, gx, gy);
+    grad_segment<kDy, kKL, kH, true>(xr, yr, V, k, gx, gy);
   } else {
-    grad_segment<kDy, kInner, false>(xr, yr, V, k, gx, gy);
+    grad_segment<kDy, kKL, kH, false>(xr, yr, V, k, gx, gy);
   }
 }
 
@@ -1093,7 +1096,9 @@ void grad_token(const T* xr, const T* yr, const Support& sup, const GradRow& g, 
     double inner = 0.0;
     if (g.g_kl != 0.0) inner += g.g_kl * ((dx - (static_cast<double>(yr[t]) - g.shy)) / T_ - g.md);
     if (g.g_h != 0.0) inner -= g.g_h * (dx / T_ - g.mu);
-    gx[t] = static_cast<T>((p == 0.0 ? 0.0 : p * inner / T_) - std::expm1(g.lpt) * g.g_lp / T_);
+    // a token off the support (or at a −inf logit; check=False): 0, as every entry there
+    const double own = xt == -kInf ? 0.0 : -std::expm1(g.lpt) * g.g_lp / T_;
+    gx[t] = static_cast<T>((p == 0.0 ? 0.0 : p * inner / T_) + own);
   }
   if (gy && g.g_rl != 0.0) {
     const double q = std::exp(g.lqt);
@@ -1164,30 +1169,24 @@ std::tuple<at::Tensor, at::Tensor> token_stats_backward(
           const T_in* xr = px + ra.rx.offset(r);
           const T_in* yr = py ? py + ra.ry.offset(r) : nullptr;
           const Support sup = ra.support(r);
-          // a token off the support (or at a −inf logit): log π̃(t) = −inf whatever the
-          // logits, no gradient from that column (check=False lets it through)
-          if (row.g_lp != 0.0 && sup.value(xr, t) == -kInf) row.g_lp = 0.0;
-          if (row.zero()) {
-            if (gxr) std::fill(gxr, gxr + V, T_in(0));
-            if (gyr) std::fill(gyr, gyr + V, T_in(0));
-            continue;
-          }
           if (!a.need_x_state) {  // the reference log-probs alone: ∂/∂y = (onehot − q)·g/T
             row.shx = 0.0, row.lsx = kInf;  // p = 0 everywhere
           }
           if constexpr (std::is_same_v<T_in, double>) {
             grad_row_scalar(xr, yr, sup, row, T, gxr, gyr, V);
           } else {
-            const bool dy = row.g_kl != 0.0 || gyr != nullptr;
-            const bool inner = row.g_kl != 0.0 || row.g_h != 0.0;
+            const bool kl = row.g_kl != 0.0, h = row.g_h != 0.0;
             if (!a.need_x_state) {  // x unread: walk y as both (p = 0 by lsx = inf)
-              grad_row_vec<true, false>(yr, yr, Support(), row, T, gxr, gyr, V);
-            } else if (dy) {
-              inner ? grad_row_vec<true, true>(xr, yr, sup, row, T, gxr, gyr, V)
-                    : grad_row_vec<true, false>(xr, yr, sup, row, T, gxr, gyr, V);
+              grad_row_vec<true, false, false>(yr, yr, Support(), row, T, gxr, gyr, V);
+            } else if (kl) {
+              h ? grad_row_vec<true, true, true>(xr, yr, sup, row, T, gxr, gyr, V)
+                : grad_row_vec<true, true, false>(xr, yr, sup, row, T, gxr, gyr, V);
+            } else if (gyr) {
+              h ? grad_row_vec<true, false, true>(xr, yr, sup, row, T, gxr, gyr, V)
+                : grad_row_vec<true, false, false>(xr, yr, sup, row, T, gxr, gyr, V);
             } else {
-              inner ? grad_row_vec<false, true>(xr, yr, sup, row, T, gxr, gyr, V)
-                    : grad_row_vec<false, false>(xr, yr, sup, row, T, gxr, gyr, V);
+              h ? grad_row_vec<false, false, true>(xr, yr, sup, row, T, gxr, gyr, V)
+                : grad_row_vec<false, false, false>(xr, yr, sup, row, T, gxr, gyr, V);
             }
           }
           if (t >= 0) grad_token(xr, yr, sup, row, T, t, gxr, gyr);

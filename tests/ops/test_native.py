@@ -369,7 +369,10 @@ def test_fallback_in_process_when_the_loader_fails(monkeypatch):
     with pytest.warns(RuntimeWarning, match="simulated build failure") as record:
         kl = native.full_kl(x, y, None, 1.0)
         lp = native.token_logprobs(x, torch.tensor([1, 2]), 1.0)
+        out = native.token_stats(x, y, torch.tensor([1, 2]), None, None, None, 1.0, want=15)
     assert len(record) == 1
+    want = streaming.token_stats(x, y, torch.tensor([1, 2]), None, None, None, 1.0, want=15)
+    assert torch.equal(out, want)
     assert torch.equal(kl, streaming.full_kl(x, y, None, 1.0))
     assert torch.equal(lp, streaming.token_logprobs(x, torch.tensor([1, 2]), 1.0))
     assert klpenalty.ops.dispatch.get_backend("auto", torch.device("cpu")) is streaming

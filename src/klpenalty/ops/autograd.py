@@ -122,7 +122,7 @@ def register_full_kl(fwd_op, bwd_op) -> None:
     """Fake implementations and autograd for a backend's full_kl op pair.
 
     ``fwd_op``/``bwd_op``: Python ``custom_op`` objects, or the ``OpOverload`` s of ops defined
-    in C++ with ``TORCH_LIBRARY`` (e.g. ``torch.ops.klpenalty.native_full_kl.default``).
+    in C++ with ``TORCH_LIBRARY`` (e.g. ``torch.ops.klpenalty.<name>.default``).
     """
 
     @torch.library.register_fake(fwd_op)

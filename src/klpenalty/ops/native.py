@@ -1,11 +1,14 @@
 """Native CPU backend: the engine's per-row state in one fused C++ pass per row.
 
-The kernel (``csrc/klpenalty_native.cpp``) computes the same per-row state, merge and finalize as
-:mod:`.engine` and returns the same outputs as the streaming ops, so :mod:`.autograd` gives its
-ops the shared fake implementations and autograd formula. It reads each row once (an L1-sized
-chunk at a time: its maxima, then the exps and sums), computes in float32 vectors
-(``at::vec::Vectorized``) with a polynomial exp2 (float64 inputs in double), reads bf16/fp16
-directly, and uses one ``at::parallel_for`` over rows per call.
+The kernel (``csrc/klpenalty_native.cpp``) is one op pair, ``klpenalty::native_token_stats``
+and its backward, with the token_stats contract of :mod:`.autograd` (which gives it the shared
+fake implementations and autograd formula): the KL, the token log-probs under both models and
+the entropy, of the policy truncated to a support or not, in one read of each row. It computes
+the same per-row state, merge and finalize as :mod:`.engine` (an L1-sized chunk at a time: its
+maxima, then the exps and sums) with one row walker specialised on what is wanted, in float32
+vectors (``at::vec::Vectorized``) with a polynomial exp2 (float64 inputs in double), reads
+bf16/fp16 directly, and uses one ``at::parallel_for`` over rows per call. :func:`full_kl`,
+:func:`token_logprobs` and :func:`entropy` are views of :func:`token_stats`.
 
 **Build.** At the first use in a process (never at ``pip install``), with
 ``torch.utils.cpp_extension.load`` and ninja, into ``<root>/<name>`` where ``<root>`` is torch's
@@ -18,8 +21,8 @@ e.g. on Arm), passed as explicit flags, never ``-march=native``. One line goes t
 compiling.
 
 **Fallback.** No compiler, no ninja, a failed build, an unsupported platform: :func:`available`
-is False, one ``RuntimeWarning`` says why and how to get the fast path, and :func:`full_kl`,
-:func:`token_logprobs` and :func:`entropy` run the streaming backend. ``klpenalty env`` shows the active path.
+is False, one ``RuntimeWarning`` says why and how to get the fast path, and :func:`token_stats`,
+:func:`full_kl`, :func:`token_logprobs` and :func:`entropy` run the streaming backend. ``klpenalty env`` shows the active path.
 """
 
 from __future__ import annotations

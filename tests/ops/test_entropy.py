@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import klpenalty
+from klpenalty.ops import autograd as ag
 from klpenalty.ops import dispatch, streaming
 from klpenalty.ops.reference import entropy_reference
 from tests.conftest import DTYPES, grad_tol, make_logits, tol
@@ -128,13 +129,20 @@ def test_large_offsets_keep_float32_accuracy(backend, offset, temperature):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stats_match_across_backends(backend):
-    """Every backend's op gives the streaming op's (..., 3) stats: shift, log s, E_π[u]."""
+    """Every backend's op gives the streaming op's (..., 3) stats: shift, log s, E_π[u] (the
+    native kernel's one token_stats op: its entropy column and those stats columns)."""
     x, _ = make_logits((5, 3000), torch.float32, seed=3)
     x[1, 7] = NINF
-    op = getattr(torch.ops.klpenalty, f"{backend}_entropy")
-    if backend == "native" and not klpenalty.ops.native.available():
-        pytest.skip("the native kernel is unavailable")
-    h, st = op(x, None, 0.9, False, 0, 0)
+    if backend == "native":
+        if not klpenalty.ops.native.available():
+            pytest.skip("the native kernel is unavailable")
+        out, st = torch.ops.klpenalty.native_token_stats(
+            x, None, None, None, None, None, 0.9, -100, ag.WANT_ENTROPY, False, 0, 0
+        )
+        h, st = out[:, ag.OUT_ENTROPY], st[:, [ag.ST_SHIFT_X, ag.ST_LOG_S_X, ag.ST_MEAN_U]]
+    else:
+        op = getattr(torch.ops.klpenalty, f"{backend}_entropy")
+        h, st = op(x, None, 0.9, False, 0, 0)
     h_s, st_s = torch.ops.klpenalty.streaming_entropy(x, None, 0.9, False, 0, 0)
     assert st.shape == (5, 3)
     torch.testing.assert_close(h, h_s, **tol(torch.float32))

@@ -386,7 +386,7 @@ def _dispatch(impl, x, y, tokens, mask, keep, tau, temperature, ignore_index, wa
         x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
         check=check,
     )
-    return tuple(
-        out[..., col] if want & bit else None
+    return tuple(  # (...) contiguous fields: callers may .view() them
+        out[..., col].contiguous() if want & bit else None
         for col, bit in enumerate((ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY))
     )

@@ -283,7 +283,7 @@ def full_kl(
     if not available():
         return streaming.full_kl(x, y, mask, temperature, check=check)
     out = token_stats(x, y, None, mask, None, None, temperature, want=ag.WANT_KL, check=check)
-    return out[..., ag.OUT_KL]
+    return out[..., ag.OUT_KL].contiguous()  # (...) contiguous: callers may .view() it
 
 
 def token_logprobs(
@@ -304,7 +304,7 @@ def token_logprobs(
         x, None, tokens, None, None, None, temperature,
         ignore_index=ignore_index, want=ag.WANT_LOGP, check=check,
     )
-    return out[..., ag.OUT_LOGP]
+    return out[..., ag.OUT_LOGP].contiguous()  # (...) contiguous: callers may .view() it
 
 
 def entropy(x: Tensor, mask: Tensor | None, temperature: float, *, check: bool = False) -> Tensor:
@@ -314,4 +314,4 @@ def entropy(x: Tensor, mask: Tensor | None, temperature: float, *, check: bool =
     if not available():
         return streaming.entropy(x, mask, temperature, check=check)
     out = token_stats(x, None, None, mask, None, None, temperature, want=ag.WANT_ENTROPY, check=check)
-    return out[..., ag.OUT_ENTROPY]
+    return out[..., ag.OUT_ENTROPY].contiguous()  # (...) contiguous: callers may .view() it

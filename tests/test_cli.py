@@ -42,7 +42,8 @@ def test_version_has_one_source():
 
 
 @pytest.mark.parametrize(
-    "argv", [["--help"], ["env", "--help"], ["bench", "--help"], ["demo", "--help"], ["report", "--help"]]
+    "argv",
+    [["--help"], ["env", "--help"], ["bench", "--help"], ["demo", "--help"], ["report", "--help"]],
 )
 def test_help_is_plain_text(argv, capsys):
     with pytest.raises(SystemExit) as info:

@@ -197,7 +197,9 @@ def test_matches_float64_reference_on_a_random_batch():
     for n in ("k1", "k2", "k3"):
         s = rep.estimators[n]
         torch.testing.assert_close(
-            torch.tensor([s.mean_per_token, s.bias_per_token, s.spread_per_token], dtype=torch.float64),
+            torch.tensor(
+                [s.mean_per_token, s.bias_per_token, s.spread_per_token], dtype=torch.float64
+            ),
             torch.stack([k[n].mean(), (k[n] - kl).mean(), (k[n] - kl).std(correction=0)]),
             **tol(torch.float32),
         )
@@ -261,8 +263,10 @@ def test_dict_is_plain_and_json_round_trips():
         "index": [1], "tokens": 2, "exact": pytest.approx(5 * L / 4), "k1": pytest.approx(2 * L),
         "k2": pytest.approx(L * L), "k3": pytest.approx(2 * L - 1),
     }
+    assert KLReport.from_dict(json.loads(json.dumps(d))) == rep
     inf = kl_report(_logits(PI["A"])[None], _logits((0.5, 0.5, 0.0))[None], torch.tensor([[2]]))
     assert json.loads(json.dumps(inf.to_dict()))["exact_total"] == INF
+    assert KLReport.from_dict(inf.to_dict()) == inf and "no mass at 1" in str(inf)
 
 
 def test_text_is_a_fixed_width_table():
@@ -284,11 +288,13 @@ def test_text_is_a_fixed_width_table():
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (dict(policy_logits=torch.zeros(3), ref_logits=torch.zeros(3)), ValueError, r"sequence dim T, got shape=\(3,\)"),
+        (dict(policy_logits=torch.zeros(3), ref_logits=torch.zeros(3)), ValueError,
+         r"sequence dim T, got shape=\(3,\)"),
         (dict(ref_logits=torch.zeros(2, 3, 4)), ValueError, "same shape"),
         (dict(policy_logits=torch.zeros(2, 3, 3, dtype=torch.long)), TypeError, "policy_logits"),
         (dict(tokens=torch.zeros(2, 3)), TypeError, "tokens must be an integer"),
-        (dict(tokens=torch.zeros(2, 4, dtype=torch.long)), ValueError, r"tokens must have shape \(2, 3\)"),
+        (dict(tokens=torch.zeros(2, 4, dtype=torch.long)), ValueError,
+         r"tokens must have shape \(2, 3\)"),
         (dict(tokens=[[0, 1, 2]]), TypeError, "tokens must be a torch.Tensor"),
         (dict(mask=torch.ones(2, 3)), TypeError, "mask must be a bool"),
         (dict(mask=torch.ones(2, 3, 1, dtype=torch.bool)), ValueError, "mask must have shape"),
@@ -311,14 +317,16 @@ def test_bad_values_at_counted_positions():
     x, y, tokens, mask = hand_case()
     bad = tokens.clone()
     bad[1, 2] = 3
-    with pytest.raises(ValueError, match=r"tokens must lie in \[0, 3\).*the first 3 at index \(1, 2\)"):
+    range_error = r"tokens must lie in \[0, 3\).*the first 3 at index \(1, 2\)"
+    with pytest.raises(ValueError, match=range_error):
         kl_report(x, y, bad, mask)
     bad[1, 2] = -100  # an ignore_index of token_logprobs is no exception here
     with pytest.raises(ValueError, match="the first -100 at index"):
         kl_report(x, y, bad, mask)
     zero = tokens.clone()
     zero[1, 0] = 2  # π_B(2) = 0: the policy cannot have sampled it
-    with pytest.raises(ValueError, match=r"probability 0 under the policy.*first 2 at index \(1, 0\)"):
+    zero_error = r"probability 0 under the policy.*first 2 at index \(1, 0\)"
+    with pytest.raises(ValueError, match=zero_error):
         kl_report(x, y, zero, mask)
     tokens[1, 1] = 0
     with pytest.raises(ValueError, match="policy_logits contains NaN"):

@@ -120,8 +120,9 @@ class TopPosition:
 
 @dataclass(frozen=True)
 class KLReport:
-    """What :func:`kl_report` found on one batch. ``to_dict()`` gives plain Python values,
-    ``str()`` a fixed-width table (``format(max_sequences=...)`` sets how many sequence rows).
+    """What :func:`kl_report` found on one batch. ``to_dict()`` gives plain Python values
+    (``from_dict`` reads them back), ``str()`` a fixed-width table (``format(max_sequences=...)``
+    sets how many sequence rows).
 
     Means of the exact KL and of the estimators use the same positions (sequences), so each
     bias is the estimator's mean minus the exact mean.
@@ -160,6 +161,31 @@ class KLReport:
         """Plain Python ints, floats (±inf where a KL is infinite), None, lists and dicts:
         ``json.dumps`` writes it (an infinity as ``Infinity``)."""
         return _plain(asdict(self))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "KLReport":
+        """The report back from :meth:`to_dict` (e.g. read from JSON), to print it again."""
+        top = tuple(
+            TopPosition(
+                **{**p, "index": tuple(p["index"]),
+                   "entries": tuple(VocabContribution(**e) for e in p["entries"])}
+            )
+            for p in d["top_positions"]
+        )
+        return cls(
+            **{
+                **d,
+                "shape": tuple(d["shape"]),
+                "estimators": {k: EstimatorSummary(**e) for k, e in d["estimators"].items()},
+                "sequences": tuple(
+                    SequenceKL(**{**s, "index": tuple(s["index"])}) for s in d["sequences"]
+                ),
+                "no_mass_first": tuple(
+                    TokenAt(tuple(t["index"]), t["token"]) for t in d["no_mass_first"]
+                ),
+                "top_positions": top,
+            }
+        )
 
     def format(self, max_sequences: int = 8) -> str:
         """The fixed-width table, with at most ``max_sequences`` per-sequence rows."""
@@ -369,10 +395,12 @@ def _summarise(
     def index(flat: int) -> tuple[int, ...]:
         return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), leading))
 
-    seq_index = [
-        tuple(int(i) for i in torch.unravel_index(torch.tensor(s), seq_shape)) if seq_shape else ()
-        for s in range(S)
-    ]
+    # per-sequence rows as Python lists at once (S may be thousands)
+    seq_index = list(zip(*(i.tolist() for i in torch.unravel_index(torch.arange(S), seq_shape))))
+    if not seq_shape:  # one (T, V) sequence
+        seq_index = [()]
+    seq_tokens = counted.sum(-1).tolist()
+    seq_values = {"exact": seq_kl.tolist(), **{n: k.tolist() for n, k in seq_est.items()}}
     flat_tokens = tokens.reshape(-1).cpu()
     no_mass = (counted & torch.isneginf(ref_lp)).reshape(-1)
     no_mass_at = no_mass.nonzero().flatten()[:NO_MASS_LISTED].tolist()
@@ -412,9 +440,8 @@ def _summarise(
         sequences=tuple(
             SequenceKL(
                 index=seq_index[s],
-                tokens=int(counted[s].sum()),
-                exact=float(seq_kl[s]),
-                **{name: float(seq_est[name][s]) for name in REPORT_ESTIMATORS},
+                tokens=seq_tokens[s],
+                **{name: values[s] for name, values in seq_values.items()},
             )
             for s in range(S)
         ),
@@ -489,7 +516,10 @@ def _plain(obj):
     return obj
 
 
-def _num(x: Optional[float], width: int = 10) -> str:
+W = 11  # the width of a number column: 4 significant digits take at most 10 (-1.234e-05)
+
+
+def _num(x: Optional[float], width: int = W) -> str:
     """A number right-aligned in ``width`` characters, 4 significant digits; '-' for None."""
     text = "-" if x is None else f"{x:.4g}"
     return f"{text:>{width}}"
@@ -511,18 +541,18 @@ def _format(r: KLReport, max_sequences: int) -> str:
     lines = [
         f"KL report: {n_seq} sequence(s) × {T} position(s), V = {r.vocab_size}, "
         f"temperature {r.temperature:g}",
-        f"counted positions: {r.counted}, finite: {r.finite}; sequences used: "
-        f"{r.sequences_used} (statistics over finite positions and all-finite sequences)",
+        f"positions: {r.counted} counted, {r.finite} finite; sequences: {r.sequences_used} "
+        "used (all counted positions finite)",
         "",
-        f"{'':<9}{'mean/tok':>10}{'bias/tok':>10}{'spread/tok':>11}"
-        f"{'mean/seq':>10}{'bias/seq':>10}{'spread/seq':>11}{'k < 0':>8}",
-        f"{'exact KL':<9}{_num(r.exact_per_token)}{'':>21}{_num(r.exact_per_sequence)}",
+        f"{'':<9}{'mean/tok':>{W}}{'bias/tok':>{W}}{'spread/tok':>{W}}"
+        f"{'mean/seq':>{W}}{'bias/seq':>{W}}{'spread/seq':>{W}}{'k < 0':>8}",
+        f"{'exact KL':<9}{_num(r.exact_per_token)}{'':>{2 * W}}{_num(r.exact_per_sequence)}",
     ]
     for name, s in r.estimators.items():
         lines.append(
             f"{name:<9}{_num(s.mean_per_token)}{_num(s.bias_per_token)}"
-            f"{_num(s.spread_per_token, 11)}{_num(s.mean_per_sequence)}"
-            f"{_num(s.bias_per_sequence)}{_num(s.spread_per_sequence, 11)}"
+            f"{_num(s.spread_per_token)}{_num(s.mean_per_sequence)}"
+            f"{_num(s.bias_per_sequence)}{_num(s.spread_per_sequence)}"
             f"{_pct(s.negative_share)}"
         )
     lines.append("")
@@ -541,7 +571,7 @@ def _format(r: KLReport, max_sequences: int) -> str:
             "",
             f"top {len(r.top_positions)} position(s) by KL: {_pct(r.top_share, 0)} of the "
             f"total {r.exact_total:.4g} nats",
-            f"  {'index':<14}{'token':>7}{'KL':>10}{'share':>8}{'log π(tok)':>12}"
+            f"  {'index':<14}{'token':>7}{'KL':>{W}}{'share':>8}{'log π(tok)':>12}"
             f"{'log ρ(tok)':>12}",
         ]
         for p in r.top_positions:
@@ -550,7 +580,7 @@ def _format(r: KLReport, max_sequences: int) -> str:
                 f"{_num(p.logprob, 12)}{_num(p.ref_logprob, 12)}"
             )
             lines.append(
-                f"  {'':<14}{'token':>7}{'π':>10}{'ρ':>10}{'π·log(π/ρ)':>12}{'of KL_t':>9}"
+                f"  {'':<14}{'token':>7}{'π':>{W}}{'ρ':>{W}}{'π·log(π/ρ)':>12}{'of KL_t':>9}"
             )
             for e in p.entries:
                 lines.append(
@@ -562,7 +592,7 @@ def _format(r: KLReport, max_sequences: int) -> str:
         lines += [
             "",
             f"sequences ({len(shown)} of {len(r.sequences)}): sums over counted positions",
-            f"  {'index':<14}{'tokens':>7}{'exact KL':>10}{'k1':>10}{'k2':>10}{'k3':>10}",
+            f"  {'index':<14}{'tokens':>7}{'exact KL':>{W}}{'k1':>{W}}{'k2':>{W}}{'k3':>{W}}",
         ]
         for s in shown:
             lines.append(

@@ -211,8 +211,8 @@ def kl_report(
     Runs under ``torch.no_grad()``. The exact per-position KL comes from :func:`full_kl`, the
     sampled tokens' log-probs from :func:`token_logprobs` and the estimates from
     :func:`sampled_kl` (computed in float64). Only the ``top`` positions with the largest KL
-    are read again, in float64, to split their KL into per-token terms: nothing of size
-    (N, V) is allocated.
+    are read again, in float64, to split their KL into the terms of its vocabulary entries:
+    nothing of size (N, V) is allocated.
 
     >>> import torch, klpenalty
     >>> half = torch.tensor([0.5, 0.25, 0.25]).log()
@@ -234,8 +234,9 @@ def kl_report(
         backend: as in :func:`full_kl`.
         check: raise ``ValueError`` for NaN logits or a token out of range at a counted
             position, and for a counted token the policy gives probability 0 (it cannot have
-            been sampled from it). ``check=False`` skips these value reads; such positions
-            then drop out of the statistics as non-finite.
+            been sampled from it). ``check=False`` skips these value reads: tokens must then
+            be in range (as with :func:`token_logprobs`), and a position whose token the policy
+            gives probability 0 drops out of the statistics as non-finite.
 
     Returns:
         A :class:`KLReport`.
@@ -252,7 +253,7 @@ def kl_report(
             "policy_logits must have shape (..., T, V) with a sequence dim T, "
             f"got {v.describe(policy_logits)}"
         )
-    *_, T, V = policy_logits.shape
+    V = policy_logits.shape[-1]
     leading = policy_logits.shape[:-1]  # (..., T)
     device = policy_logits.device
     v.check_tokens(tokens, leading)

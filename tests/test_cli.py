@@ -41,7 +41,10 @@ def test_version_has_one_source():
     assert re.fullmatch(r"\d+\.\d+\.\d+\S*", klpenalty.__version__)
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["env", "--help"], ["bench", "--help"], ["demo", "--help"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["env", "--help"], ["bench", "--help"], ["demo", "--help"], ["report", "--help"]],
+)
 def test_help_is_plain_text(argv, capsys):
     with pytest.raises(SystemExit) as info:
         main(argv)
@@ -51,3 +54,4 @@ def test_help_is_plain_text(argv, capsys):
     assert "``" not in out and ":func:" not in out and ":mod:" not in out
     if argv == ["--help"]:
         assert "env" in out and "bench" in out and "demo" in out and "--version" in out
+        assert "report" in out

@@ -13,6 +13,7 @@ from .functional import (
     token_stats,
 )
 from .modules import FullKL, KLPenalty
+from .report import KLReport, kl_report
 from .rlhf import *  # noqa: F403  (the names in klpenalty.rlhf.__all__)
 
 __version__ = "0.1.0"
@@ -30,6 +31,9 @@ __all__ = [
     # the same as nn.Modules
     "FullKL",
     "KLPenalty",
+    # the exact KL of a batch next to the sampled estimators (klpenalty.report)
+    "kl_report",
+    "KLReport",
     # the RLHF side (klpenalty.rlhf): sampled estimators, reward shaping, KL loss forms and
     # reward placements, KL coefficient controllers
     *rlhf.__all__,

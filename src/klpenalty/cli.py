@@ -1,4 +1,4 @@
-"""Command line: ``klpenalty env | bench | demo``."""
+"""Command line: ``klpenalty env | bench | demo | report``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ __all__ = ["main"]
 # --help shows plain text: the module docstring above is reStructuredText for the docs
 DESCRIPTION = (
     "klpenalty: the exact KL penalty for RLHF. Commands: env (versions and backends), "
-    "bench (time the exact KL), demo (RLHF on a tiny language model)."
+    "bench (time the exact KL), demo (RLHF on a tiny language model), report (the exact KL "
+    "of saved logits next to the sampled estimators)."
 )
 
 
@@ -81,6 +82,47 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args, argv=getattr(args, "argv", None))
 
 
+REPORT_KEYS = ("policy_logits", "ref_logits", "tokens")  # required; "mask" is optional
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json
+
+    import torch
+
+    from klpenalty.report import kl_report
+
+    def fail(message: str) -> SystemExit:
+        return SystemExit(f"klpenalty report: {args.file}: {message}")
+
+    try:
+        data = torch.load(args.file, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise fail("no such file") from None
+    except Exception as e:  # not a torch.save file, or one holding more than tensors
+        raise fail(f"cannot be read by torch.load(weights_only=True): {e}") from None
+    if not isinstance(data, dict):
+        raise fail(
+            f"must hold a dict with keys {list(REPORT_KEYS)} (and optionally 'mask'), "
+            f"got a {type(data).__name__}"
+        )
+    missing = [k for k in REPORT_KEYS if k not in data]
+    if missing:
+        raise fail(f"missing key(s) {missing}; the file has {sorted(map(str, data))}")
+    try:
+        report = kl_report(
+            data["policy_logits"], data["ref_logits"], data["tokens"], data.get("mask"),
+            temperature=args.temperature, top=args.top,
+        )
+    except (TypeError, ValueError) as e:  # names the key (the argument), shape and dtype
+        raise fail(str(e)) from None
+    if args.json:  # an infinite KL is written as Infinity, as Python's json does
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(report, end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="klpenalty", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -121,6 +163,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _demo_arguments(demo)
     demo.set_defaults(func=_demo)
+    rep = sub.add_parser(
+        "report",
+        help="the exact KL of saved logits next to the k1, k2, k3 estimates of their tokens",
+        description="Load FILE (torch.save of a dict with policy_logits (..., T, V), "
+        "ref_logits (..., T, V), tokens (..., T) and optionally a bool mask (..., T)) and print "
+        "klpenalty.kl_report: the exact KL per sequence next to the sampled estimators, their "
+        "bias and spread, reference no-mass positions, and the positions with the most KL.",
+    )
+    rep.add_argument("file", metavar="FILE.pt", help="the torch.save'd dict of tensors")
+    rep.add_argument("--top", type=int, default=5,
+                     help="positions with the most KL to list, and vocabulary entries each (5)")
+    rep.add_argument("--temperature", type=float, default=1.0,
+                     help="sampling temperature, divides both models' logits (1)")
+    rep.add_argument("--json", action="store_true", help="print the report as JSON")
+    rep.set_defaults(func=_report)
     return parser
 
 

@@ -62,6 +62,14 @@ def test_logged_metrics_are_consistent(short_runs):
             assert 0 <= s["grammatical"] <= 1 and 1 <= s["length"] <= 32
             assert s["kl"] >= 0
         assert len(run["samples"]) == 3
+        # the KL report of the final batch agrees with the logged exact KL and k1
+        rep, last = run["kl_report"], steps[-1]
+        assert rep["shape"][0] == 256 and rep["sequences_used"] == 256
+        assert rep["exact_per_sequence"] == pytest.approx(last["kl"], rel=1e-5, abs=1e-6)
+        assert rep["estimators"]["k1"]["mean_per_sequence"] == pytest.approx(
+            last["k1"], rel=1e-5, abs=1e-6
+        )
+        assert "k1" in run["kl_report_text"] and "top 3 position(s)" in run["kl_report_text"]
 
 
 def test_cli_demo_writes_report(tmp_path, capsys):
@@ -76,6 +84,9 @@ def test_cli_demo_writes_report(tmp_path, capsys):
     assert all(len(r["steps"]) == 3 for r in metrics["runs"])
     report = (out / "report.md").read_text()
     assert "| 0.3 |" in report and "distinct-2" in report
+    assert "## KL report (final evaluation batch)" in report and "**β=0.3**" in report
+    assert "Tokens: " in report  # the words of the token ids the report names
+    assert metrics["runs"][1]["kl_report"]["counted"] > 0
     assert (out / "demo.png").stat().st_size > 10_000
 
 

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["final_table", "write_report", "plot_demo", "plot_sweep"]
+__all__ = ["final_table", "kl_report_section", "write_report", "plot_demo", "plot_sweep"]
 
 COLUMNS = (
     ("proxy", "proxy", "{:.2f}"),
@@ -41,6 +41,27 @@ def final_table(runs: Sequence[dict]) -> str:
             label += f" → β={r['steps'][-1]['beta']:.3g}"
         rows.append(row(label, r["steps"][-1]))
     return "\n".join(rows)
+
+
+def kl_report_section(runs: Sequence[dict]) -> list[str]:
+    """Markdown lines: each run's ``klpenalty.kl_report`` of its final evaluation batch."""
+    lines = [
+        "## KL report (final evaluation batch)",
+        "",
+        "`klpenalty.kl_report(policy_logits, ref_logits, tokens, mask)` on the final samples: "
+        "the exact KL next to the k1, k2, k3 estimates of the sampled tokens (the reward uses "
+        "k1), each estimator's bias and spread against the exact KL, and the positions and "
+        "tokens that carry most of it.",
+        "",
+    ]
+    for r in runs:
+        if "kl_report_text" in r:
+            words = ", ".join(f"{i} `{w}`" for i, w in r.get("kl_report_words", {}).items())
+            lines += [f"**{r['config']['label']}**", "", "```", r["kl_report_text"].rstrip(),
+                      "```", ""]
+            if words:
+                lines += [f"Tokens: {words}.", ""]
+    return lines
 
 
 def _sqrt_kl(steps: Sequence[dict]) -> list[float]:
@@ -189,6 +210,7 @@ def write_report(
         lines += ["![sweep](sweep.png)", ""]
     if figure_note:
         lines += [figure_note, ""]
+    lines += kl_report_section(runs)
     lines += ["## Samples (final step)", ""]
     for r in runs:
         lines.append(f"**{r['config']['label']}**")

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from klpenalty import full_kl, token_logprobs
+from klpenalty import full_kl, kl_report, token_logprobs
 from klpenalty.rlhf import (
     AdaptiveKLController,
     FixedKLController,
@@ -41,9 +41,10 @@ from .model import sample
 from .pretrain import load_checkpoint
 from .text import distinct_n, score_text
 
-__all__ = ["RunConfig", "run_rlhf", "reward_to_go", "KL_MODES"]
+__all__ = ["RunConfig", "run_rlhf", "reward_to_go", "KL_MODES", "KL_REPORT_TOP"]
 
 KL_MODES = ("k1", "full")
+KL_REPORT_TOP = 3  # positions (and vocabulary entries each) the final KL report lists
 
 
 @dataclass
@@ -126,6 +127,14 @@ def _advantages(returns: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
     return (adv - mean) / scale * m, scale
 
 
+def _report_words(report, words: list[str]) -> dict[str, str]:
+    """The words of the token ids a KL report names (id as a string -> word), for its legend."""
+    ids = {t.token for t in report.no_mass_first}
+    for p in report.top_positions:
+        ids |= {p.token, *(e.token for e in p.entries)}
+    return {str(i): words[i] for i in sorted(ids)}
+
+
 def run_rlhf(
     cfg: RunConfig,
     ref_path: str | Path | None = None,
@@ -140,7 +149,9 @@ def run_rlhf(
 
     Returns:
         ``{"config", "steps": [metrics per step, step 0 = before any update], "samples":
-        [three texts of the final batch], "seconds"}``. Metrics (each step on ``batch`` fresh
+        [three texts of the final batch], "kl_report": kl_report(...).to_dict() of the final
+        batch, "kl_report_text": its table, "kl_report_words": the words of the token ids it
+        names, "seconds"}``. Metrics (each step on ``batch`` fresh
         samples, the last on ``final_batch``): proxy, gold, grammatical
         (fractions), kl (exact sequence KL in nats, mean over texts), k1 (its sampled
         estimate), ref_nll (reference NLL per generated token), length, finished (fraction that
@@ -203,6 +214,8 @@ def run_rlhf(
         if progress is not None:
             progress(step, metrics)
         if step == cfg.steps:
+            # the exact KL of the evaluation batch next to the k1/k2/k3 estimates of its tokens
+            report = kl_report(pol_logits, ref_logits, tgt, mask, top=KL_REPORT_TOP)
             break
 
         beta = controller.value
@@ -239,5 +252,8 @@ def run_rlhf(
         "config": asdict(cfg),
         "steps": log,
         "samples": [" ".join(t) for t in texts[:3]],
+        "kl_report": report.to_dict(),
+        "kl_report_text": report.format(max_sequences=0),
+        "kl_report_words": _report_words(report, vocab.itos),
         "seconds": time.perf_counter() - t0,
     }

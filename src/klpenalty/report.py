@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from . import _validation as v
-from .functional import TokenStats, full_kl, token_logprobs
+from .functional import TokenStats, token_stats
 from .rlhf.estimators import sampled_kl
 
 __all__ = [
@@ -295,20 +295,12 @@ def _token_stats(
     backend: str,
     check: bool,
 ) -> TokenStats:
-    """The per-position quantities the report reads, (..., T) each: the one place that calls
-    the library's kernels. ``tokens`` hold ``_IGNORE`` where ``mask`` is False."""
-    kl = full_kl(
-        policy_logits, ref_logits, mask=mask, temperature=temperature, backend=backend,
-        check=check,
+    """The per-position quantities the report reads, (..., T) each, from one pass over both
+    models' logits. ``tokens`` hold ``_IGNORE`` where ``mask`` is False."""
+    return token_stats(
+        policy_logits, ref_logits, tokens, mask=mask, temperature=temperature,
+        ignore_index=_IGNORE, backend=backend, check=check,
     )
-    logprobs, ref_logprobs = (
-        token_logprobs(
-            logits, tokens, temperature=temperature, ignore_index=_IGNORE, backend=backend,
-            check=check,
-        )
-        for logits in (policy_logits, ref_logits)
-    )
-    return TokenStats(kl=kl, logprobs=logprobs, ref_logprobs=ref_logprobs, entropy=None)
 
 
 def _first_index(bad: torch.Tensor) -> tuple[int, ...]:

@@ -136,20 +136,27 @@ def test_large_opposite_offsets_keep_float32_accuracy(offset_x, offset_y):
         torch.testing.assert_close(got.double(), want, **tol(torch.float32))
 
 
-def test_stats_match_the_streaming_op():
-    """The (..., 6) stats of the engine's finalize: shifts, log-sums and E_π[u − w]."""
+def test_stats_match_the_streaming_ops():
+    """The (..., 9) stats hold the engine's finalize: the KL's six columns, E_π[u], and the
+    token log-probs, as the streaming full_kl / entropy / token_logprobs ops compute them."""
     x, y = _on(*make_logits((5, 300), torch.float32, seed=3))
     x[1, 7] = NINF
     y[2, 9] = NINF  # KL = +inf: flagged in both
-    args = (None, 0.9, False, 0, 16)
-    kl_t, st_t = torch.ops.klpenalty.triton_full_kl(x, y, *args)
-    kl_s, st_s = torch.ops.klpenalty.streaming_full_kl(x, y, *args)
-    torch.testing.assert_close(kl_t, kl_s, **tol(torch.float32))
-    torch.testing.assert_close(st_t[:, :5], st_s[:, :5], atol=2e-6, rtol=1e-5)
-    assert st_t[2, 5].item() == 1.0 and st_t[0, 5].item() == 0.0
-    h_t, hs_t = torch.ops.klpenalty.triton_entropy(x, None, 0.9, False, 0, 0)
+    tokens = torch.tensor([0, 5, 299, 17, 100], device=DEVICE)
+    out, st = torch.ops.klpenalty.triton_token_stats(
+        x, y, tokens, None, None, None, 0.9, -100, 15, False, 0, 16
+    )
+    kl_s, st_s = torch.ops.klpenalty.streaming_full_kl(x, y, None, 0.9, False, 0, 0)
+    torch.testing.assert_close(out[:, 0], kl_s, **tol(torch.float32))
+    torch.testing.assert_close(st[:, :5], st_s[:, :5], atol=2e-6, rtol=1e-5)
+    assert st[2, 5].item() == 1.0 and st[0, 5].item() == 0.0
     h_s, hs_s = torch.ops.klpenalty.streaming_entropy(x, None, 0.9, False, 0, 0)
-    torch.testing.assert_close(hs_t, hs_s, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out[:, 3], h_s, **tol(torch.float32))
+    torch.testing.assert_close(st[:, 6], hs_s[:, 2], atol=2e-6, rtol=1e-5)
+    for col, logits in ((1, x), (2, y)):
+        lp_s, _ = torch.ops.klpenalty.streaming_token_logprobs(logits, tokens, 0.9, -100, False, 0, 0)
+        torch.testing.assert_close(out[:, col], lp_s, **tol(torch.float32))
+        torch.testing.assert_close(st[:, 6 + col], lp_s, **tol(torch.float32))
 
 
 def test_non_contiguous_inputs_give_the_contiguous_results():
@@ -394,26 +401,55 @@ def test_split_heuristic():
 
 
 # --------------------------------------------------------------------------- GPU compilation
+# The specialisations the library launches: the three views, the PPO/GRPO call with and without
+# the entropy, each support form, and the reference's log-prob alone (kl, logp, ref_logp, entropy).
+_LOWERED = [
+    # (flags, keep, tau, need_x, need_y)
+    ((True, False, False, False), False, False, True, True),  # full_kl, both gradients
+    ((False, True, False, False), False, False, True, False),  # token_logprobs
+    ((False, False, False, True), False, False, True, False),  # entropy
+    ((True, True, True, True), False, False, True, True),  # every statistic, no support
+    ((True, True, True, True), True, False, True, False),  # support by keep mask
+    ((True, True, True, False), False, True, True, True),  # support by threshold
+    ((True, True, False, True), True, True, True, False),  # both support forms
+    ((False, False, True, False), False, False, False, True),  # log ρ(token) alone
+]
+
+
 @pytest.mark.slow
 def test_kernels_compile_for_a_cuda_target():
-    """The kernels lower to PTX for sm_90 (no GPU needed): what the interpreter cannot catch."""
+    """Both kernels lower to PTX for sm_90 (no GPU needed), in every constexpr specialisation the
+    library launches (tk.forward_constexprs / backward_constexprs): what the interpreter cannot
+    catch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    specs = [
+        (tk.forward_constexprs(flags, keep, tau), tk.backward_constexprs(flags, nx, ny, keep, tau))
+        for flags, keep, tau, nx, ny in _LOWERED
+    ]
+    for name in ("X_STATE", "Y_STATE", "MOMENT_A", "MOMENT_B", "HAS_KEEP", "HAS_TAU"):
+        assert {f[name] for f, _ in specs} == {True, False}, name
+    for name in ("KL", "LOGP", "REF_LOGP", "ENTROPY", "NEED_X", "NEED_Y", "NEED_P", "NEED_Q",
+                 "HAS_TOKEN"):
+        assert {b[name] for _, b in specs} == {True, False}, name
     code = f"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from klpenalty.ops import _triton_jit as k
 t = GPUTarget("cuda", 90, 32)
-kl = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "out_ptr": "*fp32", "stride_x": "i64", "stride_y": "i64",
-      "V": "i32", "cols": "i32", "n_splits": "i32", "inv_t": "fp32", "c2": "fp32", "BLOCK": "constexpr"}}
-g = {{"x_ptr": "*bf16", "y_ptr": "*bf16", "gx_ptr": "*bf16", "gy_ptr": "*bf16", "stats_ptr": "*fp32",
-     "g_ptr": "*fp32", "tok_ptr": "*i64", "at_tok_ptr": "*fp32", "stride_x": "i64", "stride_y": "i64",
-     "V": "i32", "inv_t": "fp32", "c2": "fp32", "KIND": "constexpr", "NEED_X": "constexpr",
-     "NEED_Y": "constexpr", "BLOCK": "constexpr"}}
-for fn, s, c in [(k.kl_state_kernel, kl, {{"BLOCK": 4096}}),
-                 (k.grad_kernel, g, {{"KIND": 0, "NEED_X": True, "NEED_Y": True, "BLOCK": 1024}})]:
-    assert ".entry" in triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=t).asm["ptx"]
-print("OK")
+fwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32", "out_ptr": "*fp32",
+       "stride_x": "i64", "stride_y": "i64", "stride_keep": "i64", "V": "i32", "cols": "i32",
+       "n_splits": "i32", "inv_t": "fp32", "c2": "fp32"}}
+bwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32", "gx_ptr": "*bf16",
+       "gy_ptr": "*fp32", "stats_ptr": "*fp32", "g_ptr": "*fp32", "tok_ptr": "*i64",
+       "at_tok_ptr": "*fp32", "stride_x": "i64", "stride_y": "i64", "stride_keep": "i64",
+       "V": "i32", "inv_t": "fp32", "c2": "fp32"}}
+for f, b in {specs!r}:
+    for fn, sig, c in [(k.stats_kernel, fwd, {{**f, "BLOCK": 4096}}),
+                       (k.grad_kernel, bwd, {{**b, "BLOCK": 1024}})]:
+        s = {{**sig, **{{name: "constexpr" for name in c}}}}
+        assert ".entry" in triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=t).asm["ptx"]
+print("OK", len({specs!r}))
 """
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

@@ -68,6 +68,8 @@ __all__ = [
     "interpreted",
     "check_device",
     "split_columns",
+    "forward_constexprs",
+    "backward_constexprs",
     "MAX_BLOCK",
     "INSTALL_HINT",
 ]
@@ -215,6 +217,28 @@ def _support_args(x: Tensor, keep: Tensor | None, tau: Tensor | None, n: int):
     return keepf, (keepf.stride(0) if keepf is not None else 0), tauf
 
 
+def forward_constexprs(flags, has_keep: bool, has_tau: bool) -> dict[str, bool]:
+    """The ``tl.constexpr`` flags of :func:`._triton_jit.stats_kernel` for the wanted outputs
+    ``flags`` = (kl, logp, ref_logp, entropy) (from :func:`_flags`) and the support."""
+    kl, logp, ref_logp, ent = flags
+    return dict(
+        X_STATE=kl or logp or ent, Y_STATE=kl or ref_logp, MOMENT_A=kl, MOMENT_B=ent,
+        HAS_KEEP=has_keep, HAS_TAU=has_tau,
+    )
+
+
+def backward_constexprs(flags, need_x: bool, need_y: bool, has_keep: bool, has_tau: bool) -> dict[str, bool]:
+    """The ``tl.constexpr`` flags of :func:`._triton_jit.grad_kernel` (as
+    :func:`forward_constexprs`; ``need_x``/``need_y``: the gradients written)."""
+    kl, logp, ref_logp, ent = flags
+    return dict(
+        KL=kl, LOGP=logp, REF_LOGP=ref_logp, ENTROPY=ent, NEED_X=need_x, NEED_Y=need_y,
+        NEED_P=(need_x and (kl or logp or ent)) or (need_y and kl),
+        NEED_Q=need_y or (need_x and kl), HAS_TOKEN=logp or ref_logp,
+        HAS_KEEP=has_keep, HAS_TAU=has_tau,
+    )
+
+
 def _merged_state(parts: Tensor, temperature: float) -> tuple[KLState, Tensor]:
     """Merge the (N, splits, 6) partial states (m_x, s_x, m_y, s_y, a, b) of a row's splits:
     the engine's rescale to the common maxima, then a sum. Returns (KLState, b) of (N,) tensors."""
@@ -244,8 +268,7 @@ def _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature: float, 
             parts if tauf is None else tauf, parts,
             xf.stride(0), 0 if yf is None else yf.stride(0), stride_keep,
             vocab, cols, splits, inv_t, inv_t * 1.4426950408889634,
-            X_STATE=kl or logp or ent, Y_STATE=kl or ref_logp, MOMENT_A=kl, MOMENT_B=ent,
-            HAS_KEEP=keepf is not None, HAS_TAU=tauf is not None,
+            **forward_constexprs(flags, keepf is not None, tauf is not None),
             BLOCK=block, num_warps=_warps(block),
         )
     return _merged_state(parts, temperature)
@@ -416,10 +439,9 @@ def _token_stats_backward_op(
             st, g.contiguous(), st if tok is None else tok, at_tok.contiguous(),
             xf.stride(0), 0 if yf is None else yf.stride(0), stride_keep,
             vocab, inv_t, inv_t * 1.4426950408889634,
-            KL=kl, LOGP=logp, REF_LOGP=ref_logp, ENTROPY=ent, NEED_X=need_x, NEED_Y=need_y,
-            NEED_P=(need_x and (kl or logp or ent)) or (need_y and kl),
-            NEED_Q=need_y or (need_x and kl), HAS_TOKEN=logp or ref_logp,
-            HAS_KEEP=keepf is not None, HAS_TAU=tauf is not None,
+            **backward_constexprs(
+                (kl, logp, ref_logp, ent), need_x, need_y, keepf is not None, tauf is not None
+            ),
             BLOCK=block, num_warps=_warps(block),
         )
     return (

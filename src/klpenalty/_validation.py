@@ -25,6 +25,7 @@ __all__ = [
     "check_ignore_index",
     "check_token_range",
     "check_temperature",
+    "check_want",
     "check_beta",
     "check_choice",
     "compute_dtype",
@@ -188,6 +189,21 @@ def check_temperature(temperature: object) -> float:
     if not math.isfinite(t) or t <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {t}")
     return t
+
+
+def check_want(want: object, has_ref: bool, has_tokens: bool) -> int:
+    """The ``want`` bits of a token_stats op (KL 1, log-prob 2, ref log-prob 4, entropy 8):
+    at least one, and the inputs each needs (the KL and the ref log-prob a reference, the
+    log-probs tokens)."""
+    if isinstance(want, bool) or not isinstance(want, Integral) or not 0 < int(want) < 16:
+        raise ValueError(f"want must be an int in [1, 15] (bits KL=1, LOGP=2, REF_LOGP=4, "
+                         f"ENTROPY=8), got {want!r}")
+    want = int(want)
+    if want & 5 and not has_ref:
+        raise ValueError(f"want={want} asks for the KL or the reference log-prob without ref_logits")
+    if want & 6 and not has_tokens:
+        raise ValueError(f"want={want} asks for token log-probs without tokens")
+    return want
 
 
 def check_beta(beta: object, name: str = "beta") -> float:

@@ -261,7 +261,8 @@ def _token_stats_grads_differentiable(
 
     With p = π̃, q = ρ (log-probs lp, lq), KL, H and onehot(t):
     ∂/∂x = p·[g_kl·((lp − lq) − KL) − g_lp − g_h·(lp + H)]/T + onehot·g_lp/T,
-    ∂/∂y = [g_kl·(q − p) + g_rl·(onehot − q)]/T.
+    ∂/∂y = [g_kl·(q − p) + g_rl·(onehot − q)]/T; 0 off the support, also at a sampled token
+    off the support (``check=False``: its log π̃(t) = −inf does not move with the logits).
     """
     dtype = compute_dtype(x) if y is None else compute_dtype(x, y)
     g = masked_grad(grad, None if mask is None else mask.unsqueeze(-1), dtype)  # (..., 4)
@@ -284,6 +285,9 @@ def _token_stats_grads_differentiable(
         tok, ignored = safe_tokens(tokens, ignore_index)
         onehot = onehot.scatter(-1, tok.unsqueeze(-1), 1.0)
         g_lp, g_rl = g_lp.masked_fill(ignored, 0.0), g_rl.masked_fill(ignored, 0.0)
+        # a token off the support has log π̃(t) = −inf whatever the logits: no gradient
+        off = torch.isneginf(xs.detach().gather(-1, tok.unsqueeze(-1)).squeeze(-1))
+        g_lp = g_lp.masked_fill(off, 0.0)
     inner = -g_lp.unsqueeze(-1) - g_h.unsqueeze(-1) * (lp0 + (-(p * lp0).sum(-1, keepdim=True)))
     grad_y = None
     if ys is not None:

@@ -4,7 +4,10 @@ A backend is a module with three functions on (..., V) tensors, already validate
 
 - ``full_kl(x, y, mask, temperature, *, check) -> (...)``;
 - ``token_logprobs(x, tokens, temperature, *, ignore_index, check) -> (...)``;
-- ``entropy(x, mask, temperature, *, check) -> (...)``.
+- ``entropy(x, mask, temperature, *, check) -> (...)``;
+- ``token_stats(x, y, tokens, mask, keep, tau, temperature, *, ignore_index, want, check, ...)
+  -> (..., 4)``: the one-pass KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃) (the op contract of
+  :mod:`.autograd`).
 
 All return float32 (float64 for float64 inputs), are differentiable (twice), and are built
 on the per-row state of :mod:`.engine` through ``torch.library`` custom ops.

@@ -48,6 +48,20 @@ b = Σ e^u·u (0·log 0 = 0: entries with e^u = 0 add nothing), merged like ``a`
 (b ← α·(b + δ·s)); finalize H = log s − b/s, clamped at 0, NaN where the row has no
 distribution. Stats (N, 3): shift, log s, E_π[u] = b/s; ∂H/∂x = −π·(u − E_π[u])/T.
 
+**Token-stats state** (:class:`StatsState`, for the one-pass ``token_stats`` op): the policy's
+(m_x, s_x), with b = Σ e^u·u when the entropy is wanted, and the reference's (m_y, s_y), with
+a = Σ e^u·(u − w) when the KL is wanted: one read of a tile gives all of them
+(:func:`stats_partial`; :func:`kl_partial`, :func:`entropy_partial` and :func:`lse_partial` are
+its special cases), merged and finalized with the KL and entropy rules above
+(:func:`stats_merge`, :func:`stats_finalize`). Its gradient tile (:func:`stats_grad_tile`)
+writes ∂/∂x and ∂/∂y of Σ g·(KL, log π(t), log ρ(t), H) in one pass::
+
+    T²·∂/∂x = π·[g_kl·T·((u − w) − E_π[u − w]) − g_h·T·(u − E_π[u]) − T·g_lp]   (+ token term)
+    T·∂/∂y  = (g_kl − g_rl)·ρ − g_kl·π                                           (+ token term)
+
+the token terms (g_lp·(1 − π_t)/T and g_rl·(1 − ρ_t)/T, exact through −expm1 of the
+log-probs) being the caller's, on (N,) values.
+
 Numerics: math in float32 for float16/bfloat16/float32 inputs, float64 for float64 inputs
 (:func:`klpenalty._validation.compute_dtype`).
 """
@@ -59,6 +73,19 @@ from typing import NamedTuple
 
 import torch
 
+from .autograd import (
+    ST_LOG_S_X,
+    ST_LOG_S_Y,
+    ST_LOGP,
+    ST_MEAN_D,
+    ST_MEAN_U,
+    ST_REF_LOGP,
+    ST_SHIFT_X,
+    ST_SHIFT_Y,
+    STATS_COLS,
+    WANT_ENTROPY,
+    WANT_KL,
+)
 
 __all__ = [
     "KLState",
@@ -81,6 +108,13 @@ __all__ = [
     "entropy_merge",
     "entropy_finalize",
     "entropy_grad_tile",
+    "StatsState",
+    "stats_partial",
+    "stats_rescale",
+    "stats_merge",
+    "stats_finalize",
+    "stats_grad_tile",
+    "stats_token_grads",
 ]
 
 _LOG2E = math.log2(math.e)
@@ -114,6 +148,20 @@ class EntropyState(NamedTuple):
     m: torch.Tensor  # max logit (logit units)
     s: torch.Tensor  # Σ e^u, u = (x − m)/T
     b: torch.Tensor  # Σ e^u·u, with 0·log 0 = 0
+
+
+class StatsState(NamedTuple):
+    """Per-row state of the one-pass token statistics over a vocabulary slice.
+
+    Each field (N,) in the compute dtype, or None where the call does not need it.
+    """
+
+    m_x: torch.Tensor  # max policy logit (on the support), logit units
+    s_x: torch.Tensor  # Σ e^u
+    b: torch.Tensor | None  # Σ e^u·u (0·log 0 = 0): the entropy's moment, or None
+    m_y: torch.Tensor | None  # max reference logit, or None without a reference
+    s_y: torch.Tensor | None  # Σ e^w
+    a: torch.Tensor | None  # Σ e^u·(u − w): the KL's moment, or None
 
 
 def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
@@ -180,17 +228,8 @@ def kl_partial(
         (state, flags): the tile's :class:`KLState` and (r,) bool flags of the rows that
         needed the careful arithmetic (None if no row did).
     """
-    r, c = x.shape
-    m_x = x.amax(-1).to(ws.dtype)  # (r,)
-    m_y = y.amax(-1).to(ws.dtype)  # (r,)
-    d = _shifted(ws.get("d", r, c), x, finite_or_zero(m_x))  # x − m_x, then (x − m_x) − (y − m_y)
-    w = _shifted(ws.get("w", r, c), y, finite_or_zero(m_y))  # y − m_y
-    e = _exp_tempered(ws.get("e", r, c), d, temperature)  # e^u
-    s_x = e.sum(-1)
-    d.sub_(w)
-    s_y = _exp_tempered(w, w, temperature).sum(-1)  # e^w (in place)
-    a, flags = _moment_sum(d, e, temperature, careful)  # Σ e^u·(u − w)
-    return KLState(m_x, s_x, m_y, s_y, a), flags
+    st, flags = stats_partial(x, y, temperature, ws, careful, kl=True, entropy=False)
+    return KLState(st.m_x, st.s_x, st.m_y, st.s_y, st.a), flags
 
 
 def _moment_sum(
@@ -333,10 +372,8 @@ def kl_grad_tile(
 # ------------------------------------------------------------------------------------ LSE
 def lse_partial(x: torch.Tensor, temperature: float, ws: Workspace) -> LSEState:
     """Log-sum-exp state of one (r, c) tile of raw logits."""
-    r, c = x.shape
-    m = x.amax(-1).to(ws.dtype)  # (r,)
-    d = _shifted(ws.get("d", r, c), x, finite_or_zero(m))
-    return LSEState(m, _exp_tempered(d, d, temperature).sum(-1))
+    st, _ = stats_partial(x, None, temperature, ws, None, kl=False, entropy=False)
+    return LSEState(st.m_x, st.s_x)
 
 
 def lse_rescale(state: LSEState, m: torch.Tensor, temperature: float) -> LSEState:
@@ -372,12 +409,8 @@ def entropy_partial(
     x: torch.Tensor, temperature: float, ws: Workspace, careful: bool | None
 ) -> EntropyState:
     """Entropy state of one (r, c) tile of raw logits; ``careful`` as in :func:`kl_partial`."""
-    r, c = x.shape
-    m = x.amax(-1).to(ws.dtype)  # (r,)
-    d = _shifted(ws.get("d", r, c), x, finite_or_zero(m))  # T·u
-    e = _exp_tempered(ws.get("e", r, c), d, temperature)  # e^u
-    b, _ = _moment_sum(d, e, temperature, careful)  # Σ e^u·u
-    return EntropyState(m, e.sum(-1), b)
+    st, _ = stats_partial(x, None, temperature, ws, careful, kl=False, entropy=True)
+    return EntropyState(st.m_x, st.s_x, st.b)
 
 
 def entropy_rescale(state: EntropyState, m: torch.Tensor, temperature: float) -> EntropyState:
@@ -434,3 +467,217 @@ def entropy_grad_tile(
         careful = not bool(torch.isfinite(gx).all())
     if careful:
         gx.masked_fill_(p == 0, 0.0).masked_fill_((g == 0).unsqueeze(-1), 0.0)
+
+
+# ------------------------------------------------------------------------------ token stats
+def stats_partial(
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    temperature: float,
+    ws: Workspace,
+    careful: bool | None,
+    *,
+    kl: bool,
+    entropy: bool,
+) -> tuple[StatsState, torch.Tensor | None]:
+    """:class:`StatsState` of one (r, c) tile of raw logits, from one read of the tile.
+
+    Args:
+        x: (r, c) policy logits (−inf off the support).  y: (r, c) reference logits or None.
+        temperature: > 0.
+        ws: workspace of the compute dtype, at least r·c elements.
+        careful: as in :func:`kl_partial`.
+        kl: compute a = Σ e^u·(u − w) (needs ``y``).  entropy: compute b = Σ e^u·u.
+
+    Returns:
+        (state, flags): fields not asked for are None; flags (r,) bool marks the rows that
+        needed the 0·log 0 arithmetic in either moment (None if none did).
+    """
+    r, c = x.shape
+    m_x = x.amax(-1).to(ws.dtype)  # (r,)
+    d = _shifted(ws.get("d", r, c), x, finite_or_zero(m_x))  # T·u
+    e = _exp_tempered(ws.get("e", r, c), d, temperature)  # e^u
+    s_x = e.sum(-1)
+    b = flags = None
+    if entropy:  # Σ e^u·u overwrites its first argument: a copy of d when the KL needs d
+        b, flags = _moment_sum(ws.get("h", r, c).copy_(d) if kl else d, e, temperature, careful)
+    if y is None:
+        return StatsState(m_x, s_x, b, None, None, None), flags
+    m_y = y.amax(-1).to(ws.dtype)  # (r,)
+    w = _shifted(ws.get("w", r, c), y, finite_or_zero(m_y))  # T·w
+    if kl:
+        d.sub_(w)  # T·(u − w)
+    s_y = _exp_tempered(w, w, temperature).sum(-1)  # e^w (in place)
+    a = None
+    if kl:
+        a, kl_flags = _moment_sum(d, e, temperature, careful)  # Σ e^u·(u − w)
+        if kl_flags is not None:
+            flags = kl_flags if flags is None else flags | kl_flags
+    return StatsState(m_x, s_x, b, m_y, s_y, a), flags
+
+
+def stats_rescale(
+    state: StatsState, m_x: torch.Tensor, m_y: torch.Tensor | None, temperature: float
+) -> StatsState:
+    """The same state against the (larger or equal) maxima ``m_x``, ``m_y`` (N,): the KL's,
+    the entropy's and the log-sum-exp's rescale on the fields present."""
+    s_x, b = lse_rescale(LSEState(state.m_x, state.s_x), m_x, temperature).s, None
+    if state.b is not None:
+        b = entropy_rescale(EntropyState(state.m_x, state.s_x, state.b), m_x, temperature).b
+    if state.m_y is None:
+        return StatsState(m_x, s_x, b, None, None, None)
+    s_y, a = lse_rescale(LSEState(state.m_y, state.s_y), m_y, temperature).s, None
+    if state.a is not None:
+        kl = KLState(state.m_x, state.s_x, state.m_y, state.s_y, state.a)
+        a = kl_rescale(kl, m_x, m_y, temperature).a
+    return StatsState(m_x, s_x, b, m_y, s_y, a)
+
+
+def stats_merge(s0: StatsState, s1: StatsState, temperature: float) -> StatsState:
+    """Merge the token-stats states of two disjoint vocabulary slices of the same rows."""
+    m_x = torch.maximum(s0.m_x, s1.m_x)
+    m_y = None if s0.m_y is None else torch.maximum(s0.m_y, s1.m_y)
+    r0 = stats_rescale(s0, m_x, m_y, temperature)
+    r1 = stats_rescale(s1, m_x, m_y, temperature)
+    return StatsState(*(None if f0 is None else f0 + f1 for f0, f1 in zip(r0, r1)))._replace(
+        m_x=m_x, m_y=m_y
+    )
+
+
+def stats_finalize(
+    state: StatsState, careful: torch.Tensor | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(KL (N,) or None, H (N,) or None, stats (N, 9)) from the merged state of whole rows.
+
+    The stats columns are those of ``ops/autograd.py`` (``ST_*``): the KL's six
+    (:func:`kl_finalize`; without the KL the shifts and log-sums alone, the careful flag for
+    rows without a distribution or with ``careful``), E_π[u] (:func:`entropy_finalize`) when
+    the entropy is wanted; the token log-probs (columns 7, 8) are the caller's; 0 elsewhere.
+    """
+    stats = state.s_x.new_zeros(state.s_x.shape[0], STATS_COLS)
+    kl = h = None
+    if state.a is not None:
+        kl, stats[:, :6] = kl_finalize(
+            KLState(state.m_x, state.s_x, state.m_y, state.s_y, state.a), careful
+        )
+    else:
+        flag = torch.zeros_like(state.s_x, dtype=torch.bool) if careful is None else careful
+        for m, s, shift_col, log_col in (
+            (state.m_x, state.s_x, ST_SHIFT_X, ST_LOG_S_X),
+            (state.m_y, state.s_y, ST_SHIFT_Y, ST_LOG_S_Y),
+        ):
+            if m is not None:
+                stats[:, shift_col] = finite_or_zero(m)
+                stats[:, log_col] = finite_or_zero(torch.log(s))
+                flag = flag | ~((s > 0) & torch.isfinite(s))
+        stats[:, 5] = flag.to(stats.dtype)
+    if state.b is not None:
+        h, ent = entropy_finalize(EntropyState(state.m_x, state.s_x, state.b))
+        stats[:, ST_MEAN_U] = ent[:, 2]
+    return kl, h, stats
+
+
+def stats_grad_tile(
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    stats: torch.Tensor,
+    g: torch.Tensor,
+    temperature: float,
+    want: int,
+    ws: Workspace,
+    gx: torch.Tensor | None,
+    gy: torch.Tensor | None,
+    careful: bool | None,
+) -> None:
+    """Write the gradient tiles of Σ_rows g·(KL, log π(t), log ρ(t), H), the token terms aside.
+
+    Args:
+        x: (r, c) policy logits, −inf off the support.  y: (r, c) reference logits or None.
+        stats: (r, 9) from :func:`stats_finalize`.
+        g: (r, 4) upstream gradient in the compute dtype, 0 where a column gets no gradient
+            (masked rows, ignored tokens, columns not in ``want``).
+        want: the ``WANT_*`` bits: the KL and entropy terms are computed only when wanted.
+        gx, gy: (r, c) outputs in the inputs' dtypes, or None when not needed (``gy`` needs y).
+        careful: True = zero the entries where π = 0 (−inf logits, off the support), the
+            rows with g = 0 (masked rows may hold garbage) and the KL term of rows with
+            g_kl = 0 (a row with KL = +inf); None = only if the tile came out non-finite (a
+            host read: free on CPU).
+
+    gx ← π·[g_kl·((u − w) − E_π[u − w]) − g_h·(u − E_π[u]) − g_lp]/T,
+    gy ← [(g_kl − g_rl)·ρ − g_kl·π]/T (the token's own terms: :func:`stats_token_grads`).
+    """
+    r, c = x.shape
+    t = temperature
+    g_kl, g_lp, g_rl, g_h = (col.unsqueeze(-1) for col in g.unbind(-1))  # (r, 1) each
+    d = _shifted(ws.get("d", r, c), x, stats[:, ST_SHIFT_X])  # T·u
+    p = _exp_tempered(ws.get("e", r, c), d, t, stats[:, ST_LOG_S_X])  # π
+    w = None if y is None else _shifted(ws.get("w", r, c), y, stats[:, ST_SHIFT_Y])  # T·w
+    zero_rows = None
+    if gx is not None:
+        acc = ws.get("acc", r, c)
+        const = -t * g_lp  # (r, 1): the row constant of T·[...]
+        if w is not None and want & WANT_KL:  # g_kl·T·((u − w) − E_π[u − w])
+            torch.sub(d, w, out=acc).sub_(stats[:, ST_MEAN_D : ST_MEAN_D + 1] * t).mul_(g_kl)
+            if careful is not False:  # a row with KL = +inf and g_kl = 0: no NaN from 0·inf
+                acc.masked_fill_(g_kl == 0, 0.0)
+        else:
+            acc.zero_()
+        if want & WANT_ENTROPY:  # − g_h·T·(u − E_π[u])
+            acc.addcmul_(d, -g_h)
+            const = const + t * g_h * stats[:, ST_MEAN_U : ST_MEAN_U + 1]
+        acc.add_(const).mul_(p).mul_(1.0 / (t * t))
+        if careful or (careful is None and not bool(torch.isfinite(acc).all())):
+            zero_rows = (g == 0).all(-1, keepdim=True)
+            acc.masked_fill_(p == 0, 0.0).masked_fill_(zero_rows, 0.0)
+        gx.copy_(acc)
+    if gy is not None:
+        q = _exp_tempered(w, w, t, stats[:, ST_LOG_S_Y])  # ρ, in place
+        q.mul_(g_kl - g_rl).addcmul_(p, -g_kl).mul_(1.0 / t)
+        if careful or (careful is None and not bool(torch.isfinite(q).all())):
+            zero_rows = (g == 0).all(-1, keepdim=True) if zero_rows is None else zero_rows
+            q.nan_to_num_(nan=0.0).masked_fill_(zero_rows, 0.0)
+        gy.copy_(q)
+
+
+def stats_token_grads(
+    x_t: torch.Tensor,
+    y_t: torch.Tensor | None,
+    stats: torch.Tensor,
+    g: torch.Tensor,
+    temperature: float,
+    want: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradient entries at the sampled token (N,), which replace the tile's there.
+
+    Args:
+        x_t: (N,) policy logit at the token in the compute dtype (−inf off the support).
+        y_t: (N,) reference logit at the token, or None.
+        stats: (N, 9) with the log-probs of the token (columns 7, 8).
+        g: (N, 4) as in :func:`stats_grad_tile`.
+
+    Returns:
+        (∂/∂x_t, ∂/∂y_t or None): π_t·[g_kl·((u_t − w_t) − E_π[u − w]) − g_h·(u_t − E_π[u])]/T
+        + g_lp·(1 − π_t)/T and [g_kl·(ρ_t − π_t) + g_rl·(1 − ρ_t)]/T, with 1 − π_t =
+        −expm1(log π_t) exact for π_t → 1; 0 for a token off the support (x_t = −inf).
+    """
+    t = temperature
+    g_kl, g_lp, g_rl, g_h = g.unbind(-1)
+    lp = stats[:, ST_LOGP]
+    p_t = torch.exp(lp)
+    u_t = (x_t - stats[:, ST_SHIFT_X]) / t
+    inner = torch.zeros_like(u_t)
+    if y_t is not None and want & WANT_KL:
+        w_t = (y_t - stats[:, ST_SHIFT_Y]) / t
+        inner = torch.where(g_kl == 0, 0.0, g_kl * ((u_t - w_t) - stats[:, ST_MEAN_D]))
+    if want & WANT_ENTROPY:
+        inner = inner - torch.where(g_h == 0, 0.0, g_h * (u_t - stats[:, ST_MEAN_U]))
+    on_token = torch.where(p_t > 0, p_t * inner, torch.zeros_like(inner))
+    # no gradient into a log-prob of −inf: a token off the support (or of logit −inf) is not
+    # moved by the logits (they decide the support only through the fixed tau/keep)
+    g_lp = torch.where(torch.isneginf(x_t), 0.0, g_lp)
+    gx_t = (on_token - torch.expm1(lp) * g_lp) / t
+    gy_t = None
+    if y_t is not None:
+        lq = stats[:, ST_REF_LOGP]
+        gy_t = (g_kl * (torch.exp(lq) - p_t) - g_rl * torch.expm1(lq)) / t
+    return gx_t, gy_t

@@ -43,6 +43,7 @@ __all__ = [
     "full_kl",
     "token_logprobs",
     "entropy",
+    "token_stats",
     "available",
     "status",
     "build_dir",
@@ -275,3 +276,30 @@ def entropy(x: Tensor, mask: Tensor | None, temperature: float, *, check: bool =
         return streaming.entropy(x, mask, temperature, check=check)
     h, _ = torch.ops.klpenalty.native_entropy(x, mask, float(temperature), bool(check), 0, 0)
     return h
+
+
+def token_stats(
+    x: Tensor,
+    y: Tensor | None,
+    tokens: Tensor | None,
+    mask: Tensor | None,
+    keep: Tensor | None,
+    tau: Tensor | None,
+    temperature: float,
+    *,
+    ignore_index: int = -100,
+    want: int,
+    check: bool = False,
+    chunk_rows: int | None = None,
+    vocab_chunk: int | None = None,
+    tile_elements: int = streaming.TILE_ELEMENTS,
+) -> Tensor:
+    """The one-pass token statistics out (..., 4) (the contract of :func:`.streaming.token_stats`).
+
+    For now this runs the streaming op; the native CPU kernel implement the same op contract
+    (``ops/autograd.py``) and replace this body.
+    """
+    return streaming.token_stats(
+        x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
+        check=check, chunk_rows=chunk_rows, vocab_chunk=vocab_chunk, tile_elements=tile_elements,
+    )

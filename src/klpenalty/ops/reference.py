@@ -14,6 +14,7 @@ __all__ = [
     "entropy_reference",
     "kl_penalized_reward_reference",
     "sampled_kl_reference",
+    "token_stats_reference",
 ]
 
 
@@ -92,3 +93,46 @@ def sampled_kl_reference(
     if estimator == "abs":
         return logr.abs()
     raise ValueError(f"unknown estimator {estimator!r}")
+
+
+def token_stats_reference(
+    x: torch.Tensor,
+    y: torch.Tensor | None,
+    tokens: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    tau: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    want: int,
+) -> torch.Tensor:
+    """The token_stats op's out (..., 4) in float64: KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃).
+
+    π̃ is softmax(x/T) on the support (``ops.autograd.kept_logits``: keep and x ≥ tau, compared
+    in tau's dtype), ρ = softmax(y/T). Columns not in ``want`` (bits KL 1, LOGP 2, REF_LOGP 4,
+    ENTROPY 8), masked positions (``mask`` False) and the log-prob columns at ignored tokens
+    are 0. Masked rows are replaced by zeros before any arithmetic, so float64 autograd
+    through this function gives exact zeros there.
+    """
+    from .autograd import kept_logits, safe_tokens  # the contract's support rule, one copy
+
+    xs = kept_logits(x.double(), keep, tau)
+    ys = None if y is None else y.double()
+    if mask is not None:  # masked rows may hold garbage: keep it out of the values and autograd
+        rows = mask.unsqueeze(-1)
+        xs = torch.where(rows, xs, 0.0)
+        ys = None if ys is None else torch.where(rows, ys, 0.0)
+    zero = torch.zeros(x.shape[:-1], dtype=torch.float64, device=x.device)
+    cols = [zero] * 4
+    if want & 1:
+        cols[0] = full_kl_reference(xs, ys, temperature)
+    if want & 8:
+        cols[3] = entropy_reference(xs, temperature)
+    if want & 6:
+        tok, ignored = safe_tokens(tokens, ignore_index)
+        if want & 2:
+            cols[1] = torch.where(ignored, 0.0, token_logprobs_reference(xs, tok, temperature))
+        if want & 4:
+            cols[2] = torch.where(ignored, 0.0, token_logprobs_reference(ys, tok, temperature))
+    out = torch.stack(cols, dim=-1)
+    return out if mask is None else torch.where(mask.unsqueeze(-1), out, 0.0)

@@ -10,9 +10,10 @@ On CPU the tile loop runs on one intra-op thread (see :func:`_cpu_threads`); on 
 makes no host synchronisation (the careful 0·log 0 arithmetic always runs there).
 
 The public entry points are the custom ops ``torch.ops.klpenalty.streaming_full_kl``,
-``torch.ops.klpenalty.streaming_token_logprobs`` and ``torch.ops.klpenalty.streaming_entropy``
-(with fake implementations and autograd from :mod:`.autograd`), wrapped by :func:`full_kl`,
-:func:`token_logprobs` and :func:`entropy` on (..., V) tensors.
+``torch.ops.klpenalty.streaming_token_logprobs``, ``torch.ops.klpenalty.streaming_entropy`` and
+the one-pass ``torch.ops.klpenalty.streaming_token_stats`` (with fake implementations and
+autograd from :mod:`.autograd`), wrapped by :func:`full_kl`, :func:`token_logprobs`,
+:func:`entropy` and :func:`token_stats` on (..., V) tensors.
 """
 
 from __future__ import annotations
@@ -43,12 +44,21 @@ from .engine import (
     lse_grad_tile,
     lse_merge,
     lse_partial,
+    StatsState,
+    stats_finalize,
+    stats_grad_tile,
+    stats_merge,
+    stats_partial,
+    stats_token_grads,
 )
 
 __all__ = [
     "full_kl",
     "token_logprobs",
     "entropy",
+    "token_stats",
+    "token_stats_state",
+    "token_stats_upstream",
     "tile_shape",
     "kl_state",
     "lse_state",
@@ -425,9 +435,309 @@ def _entropy_backward_op(
     return gx.view(x.shape)
 
 
+# ------------------------------------------------------------------------------ token stats
+def support_tile(
+    xt: Tensor, keep_t: Tensor | None, tau_t: Tensor | None, ws: Workspace
+) -> Tensor:
+    """The (r, c) tile ``xt`` with −inf off the support, in ``ws.dtype`` (``xt`` itself when
+    there is no support): kept(v) = keep[v] and x_v ≥ tau, compared in tau's dtype, exactly
+    as :func:`.autograd.kept_logits` does on the whole tensor. Never an (N, V) copy."""
+    if keep_t is None and tau_t is None:
+        return xt
+    r, c = xt.shape
+    xk = ws.get("xk", r, c).copy_(xt)
+    if tau_t is not None:
+        cmp = xk if tau_t.dtype == xk.dtype else xt.to(tau_t.dtype)
+        xk.masked_fill_(torch.ge(cmp, tau_t.unsqueeze(-1)).logical_not_(), float("-inf"))
+    if keep_t is not None:
+        xk.masked_fill_(keep_t.logical_not(), float("-inf"))
+    return xk
+
+
+def _support_rows(keep: Tensor | None, tau: Tensor | None, xf: Tensor):
+    """keep as (N, V) rows and tau as (N,), or None."""
+    return (
+        None if keep is None else keep.reshape(xf.shape),
+        None if tau is None else tau.reshape(-1),
+    )
+
+
+def _slice(t: Tensor | None, r0: int, r1: int, c0: int | None = None, c1: int | None = None):
+    if t is None:
+        return None
+    return t[r0:r1] if c0 is None else t[r0:r1, c0:c1]
+
+
+def token_stats_state(
+    xf: Tensor,
+    yf: Tensor | None,
+    keep: Tensor | None,
+    tau: Tensor | None,
+    temperature: float,
+    dtype: torch.dtype,
+    rows: int,
+    cols: int,
+    *,
+    kl: bool,
+    entropy: bool,
+) -> tuple[StatsState, Tensor | None]:
+    """Per-row :class:`.engine.StatsState` of (N, V) logits over the support, and (N,) careful
+    flags (or None): one read of every tile of ``xf`` (and ``yf``) for all the sums.
+
+    ``keep`` (N, V) bool or None, ``tau`` (N,) or None: the support, applied per tile.
+    """
+    n, c = xf.shape
+    careful_mode = None if _host_checks(xf.device) else True
+    ws = Workspace(rows, cols, dtype, xf.device)
+    if n == 0:
+        return stats_partial(
+            support_tile(xf, keep, tau, ws), yf, temperature, ws, careful_mode,
+            kl=kl, entropy=entropy,
+        )
+    out = flags = None
+    for r0, r1, col_ranges in _tiles(n, c, rows, cols):
+        state = None
+        for c0, c1 in col_ranges:
+            xt = support_tile(xf[r0:r1, c0:c1], _slice(keep, r0, r1, c0, c1), _slice(tau, r0, r1), ws)
+            part, bad = stats_partial(
+                xt, _slice(yf, r0, r1, c0, c1), temperature, ws, careful_mode,
+                kl=kl, entropy=entropy,
+            )
+            state = part if state is None else stats_merge(state, part, temperature)
+            if bad is not None:
+                if flags is None:
+                    flags = torch.zeros(n, dtype=torch.bool, device=xf.device)
+                flags[r0:r1] |= bad
+        if out is None:
+            out = StatsState(
+                *(None if f is None else torch.empty(n, dtype=dtype, device=xf.device) for f in state)
+            )
+        for dst, src in zip(out, state):
+            if dst is not None:
+                dst[r0:r1] = src
+    return out, flags
+
+
+def _token_logits(
+    xf: Tensor, tok: Tensor, keep: Tensor | None, tau: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    """(N,) policy logit at each token in ``dtype``, −inf where the token is off the support."""
+    x_t = xf.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    kept = None
+    if tau is not None:
+        kept = x_t.to(tau.dtype) >= tau
+    if keep is not None:
+        at = keep.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        kept = at if kept is None else kept & at
+    x_t = x_t.to(dtype)
+    return x_t if kept is None else x_t.masked_fill(~kept, float("-inf"))
+
+
+def _token_logp(logit_t: Tensor, m: Tensor, s: Tensor, temperature: float) -> Tensor:
+    """log-prob (N,) of the token: (x_t − m)/T − log s, NaN for a row without mass (s = 0)."""
+    out = (logit_t - finite_or_zero(m)) / temperature - torch.log(s)
+    return out.masked_fill(s == 0, float("nan"))
+
+
+def token_stats_upstream(
+    grad: Tensor,
+    mask: Tensor | None,
+    tokens: Tensor | None,
+    ignore_index: int,
+    want: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    """The upstream gradient (..., 4) as (N, 4) in ``dtype``: 0 in the columns not in ``want``,
+    on masked rows, and in the two log-prob columns at ignored tokens."""
+    g = grad.reshape(-1, 4).to(dtype)
+    cols = torch.tensor(
+        [bool(want & bit) for bit in (ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY)],
+        device=g.device,
+    )
+    g = g.masked_fill(~cols, 0.0)
+    if mask is not None:
+        g = g.masked_fill(~mask.reshape(-1, 1), 0.0)
+    if tokens is not None:
+        ignored = (tokens.reshape(-1) == ignore_index).unsqueeze(-1)
+        g = g.masked_fill(ignored & torch.tensor([False, True, True, False], device=g.device), 0.0)
+    return g
+
+
+def outside_support_error(bad: Tensor, tokens: Tensor) -> ValueError:
+    """The error for sampled tokens off the support; ``bad`` (...) bool like ``tokens``."""
+    flat = bad.reshape(-1).nonzero()
+    first = tuple(int(i) for i in torch.unravel_index(flat[0, 0], bad.shape)) if bad.dim() else ()
+    return ValueError(
+        f"sampled token {int(tokens[first])} at position {first} is outside the support "
+        f"(log-prob -inf under the truncated policy; {flat.shape[0]} position(s) in all): the "
+        "support must contain the token that was sampled; build it with the sampler's own "
+        "top_k/top_p/min_p and temperature, or pass the sampler's kept set"
+    )
+
+
+def _check_token_stats(
+    out: Tensor,
+    x: Tensor,
+    y: Tensor | None,
+    tokens: Tensor | None,
+    range_bad: Tensor | None,
+    outside: Tensor | None,
+    want: int,
+    ignore_index: int,
+) -> None:
+    """The checks of ``check=True`` with one host read: token range, NaN in a counted row's
+    wanted outputs, sampled tokens off the support (in this order)."""
+    wanted = [c for c, bit in enumerate(_WANT_BITS) if want & bit]
+    nan_rows = out[:, wanted].isnan().any(-1)  # (N,); masked rows hold 0
+    flags = [nan_rows.any()]
+    flags += [t.any() for t in (range_bad, outside) if t is not None]
+    found = torch.stack(flags).tolist()  # the one host read
+    if range_bad is not None and found[1]:
+        v.check_token_range(tokens, x.shape[-1], ignore_index)
+    if found[0]:
+        named = {"logits": x} if y is None else {"policy_logits": x, "ref_logits": y}
+        v.raise_if_nan(torch.where(nan_rows, float("nan"), 0.0), named)
+    if outside is not None and found[-1]:
+        raise outside_support_error(outside.reshape(tokens.shape), tokens)
+
+
+_WANT_BITS = (ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY)
+
+
+@torch.library.custom_op("klpenalty::streaming_token_stats", mutates_args=())
+def _token_stats_op(
+    x: Tensor,
+    y: Optional[Tensor],
+    tokens: Optional[Tensor],
+    mask: Optional[Tensor],
+    keep: Optional[Tensor],
+    tau: Optional[Tensor],
+    temperature: float,
+    ignore_index: int,
+    want: int,
+    check: bool,
+    tile_rows: int,
+    tile_cols: int,
+) -> tuple[Tensor, Tensor]:
+    """(..., V) logits → out (..., 4): KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃), and stats (..., 9).
+
+    The op contract of ``ops/autograd.py`` (docs/design.md): one read of each logit for all the
+    wanted outputs; the support (``keep``, ``tau``) applied per tile.
+    """
+    v.check_want(want, y is not None, tokens is not None)
+    leading, vocab = x.shape[:-1], x.shape[-1]
+    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
+    n = xf.shape[0]
+    dtype = compute_dtype(x) if y is None else compute_dtype(x, y)
+    use_y = y is not None and bool(want & (ag.WANT_KL | ag.WANT_REF_LOGP))
+    yf = y.reshape(xf.shape) if use_y else None  # (N, V)
+    keepf, tauf = _support_rows(keep, tau, xf)
+    with _cpu_threads(x.device):
+        state, careful = token_stats_state(
+            xf, yf, keepf, tauf, temperature, dtype, rows, cols,
+            kl=bool(want & ag.WANT_KL), entropy=bool(want & ag.WANT_ENTROPY),
+        )
+        kl, h, stats = stats_finalize(state, careful)
+    out = stats.new_zeros(n, 4)
+    if kl is not None:
+        out[:, ag.OUT_KL] = kl
+    if h is not None:
+        out[:, ag.OUT_ENTROPY] = h
+    range_bad = outside = None
+    if tokens is not None and want & (ag.WANT_LOGP | ag.WANT_REF_LOGP):
+        tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)  # (N,)
+        if check:  # gather safely; the range error is raised below, with the other checks
+            range_bad = (tok < 0) | (tok >= vocab)
+            tok = tok.masked_fill(range_bad, 0)
+        lp = _token_logp(_token_logits(xf, tok, keepf, tauf, dtype), state.m_x, state.s_x, temperature)
+        stats[:, ag.ST_LOGP] = lp.masked_fill(ignored, 0.0)
+        if want & ag.WANT_LOGP:
+            out[:, ag.OUT_LOGP] = stats[:, ag.ST_LOGP]
+        if want & ag.WANT_REF_LOGP:
+            y_t = yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(dtype)
+            lq = _token_logp(y_t, state.m_y, state.s_y, temperature).masked_fill(ignored, 0.0)
+            stats[:, ag.ST_REF_LOGP] = lq
+            out[:, ag.OUT_REF_LOGP] = lq
+    if mask is not None:
+        out.masked_fill_(~mask.reshape(-1, 1), 0.0)
+    if check:
+        if (keep is not None or tau is not None) and tokens is not None and want & ag.WANT_LOGP:
+            outside = torch.isneginf(out[:, ag.OUT_LOGP])  # counted, non-ignored, off the support
+        _check_token_stats(out, x, y, tokens, range_bad, outside, want, ignore_index)
+    return out.reshape(*leading, 4), stats.reshape(*leading, ag.STATS_COLS)
+
+
+@torch.library.custom_op("klpenalty::streaming_token_stats_backward", mutates_args=())
+def _token_stats_backward_op(
+    grad: Tensor,
+    x: Tensor,
+    y: Optional[Tensor],
+    tokens: Optional[Tensor],
+    stats: Tensor,
+    mask: Optional[Tensor],
+    keep: Optional[Tensor],
+    tau: Optional[Tensor],
+    temperature: float,
+    ignore_index: int,
+    want: int,
+    need_x: bool,
+    need_y: bool,
+    tile_rows: int,
+    tile_cols: int,
+) -> tuple[Tensor, Tensor]:
+    """Gradients (..., V) of Σ grad·out w.r.t. x and y (empty when not needed), written once per
+    tile for all the wanted outputs; the sampled tokens' entries exact (see the engine)."""
+    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
+    n, vocab = xf.shape
+    st = stats.reshape(-1, ag.STATS_COLS)  # (N, 9)
+    dtype = st.dtype
+    need_y = need_y and y is not None
+    use_y = y is not None and bool(want & (ag.WANT_KL | ag.WANT_REF_LOGP))
+    yf = y.reshape(xf.shape) if use_y else None  # (N, V)
+    keepf, tauf = _support_rows(keep, tau, xf)
+    g = token_stats_upstream(grad, mask, tokens, ignore_index, want, dtype)  # (N, 4)
+    gx = torch.empty_like(xf, memory_format=torch.contiguous_format) if need_x else None
+    gy = None
+    if need_y:
+        gy = torch.empty_like(yf) if use_y else torch.zeros_like(y.reshape(xf.shape))
+        gy = gy.contiguous()
+    if n and (need_x or (need_y and use_y)):
+        ws = Workspace(rows, cols, dtype, x.device)
+        careful = None if _host_checks(x.device) else True
+        with _cpu_threads(x.device):
+            for r0, r1, col_ranges in _tiles(n, vocab, rows, cols):
+                for c0, c1 in col_ranges:
+                    xt = support_tile(
+                        xf[r0:r1, c0:c1], _slice(keepf, r0, r1, c0, c1), _slice(tauf, r0, r1), ws
+                    )
+                    stats_grad_tile(
+                        xt, _slice(yf, r0, r1, c0, c1), st[r0:r1], g[r0:r1], temperature, want,
+                        ws, _slice(gx, r0, r1, c0, c1),
+                        _slice(gy if use_y else None, r0, r1, c0, c1), careful,
+                    )
+    fix_x = need_x and bool(want & ag.WANT_LOGP)
+    fix_y = need_y and use_y and bool(want & ag.WANT_REF_LOGP)
+    if tokens is not None and n and (fix_x or fix_y):  # the sampled tokens' own entries
+        tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)
+        update = ~ignored if mask is None else ~ignored & mask.reshape(-1)
+        x_t = _token_logits(xf, tok, keepf, tauf, dtype)
+        y_t = None if yf is None else yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(dtype)
+        gx_t, gy_t = stats_token_grads(x_t, y_t, st, g, temperature, want)
+        for out, new, fix in ((gx, gx_t, fix_x), (gy, gy_t, fix_y)):
+            if fix:
+                old = out.gather(-1, tok.unsqueeze(-1))
+                new = torch.where(update.unsqueeze(-1), new.unsqueeze(-1).to(out.dtype), old)
+                out.scatter_(-1, tok.unsqueeze(-1), new)
+    return (
+        gx.view(x.shape) if need_x else x.new_empty(0),
+        gy.view(y.shape) if need_y else x.new_empty(0),
+    )
+
+
 ag.register_full_kl(_full_kl_op, _full_kl_backward_op)
 ag.register_token_logprobs(_token_logprobs_op, _token_logprobs_backward_op)
 ag.register_entropy(_entropy_op, _entropy_backward_op)
+ag.register_token_stats(_token_stats_op, _token_stats_backward_op)
 
 
 # ------------------------------------------------------------------------------ entry points
@@ -518,6 +828,49 @@ def entropy(
     rows, cols = _tile_args(x, tile_elements, chunk_rows, vocab_chunk)
     h, _ = _entropy_op(x, mask, float(temperature), bool(check), rows, cols)
     return h
+
+
+def token_stats(
+    x: Tensor,
+    y: Tensor | None,
+    tokens: Tensor | None,
+    mask: Tensor | None,
+    keep: Tensor | None,
+    tau: Tensor | None,
+    temperature: float,
+    *,
+    ignore_index: int = -100,
+    want: int,
+    check: bool = False,
+    chunk_rows: int | None = None,
+    vocab_chunk: int | None = None,
+    tile_elements: int = TILE_ELEMENTS,
+) -> Tensor:
+    """The one-pass per-token statistics, streamed over cache-sized tiles (unchecked inputs).
+
+    Args:
+        x: (..., V) float policy logits.  y: (..., V) reference logits or None.
+        tokens: (...) int64 ids in [0, V) or ``ignore_index``, or None.
+        mask: (...) bool or None; False positions give 0 and zero gradients.
+        keep: (..., V) bool support of the policy (True = kept) or None.
+        tau: (...) in the compute dtype, kept iff x_v ≥ tau, or None.
+        temperature: > 0.
+        ignore_index: tokens equal to it give 0 (and zero gradient) in the log-prob columns.
+        want: ``WANT_*`` bits of ``ops/autograd.py`` (KL and the ref log-prob need ``y``, the
+            log-probs need ``tokens``).
+        check: the token range, NaN and outside-the-support checks (one host read).
+        chunk_rows, vocab_chunk, tile_elements: as in :func:`full_kl`.
+
+    Returns:
+        (..., 4) float32 (float64 for float64 inputs): KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃),
+        0 in the columns not wanted; differentiable w.r.t. x and y (also twice).
+    """
+    rows, cols = _tile_args(x, tile_elements, chunk_rows, vocab_chunk)
+    out, _ = _token_stats_op(
+        x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
+        bool(check), rows, cols,
+    )
+    return out
 
 
 def _tile_args(x: Tensor, tile_elements: int, chunk_rows, vocab_chunk) -> tuple[int, int]:

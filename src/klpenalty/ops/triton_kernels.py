@@ -49,21 +49,14 @@ from torch import Tensor
 from .. import _validation as v
 from . import autograd as ag
 from . import streaming
-from .engine import (
-    EntropyState,
-    KLState,
-    entropy_finalize,
-    entropy_rescale,
-    finite_or_zero,
-    kl_finalize,
-    kl_rescale,
-)
+from .engine import StatsState, stats_finalize, stats_rescale
 
 __all__ = [
     "token_stats",
     "full_kl",
     "token_logprobs",
     "entropy",
+    "token_stats",
     "available",
     "interpreted",
     "check_device",
@@ -198,28 +191,15 @@ def _portable(*tensors: Tensor | None) -> bool:
     return any(t.dtype == torch.float64 for t in given) or given[0].shape[-1] == 0
 
 
-def _flags(want: int, tokens: Tensor | None, y: Tensor | None) -> tuple[bool, bool, bool, bool]:
-    """(kl, logp, ref_logp, entropy) asked for by ``want``; ValueError for one whose input is
-    missing (log-probs without ``tokens``, the KL or the reference's log-prob without ``y``)."""
-    kl, logp = bool(want & ag.WANT_KL), bool(want & ag.WANT_LOGP)
-    ref_logp, ent = bool(want & ag.WANT_REF_LOGP), bool(want & ag.WANT_ENTROPY)
-    if (logp or ref_logp) and tokens is None:
-        raise ValueError(f"want={want} asks for token log-probs, but tokens is None")
-    if (kl or ref_logp) and y is None:
-        raise ValueError(f"want={want} asks for the KL or the reference's log-probs, but y is None")
-    return kl, logp, ref_logp, ent
-
-
-def _support_args(x: Tensor, keep: Tensor | None, tau: Tensor | None, n: int):
-    """(keep rows (N, V) as uint8 or a dummy, its row stride, tau (N,) or a dummy)."""
-    keepf = _rows(keep).view(torch.uint8) if keep is not None else None
-    tauf = tau.reshape(n).contiguous() if tau is not None else None
-    return keepf, (keepf.stride(0) if keepf is not None else 0), tauf
+def _wanted(want: int) -> tuple[bool, bool, bool, bool]:
+    """(kl, logp, ref_logp, entropy): the outputs asked for by the ``want`` bits."""
+    return tuple(bool(want & bit) for bit in (ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP,
+                                              ag.WANT_ENTROPY))
 
 
 def forward_constexprs(flags, has_keep: bool, has_tau: bool) -> dict[str, bool]:
     """The ``tl.constexpr`` flags of :func:`._triton_jit.stats_kernel` for the wanted outputs
-    ``flags`` = (kl, logp, ref_logp, entropy) (from :func:`_flags`) and the support."""
+    ``flags`` = (kl, logp, ref_logp, entropy) (:func:`_wanted`) and the support."""
     kl, logp, ref_logp, ent = flags
     return dict(
         X_STATE=kl or logp or ent, Y_STATE=kl or ref_logp, MOMENT_A=kl, MOMENT_B=ent,
@@ -239,28 +219,23 @@ def backward_constexprs(flags, need_x: bool, need_y: bool, has_keep: bool, has_t
     )
 
 
-def _merged_state(parts: Tensor, temperature: float) -> tuple[KLState, Tensor]:
-    """Merge the (N, splits, 6) partial states (m_x, s_x, m_y, s_y, a, b) of a row's splits:
-    the engine's rescale to the common maxima, then a sum. Returns (KLState, b) of (N,) tensors."""
-    if parts.shape[1] == 1:
-        m_x, s_x, m_y, s_y, a, b = parts[:, 0].unbind(-1)
-        return KLState(m_x, s_x, m_y, s_y, a), b
-    m_x, s_x, m_y, s_y, a, b = parts.unbind(-1)
-    big_x, big_y = m_x.amax(1, keepdim=True), m_y.amax(1, keepdim=True)
-    kl = kl_rescale(KLState(m_x, s_x, m_y, s_y, a), big_x, big_y, temperature)
-    ent = entropy_rescale(EntropyState(m_x, s_x, b), big_x, temperature)
-    state = KLState(big_x[:, 0], kl.s_x.sum(1), big_y[:, 0], kl.s_y.sum(1), kl.a.sum(1))
-    return state, ent.b.sum(1)
+def _support_args(keep: Tensor | None, tau: Tensor | None, n: int):
+    """(keep rows (N, V) as uint8 or None, their row stride, tau (N,) or None)."""
+    keepf = _rows(keep).view(torch.uint8) if keep is not None else None
+    tauf = tau.reshape(n).contiguous() if tau is not None else None
+    return keepf, (keepf.stride(0) if keepf is not None else 0), tauf
 
 
 def _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature: float, vocab_chunk: int):
-    """Run :func:`._triton_jit.stats_kernel` over (N, splits) programs and merge the splits."""
+    """Run :func:`._triton_jit.stats_kernel` over (N, splits) programs; the merged
+    :class:`.engine.StatsState` of whole rows (fields not computed are None)."""
     kl, logp, ref_logp, ent = flags
     n, vocab = xf.shape
     device = xf.device
     block, cols = split_columns(n, vocab, device, vocab_chunk)
     splits = max(1, -(-vocab // cols))
     parts = torch.empty((n, splits, _kernels().STATE_FIELDS), dtype=torch.float32, device=device)
+    constexprs = forward_constexprs(flags, keepf is not None, tauf is not None)
     if n:
         inv_t = 1.0 / temperature
         _kernels().stats_kernel[(n, splits)](
@@ -268,57 +243,21 @@ def _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature: float, 
             parts if tauf is None else tauf, parts,
             xf.stride(0), 0 if yf is None else yf.stride(0), stride_keep,
             vocab, cols, splits, inv_t, inv_t * 1.4426950408889634,
-            **forward_constexprs(flags, keepf is not None, tauf is not None),
-            BLOCK=block, num_warps=_warps(block),
+            **constexprs, BLOCK=block, num_warps=_warps(block),
         )
-    return _merged_state(parts, temperature)
-
-
-def _token_logprob(
-    rows: Tensor, tok: Tensor, ignored: Tensor, m: Tensor, s: Tensor, temperature: float,
-    off_support: Tensor | None,
-) -> Tensor:
-    """log p(token) (N,) = (x_t − m)/T − log s from the merged log-sum-exp state (N,) of the
-    rows (N, V): −inf off the support, NaN without a distribution (s = 0), 0 where ignored."""
-    picked = rows.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(s.dtype)  # (N,)
-    # the shifted difference is exact for nearby logits, even at ±1e4
-    out = (picked - finite_or_zero(m)) / temperature - torch.log(s)
-    if off_support is not None:
-        out = out.masked_fill(off_support, float("-inf"))
-    return out.masked_fill(s == 0, float("nan")).masked_fill(ignored, 0.0)
-
-
-def _off_support(xf: Tensor, keepf: Tensor | None, tauf: Tensor | None, tok: Tensor) -> Tensor | None:
-    """(N,) True where the token is outside the policy's support (None without a support)."""
-    if keepf is None and tauf is None:
-        return None
-    kept = torch.ones(tok.shape, dtype=torch.bool, device=tok.device)
-    if keepf is not None:
-        kept &= keepf.gather(-1, tok.unsqueeze(-1)).squeeze(-1) != 0
-    if tauf is not None:
-        kept &= xf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(tauf.dtype) >= tauf
-    return ~kept
-
-
-def _check_outputs(out: Tensor, counted: Tensor, named: dict[str, Tensor], off: Tensor | None,
-                   tokens: Tensor | None) -> None:
-    """The op's ``check``: NaN in a counted row's wanted outputs, a sampled token off the
-    support. One host read in total (the flags are combined before the first ``bool``)."""
-    nan_rows = torch.isnan(out).any(-1) & counted  # (N,)
-    bad_token = None if off is None else off & counted
-    flags = nan_rows.any() if bad_token is None else torch.stack([nan_rows.any(), bad_token.any()])
-    flags = flags.tolist() if bad_token is not None else [bool(flags), False]
-    if flags[0]:
-        v.raise_if_nan(torch.where(nan_rows, float("nan"), 0.0), named)
-    if flags[1]:
-        leading = next(iter(named.values())).shape[:-1]
-        first = int(bad_token.nonzero()[0, 0])
-        where = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), leading)) if leading else ()
-        token = int(tokens.reshape(-1)[first])
-        raise ValueError(
-            f"sampled token {token} at position {where} is outside the support of the policy "
-            f"(keep/tau): log π̃(token) = -inf; {int(bad_token.sum())} such position(s)"
+    m_x, s_x, m_y, s_y, a, b = parts.unbind(-1)  # (N, splits) each
+    has_y = constexprs["Y_STATE"]
+    state = StatsState(m_x, s_x, b if ent else None, m_y if has_y else None,
+                       s_y if has_y else None, a if kl else None)
+    if splits > 1:  # the engine's merge: rescale to the common maxima, then a sum
+        big_y = m_y.amax(1, keepdim=True) if has_y else None
+        state = stats_rescale(state, m_x.amax(1, keepdim=True), big_y, temperature)
+        state = StatsState(*(None if f is None else f.sum(1) for f in state))._replace(
+            m_x=state.m_x[:, 0], m_y=None if big_y is None else state.m_y[:, 0]
         )
+    else:
+        state = StatsState(*(None if f is None else f[:, 0] for f in state))
+    return state
 
 
 @torch.library.custom_op("klpenalty::triton_token_stats", mutates_args=())
@@ -337,52 +276,48 @@ def _token_stats_op(
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
     """(..., V) logits → out (..., 4) = (KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃)) and stats (..., 9)
-    (the layout of :mod:`.autograd`), in one read of each logit; ``tile_cols`` > 0 forces the
+    (the contract of :mod:`.autograd`), in one read of each logit; ``tile_cols`` > 0 forces the
     split width (``tile_rows`` is unused: one program per row)."""
     if _portable(x, y):
         return streaming._token_stats_op(
             x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
             tile_cols,
         )
-    flags = kl, logp, ref_logp, ent = _flags(want, tokens, y)
+    v.check_want(want, y is not None, tokens is not None)
+    flags = kl, logp, ref_logp, ent = _wanted(want)
     leading, vocab = x.shape[:-1], x.shape[-1]
-    if check and tokens is not None:
-        v.check_token_range(tokens, vocab, ignore_index)
     xf = _rows(x)  # (N, V)
-    yf = None if y is None else _rows(y)
     n = xf.shape[0]
-    keepf, stride_keep, tauf = _support_args(x, keep, tau, n)
-    state, b = _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature, tile_cols)
-    out = torch.zeros((n, 4), dtype=torch.float32, device=x.device)
-    stats = torch.zeros((n, ag.STATS_COLS), dtype=torch.float32, device=x.device)
-    if kl:
-        out[:, ag.OUT_KL], stats[:, : ag.ST_MEAN_U] = kl_finalize(state, None)
-    else:
-        stats[:, ag.ST_SHIFT_X] = finite_or_zero(state.m_x)
-        stats[:, ag.ST_LOG_S_X] = finite_or_zero(torch.log(state.s_x))
-        stats[:, ag.ST_SHIFT_Y] = finite_or_zero(state.m_y)
-        stats[:, ag.ST_LOG_S_Y] = finite_or_zero(torch.log(state.s_y))
-    if ent:
-        h, st = entropy_finalize(EntropyState(state.m_x, state.s_x, b))
-        out[:, ag.OUT_ENTROPY], stats[:, ag.ST_MEAN_U] = h, st[:, 2]
-    off = None
-    if tokens is not None:
-        tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)  # (N,), (N,)
+    yf = _rows(y) if kl or ref_logp else None  # (N, V)
+    keepf, stride_keep, tauf = _support_args(keep, tau, n)
+    state = _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature, tile_cols)
+    kl_val, h, stats = stats_finalize(state, None)  # (N,), (N,), (N, 9)
+    out = stats.new_zeros(n, 4)
+    if kl_val is not None:
+        out[:, ag.OUT_KL] = kl_val
+    if h is not None:
+        out[:, ag.OUT_ENTROPY] = h
+    range_bad = outside = None
+    if logp or ref_logp:
+        tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)  # (N,)
+        if check:  # gather safely; the range error is raised below, with the other checks
+            range_bad = (tok < 0) | (tok >= vocab)
+            tok = tok.masked_fill(range_bad, 0)
         if logp:
-            off = _off_support(xf, keepf, tauf, tok)
-            lp = _token_logprob(xf, tok, ignored, state.m_x, state.s_x, temperature, off)
-            out[:, ag.OUT_LOGP] = stats[:, ag.ST_LOGP] = lp
-            off = None if off is None else off & ~ignored
+            keep_rows = None if keepf is None else keepf.view(torch.bool)
+            x_t = streaming._token_logits(xf, tok, keep_rows, tauf, stats.dtype)
+            lp = streaming._token_logp(x_t, state.m_x, state.s_x, temperature)
+            out[:, ag.OUT_LOGP] = stats[:, ag.ST_LOGP] = lp.masked_fill(ignored, 0.0)
         if ref_logp:
-            lq = _token_logprob(yf, tok, ignored, state.m_y, state.s_y, temperature, None)
-            out[:, ag.OUT_REF_LOGP] = stats[:, ag.ST_REF_LOGP] = lq
-    counted = torch.ones(n, dtype=torch.bool, device=x.device)
+            y_t = yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(stats.dtype)
+            lq = streaming._token_logp(y_t, state.m_y, state.s_y, temperature)
+            out[:, ag.OUT_REF_LOGP] = stats[:, ag.ST_REF_LOGP] = lq.masked_fill(ignored, 0.0)
     if mask is not None:
-        counted = mask.reshape(-1)
-        out = out.masked_fill(~counted.unsqueeze(-1), 0.0)
-    if check:
-        named = {"logits": x} if y is None else {"policy_logits": x, "ref_logits": y}
-        _check_outputs(out, counted, named, off, tokens)
+        out.masked_fill_(~mask.reshape(-1, 1), 0.0)
+    if check:  # one host read for all the checks
+        if (keep is not None or tau is not None) and logp:
+            outside = torch.isneginf(out[:, ag.OUT_LOGP])  # counted, non-ignored, off the support
+        streaming._check_token_stats(out, x, y, tokens, range_bad, outside, want, ignore_index)
     return out.reshape(*leading, 4), stats.reshape(*leading, ag.STATS_COLS)
 
 
@@ -411,37 +346,40 @@ def _token_stats_backward_op(
             grad, x, y, tokens, stats, mask, keep, tau, temperature, ignore_index, want,
             need_x, need_y, tile_rows, tile_cols,
         )
-    kl, logp, ref_logp, ent = _flags(want, tokens, y)
+    flags = kl, logp, ref_logp, ent = _wanted(want)
     need_y = need_y and y is not None
     xf = _rows(x)  # (N, V)
     n, vocab = xf.shape
-    yf = None if y is None else _rows(y)
-    st = stats.reshape(n, ag.STATS_COLS).to(torch.float32).contiguous()
-    g = ag.masked_grad(grad.reshape(n, 4), None if mask is None else mask.reshape(n, 1),
-                       torch.float32)  # (N, 4)
-    g = g * torch.tensor([kl, logp, ref_logp, ent], dtype=g.dtype, device=g.device)
+    yf = _rows(y) if (kl or ref_logp) and y is not None else None  # (N, V)
+    st = stats.reshape(n, ag.STATS_COLS).contiguous()  # (N, 9)
+    g = streaming.token_stats_upstream(grad, mask, tokens, ignore_index, want, st.dtype)  # (N, 4)
     tok = None
-    at_tok = torch.zeros((n, 2), dtype=torch.float32, device=x.device)
-    if tokens is not None:
-        tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)
-        g[:, 1:3] = g[:, 1:3].masked_fill(ignored.unsqueeze(-1), 0.0)
+    at_tok = st.new_zeros(n, 2)
+    if logp or ref_logp:
+        tok, _ = ag.safe_tokens(tokens.reshape(-1), ignore_index)
+        lp, lq = st[:, ag.ST_LOGP], st[:, ag.ST_REF_LOGP]
+        # no gradient into a log-prob of −inf (a token off the support: fixed by keep/tau)
+        g[:, 1] = torch.where(torch.isneginf(lp), 0.0, g[:, 1])
         # at the token: (1 − p_t)·g = −expm1(log p_t)·g, exact for p_t near 1
-        at_tok = torch.where(g[:, 1:3] != 0, -torch.expm1(st[:, ag.ST_LOGP:]) * g[:, 1:3], 0.0)
+        at_tok = torch.stack([-torch.expm1(lp) * g[:, 1], -torch.expm1(lq) * g[:, 2]], -1)
+        at_tok = torch.where(g[:, 1:3] != 0, at_tok, 0.0)
     gx = torch.empty((n, vocab), dtype=x.dtype, device=x.device) if need_x else None
-    gy = torch.empty((n, vocab), dtype=y.dtype, device=x.device) if need_y else None
-    if n and (need_x or need_y):
-        keepf, stride_keep, tauf = _support_args(x, keep, tau, n)
+    gy = None
+    if need_y:  # a reference not in any wanted output gets a zero gradient
+        gy = (torch.empty if yf is not None else torch.zeros)((n, vocab), dtype=y.dtype,
+                                                               device=x.device)
+    write_y = need_y and yf is not None
+    if n and (need_x or write_y):
+        keepf, stride_keep, tauf = _support_args(keep, tau, n)
         block = _block(vocab, 1024)
         inv_t = 1.0 / temperature
         _kernels().grad_kernel[(n, -(-vocab // block))](
             xf, xf if yf is None else yf, xf if keepf is None else keepf,
-            st if tauf is None else tauf, gx if need_x else st, gy if need_y else st,
+            st if tauf is None else tauf, gx if need_x else st, gy if write_y else st,
             st, g.contiguous(), st if tok is None else tok, at_tok.contiguous(),
             xf.stride(0), 0 if yf is None else yf.stride(0), stride_keep,
             vocab, inv_t, inv_t * 1.4426950408889634,
-            **backward_constexprs(
-                (kl, logp, ref_logp, ent), need_x, need_y, keepf is not None, tauf is not None
-            ),
+            **backward_constexprs(flags, need_x, write_y, keepf is not None, tauf is not None),
             BLOCK=block, num_warps=_warps(block),
         )
     return (
@@ -459,23 +397,33 @@ def token_stats(
     y: Tensor | None,
     tokens: Tensor | None,
     mask: Tensor | None,
+    keep: Tensor | None,
+    tau: Tensor | None,
     temperature: float,
     *,
-    want: int,
-    keep: Tensor | None = None,
-    tau: Tensor | None = None,
     ignore_index: int = -100,
+    want: int,
     check: bool = False,
+    chunk_rows: int | None = None,
     vocab_chunk: int | None = None,
+    tile_elements: int = streaming.TILE_ELEMENTS,
 ) -> Tensor:
     """KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃) per position, (..., 4), in one pass of the
-    Triton kernels (columns not in ``want`` hold 0; see :mod:`.autograd` for the contract).
+    Triton kernels: the contract of :func:`.streaming.token_stats` (unchecked inputs; columns
+    not in ``want`` hold 0).
 
     Shapes: x, y, keep (..., V); tokens, mask, tau (...). ``vocab_chunk`` > 0 forces the
-    split-vocabulary forward with programs of that many columns. Raises ValueError where the
-    kernels cannot run on the tensors' device (:func:`check_device`).
+    split-vocabulary forward with programs of that many columns; ``chunk_rows`` and
+    ``tile_elements`` (the streaming tiles) apply only where the streaming op runs (float64).
+    Raises ValueError where the kernels cannot run on the tensors' device (:func:`check_device`).
     """
     check_device(x.device)
+    if _portable(x, y):
+        return streaming.token_stats(
+            x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
+            check=check, chunk_rows=chunk_rows, vocab_chunk=vocab_chunk,
+            tile_elements=tile_elements,
+        )
     out, _ = _token_stats_op(
         x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
         bool(check), 0, int(vocab_chunk or 0),
@@ -498,7 +446,8 @@ def full_kl(
     ``vocab_chunk`` > 0 forces the split-vocabulary forward with programs of that many columns.
     """
     return token_stats(
-        x, y, None, mask, temperature, want=ag.WANT_KL, check=check, vocab_chunk=vocab_chunk
+        x, y, None, mask, None, None, temperature, want=ag.WANT_KL, check=check,
+        vocab_chunk=vocab_chunk,
     )[..., ag.OUT_KL]
 
 
@@ -514,8 +463,8 @@ def token_logprobs(
     """log softmax(x/T)[token] per position: the log-prob column of :func:`token_stats` (as
     :func:`.streaming.token_logprobs`; ``vocab_chunk`` as in :func:`full_kl`)."""
     return token_stats(
-        x, None, tokens, None, temperature, want=ag.WANT_LOGP, ignore_index=ignore_index,
-        check=check, vocab_chunk=vocab_chunk,
+        x, None, tokens, None, None, None, temperature, want=ag.WANT_LOGP,
+        ignore_index=ignore_index, check=check, vocab_chunk=vocab_chunk,
     )[..., ag.OUT_LOGP]
 
 
@@ -530,6 +479,6 @@ def entropy(
     """Policy entropy H(softmax(x/T)) per position: the entropy column of :func:`token_stats`
     (as :func:`.streaming.entropy`; ``vocab_chunk`` as in :func:`full_kl`)."""
     return token_stats(
-        x, None, None, mask, temperature, want=ag.WANT_ENTROPY, check=check,
+        x, None, None, mask, None, None, temperature, want=ag.WANT_ENTROPY, check=check,
         vocab_chunk=vocab_chunk,
     )[..., ag.OUT_ENTROPY]

@@ -1,0 +1,206 @@
+"""The one-pass token_stats op of the streaming backend: the shared grid (tests/ops/cases.py),
+tile invariance, agreement with the single-output ops, double backward, torch.compile, host
+syncs and memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from klpenalty.ops import autograd as ag
+from klpenalty.ops import engine, streaming
+from klpenalty.ops.reference import token_stats_reference
+from tests.conftest import DTYPES, make_logits, tol
+from tests.ops.cases import check_token_stats, token_stats_case
+from tests.ops.test_engine import _CountSyncs
+from tests.ops.test_streaming import _alloc_profile
+
+
+def _run(**tiles):
+    def run(x, y, tokens, mask, keep, tau, temperature, want, **kw):
+        return streaming.token_stats(
+            x, y, tokens, mask, keep, tau, temperature, want=want, **tiles, **kw
+        )
+
+    return run
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_grid(dtype):
+    """Vocabulary tiles of 8 columns and 4 rows: every row is merged over 5 tiles."""
+    check_token_stats(_run(vocab_chunk=8, chunk_rows=4), dtype)
+
+
+def test_tile_invariance_of_values_and_gradients():
+    c = token_stats_case(torch.float32)
+    x, y = c["x"].requires_grad_(), c["y"].requires_grad_()
+    g = torch.linspace(-1.0, 1.5, 24).reshape(2, 3, 4)
+
+    def run(**tiles):
+        out = streaming.token_stats(
+            x, y, c["tokens"], c["mask"], c["keep"], c["tau"], 0.9, want=15, **tiles
+        )
+        return (out, *torch.autograd.grad(out, (x, y), g))
+
+    base = run()
+    for tiles in ({"vocab_chunk": 1}, {"vocab_chunk": 5, "chunk_rows": 1}, {"vocab_chunk": 36},
+                  {"chunk_rows": 2}, {"tile_elements": 16}):
+        for a, b in zip(run(**tiles), base):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_without_support_it_is_the_single_output_ops(dtype):
+    """π̃ = π without keep/tau: the columns equal full_kl, token_logprobs (of x and of y) and
+    entropy of the same backend, and so do their gradients."""
+    x, y = make_logits((3, 4, 29), dtype, seed=3)
+    x.requires_grad_()
+    y.requires_grad_()
+    tokens = torch.randint(0, 29, (3, 4), generator=torch.Generator().manual_seed(2))
+    tokens[0, 1] = -100
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[2, 3] = False
+    out = streaming.token_stats(x, y, tokens, mask, None, None, 0.8, want=15, check=True)
+    cols = (
+        streaming.full_kl(x, y, mask, 0.8),
+        streaming.token_logprobs(x, tokens, 0.8).masked_fill(~mask, 0.0),
+        streaming.token_logprobs(y, tokens, 0.8).masked_fill(~mask, 0.0),
+        streaming.entropy(x, mask, 0.8),
+    )
+    rt = 1e-6 if dtype == torch.float32 else 1e-12
+    torch.testing.assert_close(out, torch.stack(cols, -1), rtol=rt, atol=rt)
+    g = torch.randn(3, 4, 4, dtype=out.dtype)
+    got = torch.autograd.grad(out, (x, y), g)
+    want = torch.autograd.grad(sum((c * g[..., i]).sum() for i, c in enumerate(cols)), (x, y))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=10 * rt, atol=10 * rt)
+
+
+def test_stats_hold_the_contract_columns():
+    c = token_stats_case(torch.float64)
+    args = (c["x"], c["y"], c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, -100, 15, True, 0, 0)
+    out, stats = torch.ops.klpenalty.streaming_token_stats(*args)
+    assert stats.shape == (2, 3, ag.STATS_COLS) and stats.dtype == torch.float64
+    counted = c["mask"] & (c["tokens"] != -100)
+    torch.testing.assert_close(stats[..., ag.ST_LOGP][counted], out[..., ag.OUT_LOGP][counted])
+    torch.testing.assert_close(stats[..., ag.ST_REF_LOGP][counted], out[..., ag.OUT_REF_LOGP][counted])
+    # KL = E_π̃[u − w] − log s_x + log s_y and H = log s_x − E_π̃[u] on the counted rows
+    m = c["mask"]
+    kl = stats[..., ag.ST_MEAN_D] - stats[..., ag.ST_LOG_S_X] + stats[..., ag.ST_LOG_S_Y]
+    torch.testing.assert_close(kl[m], out[..., ag.OUT_KL][m])
+    h = stats[..., ag.ST_LOG_S_X] - stats[..., ag.ST_MEAN_U]
+    torch.testing.assert_close(h[m].clamp_min(0), out[..., ag.OUT_ENTROPY][m])
+
+
+def test_engine_stats_merge_is_the_kl_and_entropy_merges():
+    """The combined state merges exactly as the KL and entropy states do (one copy of the math)."""
+    x, y = make_logits((5, 40), torch.float32, seed=4)
+    x[1, :20] = float("-inf")
+    ws = engine.Workspace(5, 20, torch.float32, x.device)
+    parts = [
+        engine.stats_partial(x[:, s], y[:, s], 0.6, ws, True, kl=True, entropy=True)[0]
+        for s in (slice(0, 20), slice(20, 40))
+    ]
+    merged = engine.stats_merge(*parts, 0.6)
+    kls = [engine.KLState(p.m_x, p.s_x, p.m_y, p.s_y, p.a) for p in parts]
+    ents = [engine.EntropyState(p.m_x, p.s_x, p.b) for p in parts]
+    kl = engine.kl_merge(*kls, 0.6)
+    ent = engine.entropy_merge(*ents, 0.6)
+    assert torch.equal(merged.a, kl.a) and torch.equal(merged.s_y, kl.s_y)
+    assert torch.equal(merged.b, ent.b) and torch.equal(merged.s_x, ent.s)
+
+
+def test_want_must_match_the_inputs():
+    x, y = make_logits((2, 5))
+    tokens = torch.zeros(2, dtype=torch.long)
+    for want, args, match in (
+        (0, (y, tokens), r"want must be an int in \[1, 15\]"),
+        (16, (y, tokens), r"want must be an int in \[1, 15\]"),
+        (1, (None, tokens), "without ref_logits"),
+        (4, (None, tokens), "without ref_logits"),
+        (2, (y, None), "without tokens"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            streaming.token_stats(x, *args, None, None, None, 1.0, want=want)
+
+
+def test_hessian_vector_product_with_a_support():
+    """create_graph=True recomputes the first derivative with the differentiable formula of
+    ops/autograd.py: a Hessian-vector product of Σ g·out (all four columns, keep and tau)
+    against float64 autograd through the reference (off-support entries at −1e6, mass 0)."""
+    c = token_stats_case(torch.float64)
+    x, y, tokens, mask, keep, tau = (c[k] for k in ("x", "y", "tokens", "mask", "keep", "tau"))
+    g = torch.linspace(-1.0, 1.5, 24, dtype=torch.float64).reshape(2, 3, 4)
+    vec = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    xg = x.detach().requires_grad_()
+    out = streaming.token_stats(xg, y, tokens, mask, keep, tau, 0.8, want=15)
+    (gx,) = torch.autograd.grad(out, xg, g, create_graph=True)
+    (hvp,) = torch.autograd.grad((gx * vec).sum(), xg)
+    kept = torch.isfinite(ag.kept_logits(x, keep, tau))
+    xr = x.detach().requires_grad_()
+    yr = torch.where(torch.isfinite(y), y, -1e6)
+    ref = token_stats_reference(torch.where(kept, xr, -1e6), yr, tokens, mask, None, None, 0.8,
+                                -100, 15)
+    (gr,) = torch.autograd.grad((ref * g).sum(), xr, create_graph=True)
+    (want,) = torch.autograd.grad((gr * vec).sum(), xr)
+    torch.testing.assert_close(gx.detach(), gr.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(hvp, want, rtol=1e-9, atol=1e-9)
+
+
+def test_fullgraph_compile_gives_the_same_numbers():
+    c = token_stats_case(torch.float32)
+    x = c["x"].contiguous().requires_grad_()
+    y = c["y"].contiguous()
+
+    def step(x, y, tokens, mask, keep, tau):
+        out = streaming.token_stats(x, y, tokens, mask, keep, tau, 0.9, want=15, check=True)
+        return (out * torch.tensor([1.0, -0.5, 0.25, 0.1])).sum()
+
+    args = (x, y, c["tokens"], c["mask"], c["keep"], c["tau"])
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+    want = step(*args)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(want, x)[0])
+
+
+@pytest.mark.parametrize("check,expected", [(False, 0), (True, 1)])
+def test_accelerator_path_syncs_only_once(monkeypatch, check, expected):
+    """Without free host checks: one host read for all of check=True's checks, none in the tile
+    loops, none in the backward."""
+    monkeypatch.setattr(streaming, "_host_checks", lambda device: False)
+    c = token_stats_case(torch.float32)
+    x = c["x"].requires_grad_()
+    with monkeypatch.context() as patch:
+        counter = _CountSyncs(patch)
+        out = streaming.token_stats(
+            x, c["y"], c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, want=15, check=check,
+            vocab_chunk=8,
+        )
+        assert counter.syncs == expected
+        counter.syncs = 0
+        out.sum().backward()
+        assert counter.syncs == 0
+    want = token_stats_reference(
+        c["x"].detach(), c["y"], c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, -100, 15
+    )
+    torch.testing.assert_close(out.detach().double(), want, **tol(torch.float32))
+
+
+def test_forward_with_a_support_allocates_nothing_of_size_rows_by_vocab():
+    n, v = 64, 4096  # one float32 input = 1 MiB; the keep mask alone is 256 KiB
+    x, y = make_logits((n, v), torch.float32, seed=16)
+    keep = torch.rand(n, v, generator=torch.Generator().manual_seed(0)) < 0.5
+    tau = x.kthvalue(v - 100, -1).values
+    tokens = x.argmax(-1)
+    tile = 1 << 12  # 16 KiB of float32 per buffer
+    with torch.no_grad():
+        peak, largest = _alloc_profile(
+            lambda: streaming.token_stats(
+                x, y, tokens, None, keep, tau, 0.7, want=15, tile_elements=tile
+            )
+        )
+    # a handful of tile buffers (d, e, w, h, the kept tile, bool tiles) + O(N) statistics
+    assert largest <= tile * 4
+    assert peak <= 8 * tile * 4 + 64 * n * 16
+    assert peak < n * v / 4

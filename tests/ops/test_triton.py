@@ -27,6 +27,8 @@ from tests.ops.cases import (
     check_kl_and_grads,
     check_minus_inf_patterns,
     check_token_logprobs_and_grads,
+    check_token_stats,
+    token_stats_case,
 )
 
 CUDA = torch.cuda.is_available()
@@ -74,11 +76,53 @@ def _garbage_row(x, y, leading, vocab):
     return mask
 
 
+# --------------------------------------------------------------------------- one-pass token stats
+def _run(vocab_chunk):
+    def run(x, y, tokens, mask, keep, tau, temperature, want, **kw):
+        return tk.token_stats(
+            _on(x), *(None if t is None else _on(t) for t in (y, tokens, mask, keep, tau)),
+            temperature, want=want, vocab_chunk=vocab_chunk, **kw,
+        )
+
+    return run
+
+
+# (dtype, vocab_chunk): every dtype once, float32 both ways (the interpreter is slow: each grid
+# run is ~40 forward and ~20 backward launches)
+GRID = [
+    (torch.float32, 0),
+    (torch.float32, 16),
+    (torch.bfloat16, 16),
+    (torch.float16, 0),
+    (torch.float64, 0),
+]
+
+
+@pytest.mark.parametrize("dtype,vocab_chunk", GRID, ids=lambda p: str(p).replace("torch.", ""))
+def test_token_stats_shared_grid(dtype, vocab_chunk):
+    """The shared grid (tests/ops/cases.py) on the kernels: one program per row as the split
+    heuristic chooses for these few short rows (0), and forced splits of 16 columns (V = 37:
+    three partial states merged per row). Float64 runs the streaming op."""
+    if vocab_chunk == 0:
+        n, vocab = token_stats_case(torch.float32)["x"].reshape(-1, 37).shape
+        assert tk.split_columns(n, vocab, DEVICE)[1] >= vocab or CUDA
+    check_token_stats(_run(vocab_chunk), dtype, device=DEVICE)
+
+
 # --------------------------------------------------------------------------- full KL
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("leading,vocab", [((3,), 1), ((2, 3), 37), ((4,), 300)])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-program", "split"])
+# The views full_kl / token_logprobs / entropy: each dtype, V = 1, V below and above a block,
+# one program per row and split (the shared grid covers the op itself).
+VIEW_CASES = [
+    # dtype, leading, vocab, temperature, vocab_chunk
+    (torch.float32, (3,), 1, 1.0, 0),
+    (torch.bfloat16, (2, 3), 37, 0.7, 16),
+    (torch.float16, (4,), 300, 1.3, 0),
+    (torch.float32, (4,), 300, 0.7, 64),
+]
+VIEW_IDS = ["f32-V1", "bf16-V37-split", "f16-V300", "f32-V300-split"]
+
+
+@pytest.mark.parametrize("dtype,leading,vocab,temperature,vocab_chunk", VIEW_CASES, ids=VIEW_IDS)
 def test_full_kl_values_and_gradients(dtype, leading, vocab, temperature, vocab_chunk):
     x, y = _on(*make_logits((*leading, vocab), dtype, seed=vocab))
     mask = _garbage_row(x, y, leading, vocab)
@@ -218,18 +262,18 @@ def test_double_backward_matches_the_streaming_backend():
 
 
 # --------------------------------------------------------------------------- token log-probs
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("leading,vocab", [((3,), 1), ((2, 3), 37), ((4,), 300)])
-@pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-program", "split"])
-def test_token_logprobs_values_and_gradients(dtype, leading, vocab, vocab_chunk):
+@pytest.mark.parametrize("dtype,leading,vocab,temperature,vocab_chunk", VIEW_CASES, ids=VIEW_IDS)
+def test_token_logprobs_values_and_gradients(dtype, leading, vocab, temperature, vocab_chunk):
     x, _ = make_logits((*leading, vocab), dtype, seed=vocab + 1)
     x = _on(x).requires_grad_()
     gen = torch.Generator().manual_seed(vocab)
     tokens = _on(torch.randint(0, vocab, leading, generator=gen))
     tokens.view(-1)[0] = -100  # ignored position
     tokens.view(-1)[-1] = vocab - 1  # the last column, in the last block
-    out = tk.token_logprobs(x, tokens, 1.3, ignore_index=-100, check=True, vocab_chunk=vocab_chunk)
-    gx = check_token_logprobs_and_grads(out, x, tokens, 1.3, dtype)
+    out = tk.token_logprobs(
+        x, tokens, temperature, ignore_index=-100, check=True, vocab_chunk=vocab_chunk
+    )
+    gx = check_token_logprobs_and_grads(out, x, tokens, temperature, dtype)
     assert torch.all(gx.view(-1, vocab)[0] == 0)
 
 
@@ -249,10 +293,7 @@ def test_token_logprobs_with_minus_inf_and_a_row_without_a_distribution():
 
 
 # --------------------------------------------------------------------------- entropy
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("leading,vocab", [((3,), 1), ((2, 3), 37), ((4,), 300)])
-@pytest.mark.parametrize("temperature", [1.0, 2.5])
-@pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-program", "split"])
+@pytest.mark.parametrize("dtype,leading,vocab,temperature,vocab_chunk", VIEW_CASES, ids=VIEW_IDS)
 def test_entropy_values_and_gradients(dtype, leading, vocab, temperature, vocab_chunk):
     x, _ = make_logits((*leading, vocab), dtype, seed=vocab)
     x = _on(x)

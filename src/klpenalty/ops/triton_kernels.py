@@ -358,10 +358,10 @@ def _token_stats_backward_op(
     if logp or ref_logp:
         tok, _ = ag.safe_tokens(tokens.reshape(-1), ignore_index)
         lp, lq = st[:, ag.ST_LOGP], st[:, ag.ST_REF_LOGP]
-        # no gradient into a log-prob of −inf (a token off the support: fixed by keep/tau)
-        g[:, 1] = torch.where(torch.isneginf(lp), 0.0, g[:, 1])
-        # at the token: (1 − p_t)·g = −expm1(log p_t)·g, exact for p_t near 1
+        # at the token: (1 − p_t)·g = −expm1(log p_t)·g, exact for p_t near 1; 0 for a token
+        # off the support (its logit, fixed at −inf by keep/tau, does not move log π̃(t))
         at_tok = torch.stack([-torch.expm1(lp) * g[:, 1], -torch.expm1(lq) * g[:, 2]], -1)
+        at_tok[:, 0] = at_tok[:, 0].masked_fill(torch.isneginf(lp), 0.0)
         at_tok = torch.where(g[:, 1:3] != 0, at_tok, 0.0)
     gx = torch.empty((n, vocab), dtype=x.dtype, device=x.device) if need_x else None
     gy = None

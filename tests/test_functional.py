@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from klpenalty import full_kl, kl_penalized_reward, token_logprobs
+from klpenalty import TokenStats, entropy, full_kl, kl_penalized_reward, token_logprobs, token_stats
+from klpenalty.sampling import sampling_threshold
 from klpenalty.ops.reference import (
     full_kl_reference,
     kl_penalized_reward_reference,
@@ -17,6 +18,7 @@ from klpenalty.ops.reference import (
 )
 
 from .conftest import DTYPES, grad_tol, make_logits, tol
+from .test_sampling import ref_kept
 
 # Leading dims of rank 1 to 3, a single row; V = 1, V not a power of two, V above the row
 # streaming tile (2**18 elements), so a row is split into vocabulary tiles and merged.
@@ -254,3 +256,137 @@ def test_token_logprobs_gradient(dtype):
     (token_logprobs_reference(xr, tokens, 2.0) * g.double()).sum().backward()
     assert xg.grad.dtype == dtype
     torch.testing.assert_close(xg.grad.double(), xr.grad, **grad_tol(dtype))
+
+
+# ------------------------------------------------------------------ token_stats and support=
+
+def _truncated_reference(x, y, tokens, kept, temperature):
+    """KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃) in float64, written out on the materialised kept
+    set: π̃ = softmax over the kept logits (off the support −1e6: float64 mass exactly 0, so
+    autograd stays finite and gives no gradient there)."""
+    xs = torch.where(kept, x.double(), -1e6) / temperature
+    lp = torch.log_softmax(xs, -1)
+    lq = torch.log_softmax(y.double() / temperature, -1)
+    p = lp.exp()
+    kl = torch.where(kept, p * (lp - lq), 0.0).sum(-1)
+    h = -torch.where(kept, p * lp, 0.0).sum(-1)
+    pick = lambda t: t.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return kl, pick(lp), pick(lq), h
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    "kw",
+    [dict(top_k=4), dict(top_p=0.7, temperature=0.8), dict(min_p=0.1, temperature=1.4),
+     dict(top_k=10, top_p=0.9, min_p=0.02, temperature=0.7)],
+)
+def test_token_stats_with_sampler_settings_matches_truncated_reference(dtype, kw):
+    x, y = make_logits((2, 3, 41), dtype, seed=11)
+    temperature = kw.get("temperature", 1.0)
+    kept = torch.stack([ref_kept(r, **kw) for r in x.reshape(-1, 41)]).reshape(x.shape)
+    tokens = x.argmax(-1)  # the largest logit is always kept
+    tokens[0, 1] = -100
+    x.requires_grad_()
+    y.requires_grad_()
+    s = token_stats(x, y, tokens, entropy=True, **kw)
+    assert isinstance(s, TokenStats)
+    kl, lp, lq, h = _truncated_reference(x.detach(), y.detach(), tokens.clamp_min(0), kept, temperature)
+    ignored = tokens == -100
+    for got, want in ((s.kl, kl), (s.logprobs, lp.masked_fill(ignored, 0)),
+                      (s.ref_logprobs, lq.masked_fill(ignored, 0)), (s.entropy, h)):
+        torch.testing.assert_close(got.double(), want, **tol(dtype))
+    # gradients through π̃, non-unit upstream gradients on every field
+    g = torch.linspace(-1.0, 2.0, 24).reshape(2, 3, 4).double()
+    loss = sum((f * g[..., i].to(f.dtype)).sum() for i, f in enumerate(s))
+    gx, gy = torch.autograd.grad(loss, (x, y))
+    xr, yr = x.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+    ref = _truncated_reference(xr, yr, tokens.clamp_min(0), kept, temperature)
+    ref = [r if i in (0, 3) else r.masked_fill(ignored, 0) for i, r in enumerate(ref)]
+    wx, wy = torch.autograd.grad(sum((r * g[..., i]).sum() for i, r in enumerate(ref)), (xr, yr))
+    torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
+    torch.testing.assert_close(gy.double(), wy, **grad_tol(dtype))
+    assert torch.all(gx[~kept] == 0)
+
+
+def test_support_forms_agree_and_the_views_are_token_stats():
+    x, y = make_logits((3, 4, 29), seed=12)
+    tokens = x.argmax(-1)
+    tau = sampling_threshold(x, top_k=5, top_p=0.85)
+    dense = x >= tau.unsqueeze(-1)
+    rows, ids = dense.reshape(12, 29).nonzero(as_tuple=True)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(rows, minlength=12).cumsum(0)])
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[2, 3] = False
+    forms = [dict(top_k=5, top_p=0.85), dict(support=dense), dict(support=(ids, offsets))]
+    outs = [token_stats(x, y, tokens, mask=mask, entropy=True, **f) for f in forms]
+    for other in outs[1:]:
+        for a, b in zip(outs[0], other):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    # a kept set no threshold describes (a sampler broke a tie at the top and kept id 3 only):
+    # the dense mask path, the same numbers as the dense form
+    x2 = x.clone()
+    x2[..., 3] = x2[..., 4] = x2.amax(-1) + 1
+    broken = torch.zeros_like(dense)
+    broken[..., 3] = True
+    r2, i2 = broken.reshape(12, 29).nonzero(as_tuple=True)
+    o2 = torch.cat([torch.zeros(1, dtype=torch.long), torch.bincount(r2, minlength=12).cumsum(0)])
+    t2 = torch.full((3, 4), 3)
+    a = token_stats(x2, y, t2, support=(i2, o2), entropy=True)
+    b = token_stats(x2, y, t2, support=broken, entropy=True)
+    for u, w in zip(a, b):
+        torch.testing.assert_close(u, w)
+    assert torch.all(a.logprobs == 0) and torch.all(a.entropy == 0)  # one kept token
+    torch.testing.assert_close(a.kl, -a.ref_logprobs)  # KL(δ_t‖ρ) = −log ρ(t)
+    # the views: one field of token_stats, the same support arguments
+    kw = dict(top_k=5, top_p=0.85, temperature=0.9)
+    s = token_stats(x, y, tokens, mask=mask, entropy=True, **kw)
+    torch.testing.assert_close(full_kl(x, y, mask=mask, **kw), s.kl)
+    torch.testing.assert_close(entropy(x, mask=mask, **kw), s.entropy)
+    lp = token_logprobs(x, tokens, **kw)
+    torch.testing.assert_close(lp[mask], s.logprobs[mask])
+    assert s.logprobs[2, 3].item() == 0.0  # masked
+
+
+def test_token_stats_fields_backends_and_errors():
+    x, y = make_logits((2, 5, 13), seed=13)
+    tokens = x.argmax(-1)
+    s = token_stats(x, tokens=tokens)
+    assert s.kl is None and s.ref_logprobs is None and s.entropy is None
+    torch.testing.assert_close(s.logprobs, token_logprobs(x, tokens))
+    s = token_stats(x, y)
+    assert s.logprobs is None and s.entropy is None
+    torch.testing.assert_close(s.kl, full_kl(x, y))
+    s = token_stats(x, entropy=True)
+    torch.testing.assert_close(s.entropy, entropy(x))
+    a = token_stats(x, y, tokens, entropy=True, top_k=3, backend="streaming")
+    b = token_stats(x, y, tokens, entropy=True, top_k=3, backend="native")
+    for u, w in zip(a, b):
+        torch.testing.assert_close(u, w)
+    with pytest.raises(ValueError, match="nothing to compute"):
+        token_stats(x)
+    with pytest.raises(TypeError, match="entropy must be a bool"):
+        token_stats(x, entropy=1)
+    with pytest.raises(ValueError, match="policy_logits and ref_logits must have the same shape"):
+        token_stats(x, y[..., :-1])
+    with pytest.raises(TypeError, match="tokens must be an integer tensor"):
+        token_stats(x, tokens=tokens.float())
+    with pytest.raises(ValueError, match="support and top_p both given"):
+        full_kl(x, y, support=torch.ones_like(x, dtype=torch.bool), top_p=0.5)
+    with pytest.raises(ValueError, match=r"top_k must be >= 1"):
+        token_logprobs(x, tokens, top_k=0)
+    # a sampled token outside the support, named by position; with check=False: −inf
+    bad = tokens.clone()
+    bad[1, 2] = x[1, 2].argmin()
+    with pytest.raises(ValueError, match=rf"sampled token {int(bad[1, 2])} at position \(1, 2\) is outside the support"):
+        token_stats(x, y, bad, top_k=2)
+    with pytest.raises(ValueError, match=r"at position \(1, 2\) is outside the support"):
+        token_logprobs(x, bad, min_p=0.5)
+    assert token_logprobs(x, bad, top_k=2, check=False)[1, 2].item() == float("-inf")
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[1, 2] = False
+    assert token_stats(x, y, bad, mask=mask, top_k=2).logprobs[1, 2].item() == 0.0
+    # NaN logits are still reported with a support that would cut them away
+    xn = x.clone()
+    xn[0, 0, x[0, 0].argmin()] = float("nan")
+    with pytest.raises(ValueError, match="policy_logits contains NaN"):
+        full_kl(xn, y, top_k=2)

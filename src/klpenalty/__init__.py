@@ -3,8 +3,15 @@
 Shape letters in every docstring: B batch, T sequence, V vocabulary, N rows.
 """
 
-from . import rlhf
-from .functional import TokenStats, entropy, full_kl, kl_penalized_reward, token_logprobs
+from . import rlhf, sampling
+from .functional import (
+    TokenStats,
+    entropy,
+    full_kl,
+    kl_penalized_reward,
+    token_logprobs,
+    token_stats,
+)
 from .modules import FullKL, KLPenalty
 from .rlhf import *  # noqa: F403  (the names in klpenalty.rlhf.__all__)
 
@@ -16,7 +23,10 @@ __all__ = [
     "kl_penalized_reward",
     "token_logprobs",
     "entropy",
+    "token_stats",
     "TokenStats",
+    # the support of the policy that sampled (top-k / top-p / min-p, engines' kept sets)
+    "sampling",
     # the same as nn.Modules
     "FullKL",
     "KLPenalty",

@@ -11,16 +11,25 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _validation as v
+from .ops import autograd as ag
 from .ops.dispatch import get_backend
+from .sampling import resolve_support
 
-__all__ = ["full_kl", "kl_penalized_reward", "token_logprobs", "entropy", "TokenStats"]
+__all__ = [
+    "full_kl",
+    "kl_penalized_reward",
+    "token_logprobs",
+    "entropy",
+    "token_stats",
+    "TokenStats",
+]
 
 
 class TokenStats(NamedTuple):
     """Per-position statistics of one batch, each (...) or None where not requested.
 
-    Returned by the one-pass functions (the policy logits, or the hidden states and LM heads,
-    are read once for all of them).
+    Returned by the one-pass functions (:func:`token_stats`: the policy logits, or the hidden
+    states and LM heads, are read once for all of them).
     """
 
     kl: Optional[torch.Tensor]
@@ -41,6 +50,10 @@ def full_kl(
     temperature: float = 1.0,
     backend: str = "auto",
     check: bool = True,
+    support: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """Exact categorical KL(π‖ρ) at every position, from logits.
 
@@ -68,6 +81,9 @@ def full_kl(
         check: raise ValueError when a counted position's logits hold NaN or define no
             distribution. It reads the (...) result on the host: one device synchronisation
             per call, nothing per tile. ``check=False`` skips it (such positions give NaN).
+        support, top_k, top_p, min_p: the policy that sampled, truncated: KL(π̃‖ρ) with π̃
+            the renormalised policy on the kept set (the reference is never truncated); as
+            in :func:`token_stats`.
 
     Returns:
         (...) float32 (float64 if either input is float64), differentiable (also twice: a
@@ -78,10 +94,13 @@ def full_kl(
     Raises:
         TypeError: non-tensor or non-floating logits, non-bool mask.
         ValueError: mismatched shapes, temperature ≤ 0, an unknown backend, NaN in a counted
-            position's logits (with ``check``).
+            position's logits (with ``check``), an invalid support.
     """
-    mask, temperature, impl = check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
-    return impl.full_kl(policy_logits, ref_logits, mask, temperature, check=check)
+    return _token_stats(
+        policy_logits, ref_logits, None, x_name="policy_logits", kl=True, logp=False,
+        ref_logp=False, entropy=False, mask=mask, support=support, top_k=top_k, top_p=top_p,
+        min_p=min_p, temperature=temperature, ignore_index=-100, backend=backend, check=check,
+    ).kl
 
 
 def check_kl_args(policy_logits, ref_logits, mask, temperature, backend):
@@ -152,6 +171,10 @@ def token_logprobs(
     ignore_index: int = -100,
     backend: str = "auto",
     check: bool = True,
+    support: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """log π(token) = log softmax(logits / T)[token] at every position.
 
@@ -165,8 +188,11 @@ def token_logprobs(
         ignore_index: negative int; positions whose token equals it (Hugging Face labels use
             -100 for prompt and padding) give 0 and zero gradient, as in cross-entropy.
         backend: as in :func:`full_kl`.
-        check: raise ValueError for tokens out of range and NaN log-probs (one device
-            synchronisation per call); ``check=False`` skips it.
+        check: raise ValueError for tokens out of range, NaN log-probs and (with a support)
+            tokens outside the support (one device synchronisation per call); ``check=False``
+            skips it.
+        support, top_k, top_p, min_p: log π̃(token) under the truncated policy that sampled
+            (see :func:`token_stats`).
 
     Returns:
         (...) float32 (float64 for float64 logits), ≤ 0, differentiable with respect to logits
@@ -174,15 +200,14 @@ def token_logprobs(
 
     Raises:
         TypeError: non-floating logits or non-integer tokens.
-        ValueError: shape mismatch, temperature ≤ 0, ignore_index ≥ 0, and with ``check``:
-            token out of range, NaN in logits.
+        ValueError: shape mismatch, temperature ≤ 0, ignore_index ≥ 0, an invalid support,
+            and with ``check``: token out of range, NaN in logits, a token off the support.
     """
-    v.check_logits("logits", logits)
-    v.check_tokens(tokens, logits.shape[:-1])
-    temperature = v.check_temperature(temperature)
-    ignore_index = v.check_ignore_index(ignore_index)
-    impl = get_backend(backend, logits.device)
-    return impl.token_logprobs(logits, tokens, temperature, ignore_index=ignore_index, check=check)
+    return _token_stats(
+        logits, None, tokens, x_name="logits", kl=False, logp=True, ref_logp=False,
+        entropy=False, mask=None, support=support, top_k=top_k, top_p=top_p, min_p=min_p,
+        temperature=temperature, ignore_index=ignore_index, backend=backend, check=check,
+    ).logprobs
 
 
 def entropy(
@@ -192,6 +217,10 @@ def entropy(
     temperature: float = 1.0,
     backend: str = "auto",
     check: bool = True,
+    support: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """The policy entropy H(π) = −Σ_v π(v)·log π(v), π = softmax(logits / T), at every position.
 
@@ -208,6 +237,7 @@ def entropy(
         backend: as in :func:`full_kl`.
         check: raise ValueError when a counted position's logits hold NaN or define no
             distribution (one host read per call); ``check=False`` gives NaN there.
+        support, top_k, top_p, min_p: H(π̃) of the truncated policy (see :func:`token_stats`).
 
     Returns:
         (...) float32 (float64 for float64 logits), ≥ 0, differentiable (also twice); the
@@ -216,11 +246,147 @@ def entropy(
     Raises:
         TypeError: non-tensor or non-floating logits, non-bool mask.
         ValueError: a mask of the wrong shape, temperature ≤ 0, an unknown backend, NaN in a
-            counted position's logits (with ``check``).
+            counted position's logits (with ``check``), an invalid support.
     """
-    v.check_logits("logits", logits)
+    return _token_stats(
+        logits, None, None, x_name="logits", kl=False, logp=False, ref_logp=False, entropy=True,
+        mask=mask, support=support, top_k=top_k, top_p=top_p, min_p=min_p,
+        temperature=temperature, ignore_index=-100, backend=backend, check=check,
+    ).entropy
+
+
+def token_stats(
+    policy_logits: torch.Tensor,
+    ref_logits: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
+    *,
+    mask: torch.Tensor | None = None,
+    entropy: bool = False,
+    support: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    backend: str = "auto",
+    check: bool = True,
+) -> TokenStats:
+    """Every per-token statistic of a PPO/GRPO step from one read of the logits.
+
+    Returns the exact KL(π̃‖ρ) when ``ref_logits`` is given, log π̃(token) when ``tokens`` is,
+    log ρ(token) when both are, and H(π̃) with ``entropy=True``, from one backend call that
+    reads each logit once (and once more in the backward, for all the gradients together).
+    :func:`full_kl`, :func:`token_logprobs` and :func:`entropy` are views of it.
+
+    π̃ is the policy that really sampled: softmax(policy_logits / T) renormalised on the kept
+    set of each position, given as ``support`` or built from ``top_k``/``top_p``/``min_p``
+    exactly as a sampler does (:mod:`klpenalty.sampling`: temperature first, top-k → top-p →
+    min-p, ties at a boundary kept, at least one token kept); without them π̃ = π. The
+    reference ρ = softmax(ref_logits / T) is never truncated, so KL(π̃‖ρ) is finite even where
+    ρ gives no mass outside the support.
+
+    >>> import torch, klpenalty
+    >>> x = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    >>> s = klpenalty.token_stats(x, x, torch.tensor([0]), top_k=2, entropy=True)
+    >>> round(s.logprobs.item(), 4), round(s.kl.item(), 4)  # π̃ = softmax of (2, 1) only
+    (-0.3133, 0.1269)
+
+    Args:
+        policy_logits: (..., V) float16/bfloat16/float32/float64, the policy π. Gradients flow.
+        ref_logits: (..., V) same shape, or None (then no KL and no ref log-probs).
+        tokens: (...) integer ids in [0, V) or ``ignore_index``, or None.
+        mask: optional (...) bool, True = counts; False positions give 0 in every field and
+            zero gradients, whatever their logits hold.
+        entropy: also return H(π̃).
+        support: the kept set per position: a bool tensor (..., V) (True = kept), or the
+            compact form of inference engines, a pair ``(ids, offsets)``: flat kept ids (K,)
+            and offsets (N + 1,), row r keeping ``ids[offsets[r]:offsets[r+1]]`` (rows in
+            row-major order of the leading dims). It becomes a per-row threshold when each
+            set is exactly {v : x_v ≥ τ} (checked), else a dense mask (N·V bytes).
+            Excludes ``top_k``/``top_p``/``min_p``.
+        top_k: int ≥ 1; top_p: in (0, 1]; min_p: in [0, 1]: the sampler's settings (with its
+            ``temperature``).
+        temperature: > 0, divides both models' logits (the sampler's temperature).
+        ignore_index: negative int; tokens equal to it give 0 and zero gradient in the two
+            log-prob fields.
+        backend: as in :func:`full_kl`.
+        check: raise ValueError for tokens out of range, NaN in a counted position, and a
+            sampled token outside the support (naming its position); one host read per call.
+            ``check=False`` gives NaN / −inf there instead.
+
+    Returns:
+        :class:`TokenStats` (kl, logprobs, ref_logprobs, entropy), each (...) float32 (float64
+        for float64 inputs) or None where not requested; differentiable with respect to both
+        logits (also twice). Gradients flow through π̃ (the support itself is a fixed set):
+        0 off the support.
+
+    Raises:
+        TypeError / ValueError: invalid arguments (named, with shape and dtype), nothing
+            requested, and with ``check`` the errors above.
+    """
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
+    if ref_logits is None and tokens is None and not entropy:
+        raise ValueError(
+            "token_stats has nothing to compute: give ref_logits (KL), tokens (log-probs) "
+            "or entropy=True"
+        )
+    return _token_stats(
+        policy_logits, ref_logits, tokens, x_name="policy_logits", kl=ref_logits is not None,
+        logp=tokens is not None, ref_logp=ref_logits is not None and tokens is not None,
+        entropy=entropy, mask=mask, support=support, top_k=top_k, top_p=top_p, min_p=min_p,
+        temperature=temperature, ignore_index=ignore_index, backend=backend, check=check,
+    )
+
+
+def _token_stats(
+    x, y, tokens, *, x_name, kl, logp, ref_logp, entropy, mask, support, top_k, top_p, min_p,
+    temperature, ignore_index, backend, check,
+) -> TokenStats:
+    """The one validation and dispatch of the public functions; ``kl``/``logp``/``ref_logp``/
+    ``entropy`` say which fields are wanted (the view functions ask for one)."""
+    if kl or ref_logp:
+        v.check_logits_pair(x, y)
+    else:
+        v.check_logits(x_name, x)
+        y = None
+    leading = x.shape[:-1]
+    if logp or ref_logp:
+        v.check_tokens(tokens, leading)
+    else:
+        tokens = None
     temperature = v.check_temperature(temperature)
+    if tokens is not None:
+        ignore_index = v.check_ignore_index(ignore_index)
     if mask is not None:
-        mask = v.check_mask(mask, logits.shape[:-1], logits.device)
-    impl = get_backend(backend, logits.device)
-    return impl.entropy(logits, mask, temperature, check=check)
+        mask = v.check_mask(mask, leading, x.device)
+    impl = get_backend(backend, x.device)
+    keep, tau = resolve_support(x, support, top_k, top_p, min_p, temperature)
+    want = (
+        ag.WANT_KL * kl + ag.WANT_LOGP * logp + ag.WANT_REF_LOGP * ref_logp
+        + ag.WANT_ENTROPY * entropy
+    )
+    cols = _dispatch(impl, x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check)
+    return TokenStats(*cols)
+
+
+def _dispatch(impl, x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check):
+    """One backend call → the four fields (None where not wanted). A single output without a
+    support runs the backend's dedicated op (the same contract and numbers; the native and
+    Triton kernels of the one-pass op replace these when they land)."""
+    if keep is None and tau is None:
+        if want == ag.WANT_KL:
+            return impl.full_kl(x, y, mask, temperature, check=check), None, None, None
+        if want == ag.WANT_ENTROPY:
+            return None, None, None, impl.entropy(x, mask, temperature, check=check)
+        if want == ag.WANT_LOGP and mask is None:
+            lp = impl.token_logprobs(x, tokens, temperature, ignore_index=ignore_index, check=check)
+            return None, lp, None, None
+    out = impl.token_stats(
+        x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
+        check=check,
+    )
+    return tuple(  # (...) contiguous fields: callers may .view() them
+        out[..., col].contiguous() if want & bit else None
+        for col, bit in enumerate((ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY))
+    )

@@ -204,3 +204,15 @@ def test_forward_with_a_support_allocates_nothing_of_size_rows_by_vocab():
     assert largest <= tile * 4
     assert peak <= 8 * tile * 4 + 64 * n * 16
     assert peak < n * v / 4
+
+
+def test_every_backend_has_the_token_stats_entry_with_the_streaming_signature():
+    import inspect
+
+    from klpenalty.ops import dispatch
+
+    want = inspect.signature(streaming.token_stats)
+    for name, module in dispatch.BACKENDS.items():
+        got = inspect.signature(module.token_stats)
+        assert list(got.parameters) == list(want.parameters), name
+        assert [p.kind for p in got.parameters.values()] == [p.kind for p in want.parameters.values()]

@@ -1,0 +1,217 @@
+"""klpenalty.sampling: top-k / top-p / min-p thresholds and the engines' compact kept sets,
+against float64 references of the truncated distributions written here (a materialising
+sort per row)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from klpenalty import sampling
+from klpenalty.sampling import resolve_support, sampling_threshold, support_from_ids
+
+from .conftest import make_logits
+from .ops.test_streaming import _alloc_profile
+
+
+# ------------------------------------------------------------------ the float64 reference
+def ref_kept(row: torch.Tensor, top_k=None, top_p=None, min_p=None, temperature=1.0):
+    """Kept set (V,) bool of one row, as a sampler does it, step by step in float64: sort,
+    cut, renormalise, sort again. Ties at each boundary are kept."""
+    x = row.double()
+    kept = torch.ones_like(x, dtype=torch.bool)
+    if top_k is not None and top_k < x.numel():
+        kth = x.sort(descending=True).values[top_k - 1]
+        kept &= x >= kth
+    if top_p is not None and top_p < 1.0:
+        probs = torch.softmax(torch.where(kept, x / temperature, -math.inf), -1)
+        order = torch.argsort(x, descending=True)
+        mass, last = 0.0, None
+        for i in order.tolist():
+            if not kept[i]:
+                continue
+            if mass < top_p:
+                last = x[i]
+            mass += probs[i].item()
+        kept &= x >= last
+    if min_p is not None and min_p > 0.0:
+        probs = torch.softmax(torch.where(kept, x / temperature, -math.inf), -1)
+        kept &= probs >= min_p * probs.max()
+    return kept
+
+
+def _kept_by_tau(x, tau):
+    return x.to(tau.dtype) >= tau.unsqueeze(-1)
+
+
+# ------------------------------------------------------------------ thresholds
+SETTINGS = [
+    dict(top_k=1),
+    dict(top_k=5),
+    dict(top_k=60),  # k > V: nothing cut
+    dict(top_p=0.3),
+    dict(top_p=0.9, temperature=0.5),
+    dict(top_p=0.9, temperature=2.0),  # temperature first: a wider kept set
+    dict(min_p=0.05),
+    dict(min_p=0.2, temperature=1.7),
+    dict(top_k=8, top_p=0.6),  # top-p on the renormalised top-k distribution
+    dict(top_k=20, top_p=0.95, min_p=0.1, temperature=0.8),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_thresholds_match_the_reference(dtype):
+    x, _ = make_logits((3, 4, 50), dtype, seed=1, scale=2.0)
+    rows = x.reshape(-1, 50)
+    for kw in SETTINGS:
+        tau = sampling_threshold(x, **kw)
+        assert tau.shape == (3, 4)
+        assert tau.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        got = _kept_by_tau(x, tau).reshape(-1, 50)
+        want = torch.stack([ref_kept(r, **kw) for r in rows])
+        assert torch.equal(got, want), kw
+
+
+def test_temperature_is_applied_first():
+    x, _ = make_logits((6, 40), seed=2, scale=2.0)
+    cold = _kept_by_tau(x, sampling_threshold(x, top_p=0.8, temperature=0.5)).sum(-1)
+    hot = _kept_by_tau(x, sampling_threshold(x, top_p=0.8, temperature=2.0)).sum(-1)
+    assert torch.all(cold <= hot) and torch.any(cold < hot)
+
+
+def test_ties_at_the_kth_logit_are_all_kept():
+    x = torch.tensor([[5.0, 3.0, 1.0, 3.0, 3.0, -2.0]])
+    tau = sampling_threshold(x, top_k=2)
+    assert tau.item() == 3.0
+    assert _kept_by_tau(x, tau).tolist() == [[True, True, False, True, True, False]]
+    # min_p = 1: only the largest logit, and its ties
+    y = torch.tensor([[4.0, 4.0, 1.0]])
+    assert _kept_by_tau(y, sampling_threshold(y, min_p=1.0)).tolist() == [[True, True, False]]
+
+
+def test_top_p_boundaries():
+    """Token j (in decreasing order) is kept iff the mass strictly before it is < p: exactly
+    p drops it, the next float above keeps it, the one below drops it and keeps j − 1."""
+    x = torch.tensor([[2.0, 0.5, 1.25, -1.0, 0.0, 0.9]], dtype=torch.float64)
+    t = 0.8
+    vals = x.sort(-1, descending=True).values
+    probs = torch.softmax(vals / t, -1)
+    before = torch.cat([torch.zeros(1, 1, dtype=torch.float64), torch.cumsum(probs, -1)[:, :-1]], -1)
+    j = 3
+    p = before[0, j].item()  # the mass before the 4th largest logit
+    kept = lambda top_p: int(_kept_by_tau(x, sampling_threshold(x, top_p=top_p, temperature=t)).sum())
+    assert kept(p) == j
+    assert kept(math.nextafter(p, 2.0)) == j + 1
+    assert kept(math.nextafter(p, 0.0)) == j
+    assert kept(before[0, j - 1].item()) == j - 1
+    assert kept(1e-12) == 1  # at least one token
+    assert kept(1.0) == 6
+
+
+def test_min_p_boundary():
+    x = torch.tensor([[3.0, 2.0, 0.5, -4.0]], dtype=torch.float64)
+    t = 1.3
+    ratio = torch.exp((x - x.max()) / t)  # π_v / π_max
+    for j, want in ((1, 2), (2, 3)):
+        assert int(_kept_by_tau(x, sampling_threshold(x, min_p=ratio[0, j].item(), temperature=t)).sum()) == want
+        above = math.nextafter(ratio[0, j].item(), 2.0)
+        assert int(_kept_by_tau(x, sampling_threshold(x, min_p=above, temperature=t)).sum()) == want - 1
+
+
+def test_nan_rows_keep_nothing_and_minus_inf_rows_are_safe():
+    x = torch.randn(3, 9)
+    x[1, 4] = float("nan")
+    x[2] = float("-inf")
+    tau = sampling_threshold(x, top_k=3, top_p=0.5)
+    assert math.isnan(tau[1].item()) and tau[2].item() == float("-inf")
+    assert torch.isfinite(tau[0])
+
+
+def test_row_chunks_give_the_same_thresholds_and_o_chunk_memory():
+    x, _ = make_logits((32, 1024), seed=4)
+    full = sampling_threshold(x, top_k=50, top_p=0.9, min_p=0.01)
+    assert torch.equal(sampling_threshold(x, top_k=50, top_p=0.9, min_p=0.01, chunk_rows=3), full)
+    peak, largest = _alloc_profile(
+        lambda: sampling_threshold(x, top_k=50, top_p=0.9, min_p=0.01, chunk_rows=2)
+    )
+    one_input = 32 * 1024 * 4
+    assert largest <= 2 * 2 * 1024 * 8  # of the order of one float64 buffer of the chunk (sort)
+    assert peak < one_input  # never a sort of the whole batch
+
+
+# ------------------------------------------------------------------ compact kept sets
+def _compact(kept: torch.Tensor):
+    """(ids, offsets) of a (N, V) bool kept mask, in row order."""
+    rows, ids = kept.nonzero(as_tuple=True)
+    counts = torch.bincount(rows, minlength=kept.shape[0])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    return ids, offsets
+
+
+def test_compact_threshold_sets_become_tau():
+    x, _ = make_logits((2, 3, 30), seed=5, scale=2.0)
+    tau = sampling_threshold(x, top_k=6, top_p=0.8)
+    ids, offsets = _compact(_kept_by_tau(x, tau).reshape(6, 30))
+    keep, tau2 = support_from_ids(x, ids, offsets, chunk_rows=4)
+    assert keep is None and torch.equal(tau2, tau)
+
+
+def test_compact_sets_without_a_threshold_become_a_dense_mask():
+    x = torch.tensor([[5.0, 3.0, 1.0, 3.0], [0.0, 1.0, 2.0, 3.0]])
+    # row 0: a sampler broke the tie at 3.0 and kept only id 1; row 1: a non-threshold set
+    ids, offsets = torch.tensor([0, 1, 3, 1]), torch.tensor([0, 2, 4])
+    keep, tau = support_from_ids(x, ids, offsets)
+    assert tau is None
+    assert keep.tolist() == [[True, True, False, False], [False, True, False, True]]
+    # an empty set keeps nothing (the row must be masked out)
+    keep, tau = support_from_ids(x, torch.tensor([0]), torch.tensor([0, 1, 1]))
+    assert keep is None and tau[1].item() == float("inf")
+
+
+# ------------------------------------------------------------------ validation
+def test_sampler_settings_are_validated():
+    x = torch.randn(2, 5)
+    for kw, err, match in (
+        (dict(top_k=0), ValueError, "top_k must be >= 1"),
+        (dict(top_k=2.0), TypeError, "top_k must be an int"),
+        (dict(top_k=True), TypeError, "top_k must be an int"),
+        (dict(top_p=0.0), ValueError, r"top_p must lie in \(0, 1\]"),
+        (dict(top_p=1.5), ValueError, r"top_p must lie in \(0, 1\]"),
+        (dict(top_p=float("nan")), ValueError, r"top_p must lie in \(0, 1\]"),
+        (dict(top_p="0.9"), TypeError, "top_p must be a real number"),
+        (dict(min_p=-0.1), ValueError, r"min_p must lie in \[0, 1\]"),
+        (dict(min_p=2), ValueError, r"min_p must lie in \[0, 1\]"),
+        (dict(temperature=0.0), ValueError, "temperature must be finite and > 0"),
+    ):
+        with pytest.raises(err, match=match):
+            sampling_threshold(x, **kw)
+    with pytest.raises(TypeError, match="logits must be a floating-point tensor"):
+        sampling_threshold(torch.ones(2, 5, dtype=torch.long), top_k=1)
+
+
+def test_support_is_validated():
+    x = torch.randn(2, 3, 5)
+    ids, offsets = torch.tensor([0, 1, 2, 3, 4, 0]), torch.tensor([0, 1, 2, 3, 4, 5, 6])
+    keep, tau = resolve_support(x, (ids, offsets), None, None, None, 1.0)
+    assert (keep is None) != (tau is None)
+    bad = [
+        (((ids, offsets), 3, None), ValueError, "support and top_k both given"),
+        ((torch.ones(2, 3, 5), None, None), TypeError, r"support must be a bool tensor .* dtype=torch.float32"),
+        ((torch.ones(2, 5, dtype=torch.bool), None, None), ValueError, r"shape of the policy logits \(2, 3, 5\), got shape=\(2, 5\)"),
+        (((ids, offsets, ids), None, None), TypeError, "support must be a bool tensor .* or a pair"),
+        (((ids.float(), offsets), None, None), TypeError, "support ids must be an integer tensor"),
+        (((ids, offsets.view(1, -1)), None, None), ValueError, "support offsets must be 1-D"),
+        (((ids, offsets[:-1]), None, None), ValueError, r"N \+ 1 = 7 entries \(N = 6 positions\)"),
+        (((ids, offsets + 1), None, None), ValueError, "must start at 0 and end at len"),
+        (((ids, torch.tensor([0, 2, 1, 3, 4, 5, 6])), None, None), ValueError, "non-decreasing"),
+        (((ids + 1, offsets), None, None), ValueError, r"support ids must lie in \[0, 5\)"),
+        (((list(ids), offsets), None, None), TypeError, "support ids must be a torch.Tensor"),
+    ]
+    for (support, top_k, top_p), err, match in bad:
+        with pytest.raises(err, match=match):
+            resolve_support(x, support, top_k, top_p, None, 1.0)
+    # nothing cut: no support at all (NaN logits are still reported by the op)
+    assert resolve_support(x, None, 5, 1.0, 0.0, 1.0) == (None, None)
+    assert sampling.CHUNK_ELEMENTS >= 1 << 16

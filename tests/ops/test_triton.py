@@ -109,6 +109,39 @@ def test_token_stats_shared_grid(dtype, vocab_chunk):
     check_token_stats(_run(vocab_chunk), dtype, device=DEVICE)
 
 
+def test_public_token_stats_with_a_sampler_support_matches_streaming():
+    """klpenalty.token_stats(backend="triton") with top-k/top-p (a tau support) and a compact
+    kept set that is not a threshold (a keep mask), on bf16 logits: the streaming backend's
+    values and gradients."""
+    x, y = _on(*make_logits((2, 3, 45), torch.bfloat16, seed=31))
+    tokens = x.float().argmax(-1)  # kept by any sampler
+    tokens[0, 1] = -100
+    mask = torch.ones(2, 3, dtype=torch.bool, device=DEVICE)
+    mask[1, 2] = False
+    ids, offsets = [], [0]
+    for row in x.reshape(6, 45).float():
+        top = row.argsort(descending=True)[:6]
+        kept = top[top != top[3]].tolist()  # the 4th largest left out: not a threshold
+        ids += kept
+        offsets.append(offsets[-1] + len(kept))
+    compact = (torch.tensor(ids, device=DEVICE), torch.tensor(offsets, device=DEVICE))
+    weights = torch.tensor([1.0, -0.5, 0.75, 2.0], device=DEVICE)
+
+    def run(backend, support):
+        xs, ys = x.clone().requires_grad_(), y.clone().requires_grad_()
+        s = klpenalty.token_stats(xs, ys, tokens, mask=mask, entropy=True, temperature=0.8,
+                                  backend=backend, **support)
+        loss = sum(w * f.sum() for w, f in zip(weights, s))
+        return (*s, *torch.autograd.grad(loss, (xs, ys)))
+
+    for support in (dict(top_k=7, top_p=0.9), dict(support=compact)):
+        got, want = run("triton", support), run("streaming", support)
+        for a, b in zip(got[:4], want[:4]):
+            torch.testing.assert_close(a, b, **tol(torch.bfloat16))
+        for a, b in zip(got[4:], want[4:]):
+            torch.testing.assert_close(a, b, **grad_tol(torch.bfloat16))
+
+
 # --------------------------------------------------------------------------- full KL
 # The views full_kl / token_logprobs / entropy: each dtype, V = 1, V below and above a block,
 # one program per row and split (the shared grid covers the op itself).

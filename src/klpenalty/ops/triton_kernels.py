@@ -448,7 +448,7 @@ def full_kl(
     return token_stats(
         x, y, None, mask, None, None, temperature, want=ag.WANT_KL, check=check,
         vocab_chunk=vocab_chunk,
-    )[..., ag.OUT_KL]
+    )[..., ag.OUT_KL].contiguous()  # (...) contiguous: callers may .view() it
 
 
 def token_logprobs(
@@ -465,7 +465,7 @@ def token_logprobs(
     return token_stats(
         x, None, tokens, None, None, None, temperature, want=ag.WANT_LOGP,
         ignore_index=ignore_index, check=check, vocab_chunk=vocab_chunk,
-    )[..., ag.OUT_LOGP]
+    )[..., ag.OUT_LOGP].contiguous()  # (...) contiguous: callers may .view() it
 
 
 def entropy(
@@ -481,4 +481,4 @@ def entropy(
     return token_stats(
         x, None, None, mask, None, None, temperature, want=ag.WANT_ENTROPY, check=check,
         vocab_chunk=vocab_chunk,
-    )[..., ag.OUT_ENTROPY]
+    )[..., ag.OUT_ENTROPY].contiguous()  # (...) contiguous: callers may .view() it

@@ -56,7 +56,6 @@ __all__ = [
     "full_kl",
     "token_logprobs",
     "entropy",
-    "token_stats",
     "available",
     "interpreted",
     "check_device",
@@ -207,7 +206,9 @@ def forward_constexprs(flags, has_keep: bool, has_tau: bool) -> dict[str, bool]:
     )
 
 
-def backward_constexprs(flags, need_x: bool, need_y: bool, has_keep: bool, has_tau: bool) -> dict[str, bool]:
+def backward_constexprs(
+    flags, need_x: bool, need_y: bool, has_keep: bool, has_tau: bool
+) -> dict[str, bool]:
     """The ``tl.constexpr`` flags of :func:`._triton_jit.grad_kernel` (as
     :func:`forward_constexprs`; ``need_x``/``need_y``: the gradients written)."""
     kl, logp, ref_logp, ent = flags

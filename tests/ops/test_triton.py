@@ -1,7 +1,9 @@
-"""The Triton backend against the float64 reference: dtypes, −inf patterns, masks with garbage
-rows, temperatures, strides, odd V and V = 1, the split-vocabulary forward, gradients with a
-non-unit upstream gradient, token log-probs, entropy, torch.compile, the empty batch, the NaN
-check, dispatch, and a compilation of the kernels for a CUDA target.
+"""The Triton backend against the float64 reference: the one-pass token_stats op on the shared
+grid (tests/ops/cases.py: every want, supports by keep and tau, −inf patterns, checks), its
+views full_kl / token_logprobs / entropy (dtypes, masks with garbage rows, temperatures,
+strides, odd V and V = 1, the split-vocabulary forward, gradients with a non-unit upstream
+gradient), torch.compile, the empty batch, the NaN check, dispatch, and a compilation of both
+kernels for a CUDA target in every specialisation the library launches.
 
 With a GPU the tensors live on it and the kernels run compiled; without one they run on CPU
 tensors in Triton's interpreter (``TRITON_INTERPRET=1``, set by this module's fixture only, for

@@ -10,6 +10,12 @@ pass reading both inputs: ``x.sum() + y.sum()`` in fp32 accumulation; for forwar
 read both, read again and write one tensor the size of the policy), the peak extra memory from
 ``torch.cuda.max_memory_allocated`` and the max error vs float64 on a subset of rows.
 
+One-pass rows (issue 14): KL + the sampled tokens' log-probs + the entropy of one batch, by
+three calls (``full_kl``, ``token_logprobs``, ``entropy``: the policy logits read three times)
+against one call of the Triton backend's ``token_stats`` (read once), forward and
+forward+backward (the gradient of the sum of the three), at ``--one-pass-shapes`` (default
+8x4096x128256 bf16). Their GB/s and floor ratio count one read of both inputs.
+
 Written for torch 2.11 / Triton 3.6 / Python 3.12 (no network needed). Usage::
 
     python benchmarks/bench_gpu.py                       # the four shapes of issue 11
@@ -44,6 +50,8 @@ def _parse(argv):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--providers", nargs="*", default=None,
                    help="subset of: seed kl_div streaming triton liger")
+    p.add_argument("--one-pass-shapes", nargs="*", default=["8x4096x128256"],
+                   help="BxTxV shapes (bf16) of the one-pass rows; none to skip them")
     p.add_argument("--out", default=OUT_DIR, help="folder for bench_gpu.csv / bench_gpu.md")
     return p.parse_args(argv)
 
@@ -53,6 +61,27 @@ def _cases(args):
         return SHAPES
     dtypes = args.dtypes or ["bf16"]
     return [(tuple(int(n) for n in s.lower().split("x")), d) for s in args.shapes for d in dtypes]
+
+
+def one_pass_providers(tokens):
+    """name -> fn(x, y) returning (KL, log π(token), H) per position: three calls of the
+    public functions on the Triton backend, or one call of its one-pass ``token_stats``.
+    Runs wherever the Triton backend runs (CPU tensors under TRITON_INTERPRET=1 too)."""
+    import klpenalty
+    from klpenalty.ops import autograd as ag
+    from klpenalty.ops import triton_kernels as tk
+
+    def three_calls(x, y):
+        return (klpenalty.full_kl(x, y, backend="triton"),
+                klpenalty.token_logprobs(x, tokens, backend="triton"),
+                klpenalty.entropy(x, backend="triton"))
+
+    def one_call(x, y):
+        out = tk.token_stats(x, y, tokens, None, 1.0,
+                             want=ag.WANT_KL | ag.WANT_LOGP | ag.WANT_ENTROPY)
+        return out[..., ag.OUT_KL], out[..., ag.OUT_LOGP], out[..., ag.OUT_ENTROPY]
+
+    return {"kl+logp+H 3 calls": three_calls, "kl+logp+H token_stats": one_call}
 
 
 def main(argv=None) -> int:
@@ -151,6 +180,65 @@ def main(argv=None) -> int:
                         err = (fn(*sub).double() - want).abs().max().item()
                     note = ""
                 except Exception as exc:  # e.g. out of memory: recorded, the run goes on
+                    ms, peak, err, note = float("nan"), float("nan"), float("nan"), type(exc).__name__
+                    torch.cuda.empty_cache()
+                row = {
+                    "shape": "x".join(map(str, shape)), "dtype": dname, "mode": mode,
+                    "provider": name, "ms": ms, "GB/s": moved[mode] / ms / 1e6,
+                    "x_floor": ms / floors[mode], "peak_extra_MiB": peak, "max_err": err,
+                    "note": note,
+                }
+                rows.append(row)
+                print("  " + "  ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else
+                                        f"{k}={row[k]}" for k in row))
+        del x, y
+        torch.cuda.empty_cache()
+    for text in args.one_pass_shapes:  # one pass vs three calls
+        shape, dname = tuple(int(n) for n in text.lower().split("x")), "bf16"
+        g = torch.Generator(device=device).manual_seed(0)
+        x = (torch.randn(shape, generator=g, device=device) * 2).to(torch.bfloat16)
+        y = (x.float() + 0.3 * torch.randn(shape, generator=g, device=device)).to(torch.bfloat16)
+        tokens = torch.randint(0, shape[-1], shape[:-1], generator=g, device=device)
+        v = shape[-1]
+        sub = (x.reshape(-1, v)[:ERROR_ROWS], y.reshape(-1, v)[:ERROR_ROWS])
+        want = full_kl_reference(*sub)
+        in_bytes = 2 * x.numel() * x.element_size()
+        floors = {
+            "fwd": timed(lambda: (x.sum(dtype=torch.float32), y.sum(dtype=torch.float32)), args.repeats),
+            "fwd+bwd": timed(
+                lambda: (x.sum(dtype=torch.float32), y.sum(dtype=torch.float32),
+                         x.sum(dtype=torch.float32), y.sum(dtype=torch.float32),
+                         torch.empty_like(x).fill_(1)),
+                args.repeats,
+            ),
+        }
+        moved = {"fwd": in_bytes, "fwd+bwd": 2 * in_bytes + x.numel() * x.element_size()}
+        one_pass = one_pass_providers(tokens)
+        sub_one_pass = one_pass_providers(tokens.reshape(-1)[:ERROR_ROWS])
+        for mode in ("fwd", "fwd+bwd"):
+            print(f"{shape} {dname} one pass {mode}: floor {floors[mode]:.3f} ms")
+            for name, fn in one_pass.items():
+                xg = x.detach().requires_grad_(mode == "fwd+bwd")
+
+                def call():
+                    kl, lp, h = fn(xg, y)
+                    if mode == "fwd+bwd":
+                        (kl + lp + h).sum().backward()
+                        xg.grad = None
+                    return kl
+
+                try:
+                    for _ in range(args.warmup):
+                        call()
+                    torch.cuda.synchronize()
+                    base = torch.cuda.memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
+                    ms = timed(call, args.repeats)
+                    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                    with torch.no_grad():
+                        err = (sub_one_pass[name](*sub)[0].double() - want).abs().max().item()
+                    note = ""
+                except Exception as exc:  # recorded, the run goes on
                     ms, peak, err, note = float("nan"), float("nan"), float("nan"), type(exc).__name__
                     torch.cuda.empty_cache()
                 row = {

@@ -1,8 +1,13 @@
-"""Spawns the real gloo process groups once per session and hands their results to the tests.
+"""Spawns the real process groups once per session and hands their results to the tests.
 
-One process group per world size (2 and 4, vocab 1001) runs ``tests/distributed/worker.py``
-(one subprocess per rank, rendezvous through a FileStore in a tmp dir: no ports); it runs every
-check once, and the test modules of this folder report each check as its own test. A hang
+One process group per world size (vocab 1001) runs ``tests/distributed/worker.py`` (one
+subprocess per rank, rendezvous through a FileStore in a tmp dir: no ports); it runs every
+check once, and the test modules of this folder report each check as its own test.
+
+Backend (:data:`BACKEND`): ``gloo`` on CPU tensors, world sizes 2 and 4; where CUDA and NCCL are
+available, ``nccl`` with one rank per GPU: world sizes 2 and 4 as far as there are GPUs, or a
+single rank on one GPU. ``KLPENALTY_TEST_DIST=gloo|nccl`` forces the backend and
+``KLPENALTY_TEST_WORLDS=1,2`` the world sizes (e.g. the single-rank run on CPU). A hang
 cannot block CI: the process group times out collectives after 20 s and the ranks are killed
 after ``RUN_TIMEOUT_S``.
 """
@@ -22,8 +27,29 @@ import torch
 import klpenalty
 
 ROOT = Path(__file__).resolve().parents[2]  # holds the ``tests`` package
-WORLD_SIZES = (2, 4)
 RUN_TIMEOUT_S = 150
+
+
+def _backend() -> str:
+    forced = os.environ.get("KLPENALTY_TEST_DIST", "")
+    if forced:
+        return forced
+    usable = torch.cuda.is_available() and torch.distributed.is_available()
+    return "nccl" if usable and torch.distributed.is_nccl_available() else "gloo"
+
+
+def _world_sizes(backend: str) -> tuple[int, ...]:
+    forced = os.environ.get("KLPENALTY_TEST_WORLDS", "")
+    if forced:
+        return tuple(int(w) for w in forced.split(","))
+    if backend != "nccl":
+        return (2, 4)
+    gpus = torch.cuda.device_count()  # NCCL wants a GPU of its own per rank
+    return tuple(w for w in (2, 4) if w <= gpus) or (1,)
+
+
+BACKEND = _backend()
+WORLD_SIZES = _world_sizes(BACKEND)
 
 
 def _start(world: int, tmp: Path) -> tuple[list[subprocess.Popen], list]:
@@ -36,7 +62,7 @@ def _start(world: int, tmp: Path) -> tuple[list[subprocess.Popen], list]:
         log = open(tmp / f"rank{rank}.log", "w")
         logs.append(log)
         cmd = [sys.executable, "-m", "tests.distributed.worker", str(rank), str(world),
-               str(tmp / "store"), str(tmp)]  # fmt: skip
+               str(tmp / "store"), str(tmp), BACKEND]  # fmt: skip
         procs.append(
             subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         )
@@ -57,8 +83,8 @@ def _collect(world: int, tmp: Path, procs: list[subprocess.Popen]) -> list[dict]
 @pytest.fixture(scope="session")
 def groups(tmp_path_factory) -> dict[int, list[dict]]:
     """Run every check once per world size, both groups at once; {world: [per-rank results]}."""
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.fail("this torch build has no torch.distributed / gloo: cannot run the ranks")
+    if not torch.distributed.is_available() or not torch.distributed.is_backend_available(BACKEND):
+        pytest.fail(f"this torch build has no torch.distributed / {BACKEND}: cannot run the ranks")
     runs = {}
     for world in WORLD_SIZES:
         tmp = tmp_path_factory.mktemp(f"world{world}")
@@ -78,6 +104,23 @@ def groups(tmp_path_factory) -> dict[int, list[dict]]:
             for log in logs:
                 log.close()
     return {world: _collect(world, tmp, ps) for world, (tmp, ps, _) in runs.items()}
+
+
+def needs_peers(world: int, check: str) -> None:
+    """Skip a check that compares ranks (arguments that differ across ranks, a rank at fault
+    and the others) in a single-rank group, where it has nothing to compare."""
+    if world == 1 and check in PEER_CHECKS:
+        pytest.skip(f"{check} compares ranks: a single-rank group has none to compare")
+
+
+# the worker checks that need at least two ranks
+PEER_CHECKS = frozenset(
+    [
+        "check_err_leading_dims", "check_err_vocab_overlap", "check_err_vocab_order",
+        "check_err_dtype", "check_err_mask", "check_err_temperature", "check_err_tokens_differ",
+        "check_err_local_shape", "check_err_controller_beta", "check_err_global_mean_local",
+    ]
+)  # fmt: skip
 
 
 def results(groups: dict[int, list[dict]], world: int, check: str) -> list[dict]:

@@ -1,10 +1,11 @@
-"""klpenalty.distributed.data_parallel on real gloo groups: global means and the controller."""
+"""klpenalty.distributed.data_parallel on real process groups (gloo, or NCCL on GPUs): global
+means and the controller."""
 
 from __future__ import annotations
 
 import pytest
 
-from .conftest import WORLD_SIZES, assert_raised_on_every_rank, results
+from .conftest import WORLD_SIZES, assert_raised_on_every_rank, needs_peers, results
 
 # worker checks asserting the statistics against the single-process computation
 VALUE_CHECKS = ["check_global_masked_mean", "check_controller_identical"]
@@ -28,4 +29,5 @@ def test_statistics(groups, world, check):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("check", sorted(EXPECTED_ERRORS))
 def test_error_raised_on_every_rank(groups, world, check):
+    needs_peers(world, check)
     assert_raised_on_every_rank(groups, world, check, EXPECTED_ERRORS[check])

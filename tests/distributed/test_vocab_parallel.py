@@ -1,11 +1,12 @@
-"""klpenalty.distributed.vocab_parallel on real gloo groups: values, gradients, communication,
-and the errors diagnosed from the all-reduced sums (NaN, a distribution with no mass)."""
+"""klpenalty.distributed.vocab_parallel on real process groups (gloo, or NCCL on GPUs): values,
+gradients, communication, and the errors diagnosed from the all-reduced sums (NaN, a
+distribution with no mass)."""
 
 from __future__ import annotations
 
 import pytest
 
-from .conftest import WORLD_SIZES, assert_raised_on_every_rank, results
+from .conftest import WORLD_SIZES, assert_raised_on_every_rank, needs_peers, results
 
 # worker checks asserting values and gradients against the single-process functions
 VALUE_CHECKS = [
@@ -48,4 +49,5 @@ def test_communication_cost_per_position(groups):
 @pytest.mark.parametrize("world", WORLD_SIZES)
 @pytest.mark.parametrize("check", sorted(EXPECTED_ERRORS))
 def test_error_raised_on_every_rank(groups, world, check):
+    needs_peers(world, check)
     assert_raised_on_every_rank(groups, world, check, EXPECTED_ERRORS[check])

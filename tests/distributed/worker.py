@@ -1,8 +1,11 @@
-"""One rank of the real gloo process groups that tests/distributed/conftest.py spawns.
+"""One rank of the real process groups (gloo, or NCCL on GPUs) that tests/distributed/conftest.py
+spawns.
 
 Run from the repository root as ``python -m tests.distributed.worker RANK WORLD STORE_FILE
-OUT_DIR`` (as a module, so that it imports the one tolerance table, ``tests/tolerances.py``).
-The rank joins a gloo group through a FileStore (no ports), runs every check in ``CHECKS`` in
+OUT_DIR [BACKEND]`` (as a module, so that it imports the one tolerance table,
+``tests/tolerances.py``). The rank joins a group of BACKEND (``gloo``, the default, on CPU
+tensors; ``nccl``: one GPU per rank, ``cuda:RANK``, made the default device so that every tensor
+of the checks lives on it) through a FileStore (no ports), runs every check in ``CHECKS`` in
 order and writes ``OUT_DIR/rank{RANK}.json``: for each check ``{"ok": bool, "data": ...,
 "error": traceback}``. Checks do their collectives first and their assertions last, so a failing
 assertion on one rank does not leave the others waiting in a collective; the process group has a
@@ -100,8 +103,14 @@ def small_chunks(elements: int = 150):
         streaming.TILE_ELEMENTS = old
 
 
+def _generator(seed: int) -> torch.Generator:
+    """A generator on the default device (CPU with gloo, the rank's GPU with NCCL): every rank
+    draws the same numbers from the same seed, the ranks being on the same kind of device."""
+    return torch.Generator(device=torch.get_default_device()).manual_seed(seed)
+
+
 def _pair(seed: int, shape, dtype=torch.float32, spread: float = 1.0):
-    g = torch.Generator().manual_seed(seed)
+    g = _generator(seed)
     x = torch.randn(*shape, VOCAB, generator=g) * 3
     y = x + torch.randn(*shape, VOCAB, generator=g) * spread
     return x.to(dtype), y.to(dtype), g
@@ -163,7 +172,7 @@ def check_kl_float64_vs_reference(ctx: Ctx):
 
 def check_kl_gathered_for_real(ctx: Ctx):
     """Gather the shards with all_gather (rank order) and compare with full_kl on them."""
-    g = torch.Generator().manual_seed(100 + ctx.rank)  # different data on every rank
+    g = _generator(100 + ctx.rank)  # different data on every rank
     widths = SPLITS[ctx.world]
     xs = torch.randn(2, 3, widths[ctx.rank], generator=g)
     ys = torch.randn(2, 3, widths[ctx.rank], generator=g)
@@ -271,17 +280,18 @@ def check_communication_volume(ctx: Ctx):
         tok_bwd = calls[start:]
     finally:
         restore()
+    dev = str(xs.device)  # collectives run on the inputs' device
     assert fwd == [
-        ("all_gather", "SUM", 23, 8, "cpu"),  # the config check record (op unused)
-        ("all_reduce", "MAX", 2 * n, 4, "cpu"),
-        ("all_reduce", "SUM", 3 * n, 4, "cpu"),
+        ("all_gather", "SUM", 23, 8, dev),  # the config check record (op unused)
+        ("all_reduce", "MAX", 2 * n, 4, dev),
+        ("all_reduce", "SUM", 3 * n, 4, dev),
     ], fwd
     assert bwd == [] and tok_bwd == [], (bwd, tok_bwd)
     assert [c[0] for c in unchecked] == ["all_reduce", "all_reduce"], unchecked
     assert tok_fwd == [
-        ("all_gather", "SUM", 23, 8, "cpu"),
-        ("all_reduce", "MAX", n, 4, "cpu"),
-        ("all_reduce", "SUM", 2 * n, 4, "cpu"),
+        ("all_gather", "SUM", 23, 8, dev),
+        ("all_reduce", "MAX", n, 4, dev),
+        ("all_reduce", "SUM", 2 * n, 4, dev),
     ], tok_fwd
     per_pos = lambda cs: sum(c[2] * c[3] for c in cs if c[0] == "all_reduce") / n  # noqa: E731
     return {
@@ -319,7 +329,7 @@ def check_token_logprobs_bfloat16(ctx: Ctx):
 
 def _dp_data(ctx: Ctx):
     """Every rank's (values, mask) with a different batch size per rank, from one seed."""
-    g = torch.Generator().manual_seed(8)
+    g = _generator(8)
     data = []
     for r in range(ctx.world):
         b = 1 + 2 * r  # uneven local batch sizes
@@ -359,7 +369,7 @@ def check_controller_identical(ctx: Ctx):
     ctl = AdaptiveKLController(0.1, target=6.0, horizon=100)
     fixed = FixedKLController(0.05)
     single = AdaptiveKLController(0.1, target=6.0, horizon=100)
-    g = torch.Generator().manual_seed(9)
+    g = _generator(9)
     betas, same = [], []
     for step in range(5):
         # per-rank sums and counts differ (rank r has r+1 sequences with a KL around 4..10)
@@ -510,10 +520,15 @@ CHECKS = [name for name in dict(globals()) if name.startswith("check_")]
 
 def main(argv: list[str]) -> int:
     rank, world, store, out_dir = int(argv[1]), int(argv[2]), argv[3], argv[4]
+    backend = argv[5] if len(argv) > 5 else "gloo"
     torch.set_num_threads(1)
     t_init = time.perf_counter()
+    if backend == "nccl":  # one GPU per rank; the checks' tensors are made on it
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+        torch.set_default_device(device)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"file://{store}",
         rank=rank,
         world_size=world,
@@ -532,7 +547,8 @@ def main(argv: list[str]) -> int:
         results[name]["seconds"] = time.perf_counter() - t0
     dist.destroy_process_group()
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
-        json.dump({"klpenalty": klpenalty.__file__, "init_s": init_s, "results": results}, f)
+        json.dump({"klpenalty": klpenalty.__file__, "backend": backend, "init_s": init_s,
+                   "results": results}, f)
     return 0
 
 

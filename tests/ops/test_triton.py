@@ -1,7 +1,9 @@
-"""The Triton backend against the float64 reference: dtypes, −inf patterns, masks with garbage
-rows, temperatures, strides, odd V and V = 1, the split-vocabulary forward, gradients with a
-non-unit upstream gradient, token log-probs, entropy, torch.compile, the empty batch, the NaN
-check, dispatch, and a compilation of the kernels for a CUDA target.
+"""The Triton backend against the float64 reference: the one-pass token_stats op on the shared
+grid (tests/ops/cases.py: every want, supports by keep and tau, −inf patterns, checks), its
+views full_kl / token_logprobs / entropy (dtypes, masks with garbage rows, temperatures,
+strides, odd V and V = 1, the split-vocabulary forward, gradients with a non-unit upstream
+gradient), torch.compile, the empty batch, the NaN check, dispatch, and a compilation of both
+kernels for a CUDA target in every specialisation the library launches.
 
 With a GPU the tensors live on it and the kernels run compiled; without one they run on CPU
 tensors in Triton's interpreter (``TRITON_INTERPRET=1``, set by this module's fixture only, for
@@ -27,6 +29,8 @@ from tests.ops.cases import (
     check_kl_and_grads,
     check_minus_inf_patterns,
     check_token_logprobs_and_grads,
+    check_token_stats,
+    token_stats_case,
 )
 
 CUDA = torch.cuda.is_available()
@@ -74,11 +78,86 @@ def _garbage_row(x, y, leading, vocab):
     return mask
 
 
+# --------------------------------------------------------------------------- one-pass token stats
+def _run(vocab_chunk):
+    def run(x, y, tokens, mask, keep, tau, temperature, want, **kw):
+        return tk.token_stats(
+            _on(x), *(None if t is None else _on(t) for t in (y, tokens, mask, keep, tau)),
+            temperature, want=want, vocab_chunk=vocab_chunk, **kw,
+        )
+
+    return run
+
+
+# (dtype, vocab_chunk): every dtype once, float32 both ways (the interpreter is slow: each grid
+# run is ~40 forward and ~20 backward launches)
+GRID = [
+    (torch.float32, 0),
+    (torch.float32, 16),
+    (torch.bfloat16, 16),
+    (torch.float16, 0),
+    (torch.float64, 0),
+]
+
+
+@pytest.mark.parametrize("dtype,vocab_chunk", GRID, ids=lambda p: str(p).replace("torch.", ""))
+def test_token_stats_shared_grid(dtype, vocab_chunk):
+    """The shared grid (tests/ops/cases.py) on the kernels: one program per row as the split
+    heuristic chooses for these few short rows (0), and forced splits of 16 columns (V = 37:
+    three partial states merged per row). Float64 runs the streaming op."""
+    if vocab_chunk == 0:
+        n, vocab = token_stats_case(torch.float32)["x"].reshape(-1, 37).shape
+        assert tk.split_columns(n, vocab, DEVICE)[1] >= vocab or CUDA
+    check_token_stats(_run(vocab_chunk), dtype, device=DEVICE)
+
+
+def test_public_token_stats_with_a_sampler_support_matches_streaming():
+    """klpenalty.token_stats(backend="triton") with top-k/top-p (a tau support) and a compact
+    kept set that is not a threshold (a keep mask), on bf16 logits: the streaming backend's
+    values and gradients."""
+    x, y = _on(*make_logits((2, 3, 45), torch.bfloat16, seed=31))
+    tokens = x.float().argmax(-1)  # kept by any sampler
+    tokens[0, 1] = -100
+    mask = torch.ones(2, 3, dtype=torch.bool, device=DEVICE)
+    mask[1, 2] = False
+    ids, offsets = [], [0]
+    for row in x.reshape(6, 45).float():
+        top = row.argsort(descending=True)[:6]
+        kept = top[top != top[3]].tolist()  # the 4th largest left out: not a threshold
+        ids += kept
+        offsets.append(offsets[-1] + len(kept))
+    compact = (torch.tensor(ids, device=DEVICE), torch.tensor(offsets, device=DEVICE))
+    weights = torch.tensor([1.0, -0.5, 0.75, 2.0], device=DEVICE)
+
+    def run(backend, support):
+        xs, ys = x.clone().requires_grad_(), y.clone().requires_grad_()
+        s = klpenalty.token_stats(xs, ys, tokens, mask=mask, entropy=True, temperature=0.8,
+                                  backend=backend, **support)
+        loss = sum(w * f.sum() for w, f in zip(weights, s))
+        return (*s, *torch.autograd.grad(loss, (xs, ys)))
+
+    for support in (dict(top_k=7, top_p=0.9), dict(support=compact)):
+        got, want = run("triton", support), run("streaming", support)
+        for a, b in zip(got[:4], want[:4]):
+            torch.testing.assert_close(a, b, **tol(torch.bfloat16))
+        for a, b in zip(got[4:], want[4:]):
+            torch.testing.assert_close(a, b, **grad_tol(torch.bfloat16))
+
+
 # --------------------------------------------------------------------------- full KL
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("leading,vocab", [((3,), 1), ((2, 3), 37), ((4,), 300)])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-@pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-program", "split"])
+# The views full_kl / token_logprobs / entropy: each dtype, V = 1, V below and above a block,
+# one program per row and split (the shared grid covers the op itself).
+VIEW_CASES = [
+    # dtype, leading, vocab, temperature, vocab_chunk
+    (torch.float32, (3,), 1, 1.0, 0),
+    (torch.bfloat16, (2, 3), 37, 0.7, 16),
+    (torch.float16, (4,), 300, 1.3, 0),
+    (torch.float32, (4,), 300, 0.7, 64),
+]
+VIEW_IDS = ["f32-V1", "bf16-V37-split", "f16-V300", "f32-V300-split"]
+
+
+@pytest.mark.parametrize("dtype,leading,vocab,temperature,vocab_chunk", VIEW_CASES, ids=VIEW_IDS)
 def test_full_kl_values_and_gradients(dtype, leading, vocab, temperature, vocab_chunk):
     x, y = _on(*make_logits((*leading, vocab), dtype, seed=vocab))
     mask = _garbage_row(x, y, leading, vocab)
@@ -136,20 +215,27 @@ def test_large_opposite_offsets_keep_float32_accuracy(offset_x, offset_y):
         torch.testing.assert_close(got.double(), want, **tol(torch.float32))
 
 
-def test_stats_match_the_streaming_op():
-    """The (..., 6) stats of the engine's finalize: shifts, log-sums and E_π[u − w]."""
+def test_stats_match_the_streaming_ops():
+    """The (..., 9) stats hold the engine's finalize: the KL's six columns, E_π[u], and the
+    token log-probs, as the streaming full_kl / entropy / token_logprobs ops compute them."""
     x, y = _on(*make_logits((5, 300), torch.float32, seed=3))
     x[1, 7] = NINF
     y[2, 9] = NINF  # KL = +inf: flagged in both
-    args = (None, 0.9, False, 0, 16)
-    kl_t, st_t = torch.ops.klpenalty.triton_full_kl(x, y, *args)
-    kl_s, st_s = torch.ops.klpenalty.streaming_full_kl(x, y, *args)
-    torch.testing.assert_close(kl_t, kl_s, **tol(torch.float32))
-    torch.testing.assert_close(st_t[:, :5], st_s[:, :5], atol=2e-6, rtol=1e-5)
-    assert st_t[2, 5].item() == 1.0 and st_t[0, 5].item() == 0.0
-    h_t, hs_t = torch.ops.klpenalty.triton_entropy(x, None, 0.9, False, 0, 0)
+    tokens = torch.tensor([0, 5, 299, 17, 100], device=DEVICE)
+    out, st = torch.ops.klpenalty.triton_token_stats(
+        x, y, tokens, None, None, None, 0.9, -100, 15, False, 0, 16
+    )
+    kl_s, st_s = torch.ops.klpenalty.streaming_full_kl(x, y, None, 0.9, False, 0, 0)
+    torch.testing.assert_close(out[:, 0], kl_s, **tol(torch.float32))
+    torch.testing.assert_close(st[:, :5], st_s[:, :5], atol=2e-6, rtol=1e-5)
+    assert st[2, 5].item() == 1.0 and st[0, 5].item() == 0.0
     h_s, hs_s = torch.ops.klpenalty.streaming_entropy(x, None, 0.9, False, 0, 0)
-    torch.testing.assert_close(hs_t, hs_s, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(out[:, 3], h_s, **tol(torch.float32))
+    torch.testing.assert_close(st[:, 6], hs_s[:, 2], atol=2e-6, rtol=1e-5)
+    for col, logits in ((1, x), (2, y)):
+        lp_s, _ = torch.ops.klpenalty.streaming_token_logprobs(logits, tokens, 0.9, -100, False, 0, 0)
+        torch.testing.assert_close(out[:, col], lp_s, **tol(torch.float32))
+        torch.testing.assert_close(st[:, 6 + col], lp_s, **tol(torch.float32))
 
 
 def test_non_contiguous_inputs_give_the_contiguous_results():
@@ -211,18 +297,18 @@ def test_double_backward_matches_the_streaming_backend():
 
 
 # --------------------------------------------------------------------------- token log-probs
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("leading,vocab", [((3,), 1), ((2, 3), 37), ((4,), 300)])
-@pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-program", "split"])
-def test_token_logprobs_values_and_gradients(dtype, leading, vocab, vocab_chunk):
+@pytest.mark.parametrize("dtype,leading,vocab,temperature,vocab_chunk", VIEW_CASES, ids=VIEW_IDS)
+def test_token_logprobs_values_and_gradients(dtype, leading, vocab, temperature, vocab_chunk):
     x, _ = make_logits((*leading, vocab), dtype, seed=vocab + 1)
     x = _on(x).requires_grad_()
     gen = torch.Generator().manual_seed(vocab)
     tokens = _on(torch.randint(0, vocab, leading, generator=gen))
     tokens.view(-1)[0] = -100  # ignored position
     tokens.view(-1)[-1] = vocab - 1  # the last column, in the last block
-    out = tk.token_logprobs(x, tokens, 1.3, ignore_index=-100, check=True, vocab_chunk=vocab_chunk)
-    gx = check_token_logprobs_and_grads(out, x, tokens, 1.3, dtype)
+    out = tk.token_logprobs(
+        x, tokens, temperature, ignore_index=-100, check=True, vocab_chunk=vocab_chunk
+    )
+    gx = check_token_logprobs_and_grads(out, x, tokens, temperature, dtype)
     assert torch.all(gx.view(-1, vocab)[0] == 0)
 
 
@@ -242,10 +328,7 @@ def test_token_logprobs_with_minus_inf_and_a_row_without_a_distribution():
 
 
 # --------------------------------------------------------------------------- entropy
-@pytest.mark.parametrize("dtype", LOW)
-@pytest.mark.parametrize("leading,vocab", [((3,), 1), ((2, 3), 37), ((4,), 300)])
-@pytest.mark.parametrize("temperature", [1.0, 2.5])
-@pytest.mark.parametrize("vocab_chunk", [0, 16], ids=["one-program", "split"])
+@pytest.mark.parametrize("dtype,leading,vocab,temperature,vocab_chunk", VIEW_CASES, ids=VIEW_IDS)
 def test_entropy_values_and_gradients(dtype, leading, vocab, temperature, vocab_chunk):
     x, _ = make_logits((*leading, vocab), dtype, seed=vocab)
     x = _on(x)
@@ -394,26 +477,55 @@ def test_split_heuristic():
 
 
 # --------------------------------------------------------------------------- GPU compilation
+# The specialisations the library launches: the three views, the PPO/GRPO call with and without
+# the entropy, each support form, and the reference's log-prob alone (kl, logp, ref_logp, entropy).
+_LOWERED = [
+    # (flags, keep, tau, need_x, need_y)
+    ((True, False, False, False), False, False, True, True),  # full_kl, both gradients
+    ((False, True, False, False), False, False, True, False),  # token_logprobs
+    ((False, False, False, True), False, False, True, False),  # entropy
+    ((True, True, True, True), False, False, True, True),  # every statistic, no support
+    ((True, True, True, True), True, False, True, False),  # support by keep mask
+    ((True, True, True, False), False, True, True, True),  # support by threshold
+    ((True, True, False, True), True, True, True, False),  # both support forms
+    ((False, False, True, False), False, False, False, True),  # log ρ(token) alone
+]
+
+
 @pytest.mark.slow
 def test_kernels_compile_for_a_cuda_target():
-    """The kernels lower to PTX for sm_90 (no GPU needed): what the interpreter cannot catch."""
+    """Both kernels lower to PTX for sm_90 (no GPU needed), in every constexpr specialisation the
+    library launches (tk.forward_constexprs / backward_constexprs): what the interpreter cannot
+    catch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    specs = [
+        (tk.forward_constexprs(flags, keep, tau), tk.backward_constexprs(flags, nx, ny, keep, tau))
+        for flags, keep, tau, nx, ny in _LOWERED
+    ]
+    for name in ("X_STATE", "Y_STATE", "MOMENT_A", "MOMENT_B", "HAS_KEEP", "HAS_TAU"):
+        assert {f[name] for f, _ in specs} == {True, False}, name
+    for name in ("KL", "LOGP", "REF_LOGP", "ENTROPY", "NEED_X", "NEED_Y", "NEED_P", "NEED_Q",
+                 "HAS_TOKEN"):
+        assert {b[name] for _, b in specs} == {True, False}, name
     code = f"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from klpenalty.ops import _triton_jit as k
 t = GPUTarget("cuda", 90, 32)
-kl = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "out_ptr": "*fp32", "stride_x": "i64", "stride_y": "i64",
-      "V": "i32", "cols": "i32", "n_splits": "i32", "inv_t": "fp32", "c2": "fp32", "BLOCK": "constexpr"}}
-g = {{"x_ptr": "*bf16", "y_ptr": "*bf16", "gx_ptr": "*bf16", "gy_ptr": "*bf16", "stats_ptr": "*fp32",
-     "g_ptr": "*fp32", "tok_ptr": "*i64", "at_tok_ptr": "*fp32", "stride_x": "i64", "stride_y": "i64",
-     "V": "i32", "inv_t": "fp32", "c2": "fp32", "KIND": "constexpr", "NEED_X": "constexpr",
-     "NEED_Y": "constexpr", "BLOCK": "constexpr"}}
-for fn, s, c in [(k.kl_state_kernel, kl, {{"BLOCK": 4096}}),
-                 (k.grad_kernel, g, {{"KIND": 0, "NEED_X": True, "NEED_Y": True, "BLOCK": 1024}})]:
-    assert ".entry" in triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=t).asm["ptx"]
-print("OK")
+fwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32", "out_ptr": "*fp32",
+       "stride_x": "i64", "stride_y": "i64", "stride_keep": "i64", "V": "i32", "cols": "i32",
+       "n_splits": "i32", "inv_t": "fp32", "c2": "fp32"}}
+bwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32", "gx_ptr": "*bf16",
+       "gy_ptr": "*fp32", "stats_ptr": "*fp32", "g_ptr": "*fp32", "tok_ptr": "*i64",
+       "at_tok_ptr": "*fp32", "stride_x": "i64", "stride_y": "i64", "stride_keep": "i64",
+       "V": "i32", "inv_t": "fp32", "c2": "fp32"}}
+for f, b in {specs!r}:
+    for fn, sig, c in [(k.stats_kernel, fwd, {{**f, "BLOCK": 4096}}),
+                       (k.grad_kernel, bwd, {{**b, "BLOCK": 1024}})]:
+        s = {{**sig, **{{name: "constexpr" for name in c}}}}
+        assert ".entry" in triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=t).asm["ptx"]
+print("OK", len({specs!r}))
 """
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,

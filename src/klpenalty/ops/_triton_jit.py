@@ -1,15 +1,21 @@
 """The Triton kernels of the ``"triton"`` backend (imported only by :mod:`.triton_kernels`, lazily:
 importing this module imports Triton).
 
-Forward kernels compute the per-row state of :mod:`.engine` over a range of columns: program
-(row, split) walks columns [split·cols, (split + 1)·cols) in ``BLOCK`` chunks, reading each
-logit once in its own dtype, with the state of both models in float32 scalars, and writes its
-partial state to ``out[row, split, :]``. The states of a row's splits are merged by the engine's
-merge in torch (:mod:`.triton_kernels`). Backward kernels recompute one (row, block) tile of
-the gradient from the saved per-row stats and write it once in the input's dtype.
+Two kernels serve every op of the backend (the one-pass ``token_stats`` op and the
+``full_kl`` / ``token_logprobs`` / ``entropy`` views of it), specialised by ``tl.constexpr``
+flags so that each call reads and computes only what it needs:
+
+- :func:`stats_kernel` (forward): program (row, split) walks columns
+  [split·cols, (split + 1)·cols) in ``BLOCK`` chunks, reading each logit once in its own dtype,
+  with the engine's state of both models in float32 scalars, and writes its partial state
+  (m_x, s_x, m_y, s_y, a, b) to ``out[row, split, :]``. The states of a row's splits are merged
+  by the engine's merge in torch (:mod:`.triton_kernels`).
+- :func:`grad_kernel` (backward): one (row, block) tile of ∂/∂x and ∂/∂y of Σ g·out for all
+  wanted outputs together, recomputed from the saved per-row stats, written once in the
+  inputs' dtypes.
 
 Whether the kernels run compiled or interpreted (``TRITON_INTERPRET=1``, CPU tensors) is decided
-by Triton when this module is imported.
+by Triton when this module is imported. Only Triton APIs present in Triton 3.6 are used.
 """
 
 from __future__ import annotations
@@ -17,10 +23,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["kl_state_kernel", "entropy_state_kernel", "grad_kernel", "INTERPRETED"]
+__all__ = ["stats_kernel", "grad_kernel", "STATE_FIELDS", "INTERPRETED"]
 
-# backward kinds (grad_kernel's KIND)
-KL, LSE, ENTROPY = 0, 1, 2
+# fields of the forward's partial state: m_x, s_x, m_y, s_y, a = Σ e^u (u − w), b = Σ e^u u
+STATE_FIELDS = 6
+_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -43,135 +50,161 @@ def _rescale_moment(s, a, shift, alpha):
 
 
 @triton.jit
-def kl_state_kernel(
-    x_ptr, y_ptr, out_ptr, stride_x, stride_y, V, cols, n_splits, inv_t, c2,
+def _term(valid, t, g):
+    """t·g where ``valid`` (a block mask) and the row's scalar g ≠ 0, else exactly 0 (so that
+    0·inf and 0·NaN from garbage or −inf entries never reach the gradient)."""
+    return tl.where(g != 0, tl.where(valid, t * g, 0.0), 0.0)
+
+
+@triton.jit
+def _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr):
+    """The policy logits of one block in float32, −inf outside the row and outside the support
+    (kept iff keep[v] and x_v ≥ tau, compared in float32: tau's dtype)."""
+    x = tl.load(x_row + col, mask=inside, other=float("-inf")).to(tl.float32)
+    if HAS_KEEP:
+        kept = tl.load(keep_row + col, mask=inside, other=0) != 0
+        x = tl.where(kept, x, float("-inf"))
+    if HAS_TAU:
+        x = tl.where(x >= tau, x, float("-inf"))
+    return x
+
+
+@triton.jit
+def stats_kernel(
+    x_ptr, y_ptr, keep_ptr, tau_ptr, out_ptr,
+    stride_x, stride_y, stride_keep, V, cols, n_splits, inv_t, c2,
+    X_STATE: tl.constexpr, Y_STATE: tl.constexpr, MOMENT_A: tl.constexpr,
+    MOMENT_B: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """out[row, split] ← (m_x, s_x, m_y, s_y, a) over the split's columns; c2 = log2(e)/T."""
+    """out[row, split] ← (m_x, s_x, m_y, s_y, a, b) over the split's columns; c2 = log2(e)/T.
+
+    X_STATE: the policy's log-sum-exp state (m_x, s_x) over its support (KL, log π̃, H);
+    Y_STATE: the reference's (m_y, s_y) (KL, log ρ); MOMENT_A: a = Σ e^u·(u − w) (KL, needs
+    both); MOMENT_B: b = Σ e^u·u (entropy). HAS_KEEP / HAS_TAU: the support by a (N, V) keep
+    mask and/or a per-row threshold. Fields not computed are written as (−inf, 0) / 0.
+    MOMENT_A needs X_STATE and Y_STATE, MOMENT_B needs X_STATE (set so by the host).
+    """
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     c0 = split * cols
     c1 = tl.minimum(c0 + cols, V)
     x_row = x_ptr + row * stride_x
     y_row = y_ptr + row * stride_y
+    keep_row = keep_ptr + row * stride_keep
+    tau = 0.0
+    if HAS_TAU:
+        tau = tl.load(tau_ptr + row).to(tl.float32)
     offs = tl.arange(0, BLOCK)
     m_x = float("-inf")
     m_y = float("-inf")
     s_x = 0.0
     s_y = 0.0
     a = 0.0
+    b = 0.0
     for start in range(c0, c1, BLOCK):
         col = start + offs
         inside = col < c1
-        x = tl.load(x_row + col, mask=inside, other=float("-inf")).to(tl.float32)
-        y = tl.load(y_row + col, mask=inside, other=float("-inf")).to(tl.float32)
-        mx_new = tl.maximum(m_x, tl.max(x, 0))
-        my_new = tl.maximum(m_y, tl.max(y, 0))
-        dxs, alpha = _scales(m_x, mx_new, inv_t)
-        dys, beta = _scales(m_y, my_new, inv_t)
-        a = _rescale_moment(s_x, a, dxs - dys, alpha)
-        s_x = alpha * s_x
-        s_y = beta * s_y
-        dx = x - _finite_or_zero(mx_new)  # logit units
-        dy = y - _finite_or_zero(my_new)
-        eu = tl.exp2(dx * c2)
-        ew = tl.exp2(dy * c2)
-        s_x += tl.sum(eu, 0)
-        s_y += tl.sum(ew, 0)
-        # 0·log 0 = 0: an entry with e^u = 0 adds nothing; +inf where y = −inf under mass
-        a += tl.sum(tl.where(eu > 0, eu * (dx - dy), 0.0), 0) * inv_t
-        m_x = mx_new
-        m_y = my_new
-    out = out_ptr + (row * n_splits + split) * 5
+        if X_STATE:
+            x = _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP, HAS_TAU)
+            mx_new = tl.maximum(m_x, tl.max(x, 0))
+            dxs, alpha = _scales(m_x, mx_new, inv_t)
+        if Y_STATE:
+            y = tl.load(y_row + col, mask=inside, other=float("-inf")).to(tl.float32)
+            my_new = tl.maximum(m_y, tl.max(y, 0))
+            dys, beta = _scales(m_y, my_new, inv_t)
+            s_y = beta * s_y
+            dy = y - _finite_or_zero(my_new)  # logit units
+            s_y += tl.sum(tl.exp2(dy * c2), 0)
+            m_y = my_new
+        if X_STATE:
+            if MOMENT_A:
+                a = _rescale_moment(s_x, a, dxs - dys, alpha)
+            if MOMENT_B:
+                b = _rescale_moment(s_x, b, dxs, alpha)
+            s_x = alpha * s_x
+            dx = x - _finite_or_zero(mx_new)
+            eu = tl.exp2(dx * c2)
+            s_x += tl.sum(eu, 0)
+            # 0·log 0 = 0: an entry with e^u = 0 adds nothing; +inf where y = −inf under mass
+            if MOMENT_A:
+                a += tl.sum(tl.where(eu > 0, eu * (dx - dy), 0.0), 0) * inv_t
+            if MOMENT_B:
+                b += tl.sum(tl.where(eu > 0, eu * dx, 0.0), 0) * inv_t
+            m_x = mx_new
+    out = out_ptr + (row * n_splits + split) * 6
     tl.store(out, m_x)
     tl.store(out + 1, s_x)
     tl.store(out + 2, m_y)
     tl.store(out + 3, s_y)
     tl.store(out + 4, a)
-
-
-@triton.jit
-def entropy_state_kernel(x_ptr, out_ptr, stride_x, V, cols, n_splits, inv_t, c2, BLOCK: tl.constexpr):
-    """out[row, split] ← (m, s, b) over the split's columns (the log-sum-exp state and Σ e^u·u)."""
-    row = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    c0 = split * cols
-    c1 = tl.minimum(c0 + cols, V)
-    x_row = x_ptr + row * stride_x
-    offs = tl.arange(0, BLOCK)
-    m = float("-inf")
-    s = 0.0
-    b = 0.0
-    for start in range(c0, c1, BLOCK):
-        col = start + offs
-        x = tl.load(x_row + col, mask=col < c1, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, 0))
-        delta, alpha = _scales(m, m_new, inv_t)
-        b = _rescale_moment(s, b, delta, alpha)
-        s = alpha * s
-        d = x - _finite_or_zero(m_new)
-        e = tl.exp2(d * c2)
-        s += tl.sum(e, 0)
-        b += tl.sum(tl.where(e > 0, e * d, 0.0), 0) * inv_t
-        m = m_new
-    out = out_ptr + (row * n_splits + split) * 3
-    tl.store(out, m)
-    tl.store(out + 1, s)
-    tl.store(out + 2, b)
+    tl.store(out + 5, b)
 
 
 @triton.jit
 def grad_kernel(
-    x_ptr, y_ptr, gx_ptr, gy_ptr, stats_ptr, g_ptr, tok_ptr, at_tok_ptr,
-    stride_x, stride_y, V, inv_t, c2,
-    KIND: tl.constexpr, NEED_X: tl.constexpr, NEED_Y: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, y_ptr, keep_ptr, tau_ptr, gx_ptr, gy_ptr, stats_ptr, g_ptr, tok_ptr, at_tok_ptr,
+    stride_x, stride_y, stride_keep, V, inv_t, c2,
+    KL: tl.constexpr, LOGP: tl.constexpr, REF_LOGP: tl.constexpr, ENTROPY: tl.constexpr,
+    NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_P: tl.constexpr, NEED_Q: tl.constexpr,
+    HAS_TOKEN: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One (row, block) tile of the gradient of Σ g·f, f = KL, log π(token) or H, from the stats.
+    """One (row, block) tile of ∂/∂x and ∂/∂y of Σ g·out from the (N, 9) stats.
 
-    KL (stats (N, 6)): gx = π·((u − w) − E_π[u − w])·g/T, gy = (ρ − π)·g/T.
-    LSE (stats (N, 3)): gx = −π·g/T, and at the token ``at_tok`` = (1 − π_t)·g/T.
-    ENTROPY (stats (N, 3)): gx = −π·(u − E_π[u])·g/T.
-    0 where π = 0 (0·log 0) and on rows with g = 0 (masked rows may hold garbage).
+    With p = π̃, q = ρ, u, w the tempered shifted logits, g = (g_kl, g_lp, g_rl, g_h) the row's
+    upstream gradient (N, 4) (0 on masked rows, the log-prob columns 0 at ignored tokens)::
+
+        gx = [p·(g_kl·((u − w) − E_π̃[u − w]) − g_h·(u − E_π̃[u])) − g_lp·(p − onehot)]/T
+        gy = [g_kl·(q − p) − g_rl·(q − onehot)]/T
+
+    At the token the (1 − p_t)·g_lp and (1 − q_t)·g_rl factors come precomputed in
+    ``at_tok`` (N, 2) (from −expm1 of the log-probs: exact for p_t → 1). Each term is dropped
+    where its g is 0 and the p-terms where p = 0 (0·log 0, −inf logits, off the support), so
+    masked garbage rows give exactly 0 and −inf entries finite gradients.
     """
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = col < V
-    g = tl.load(g_ptr + row)
-    live = g != 0
-    n_stats: tl.constexpr = 6 if KIND == 0 else 3
-    st = stats_ptr + row * n_stats
-    shift_x = tl.load(st)
-    log_s_x = tl.load(st + 1)
-    x = tl.load(x_ptr + row * stride_x + col, mask=inside, other=float("-inf")).to(tl.float32)
-    dx = x - shift_x
-    p = tl.exp2(dx * c2 - log_s_x * 1.4426950408889634)  # π
-    if KIND == 0:
-        shift_y = tl.load(st + 2)
-        log_s_y = tl.load(st + 3)
-        mean_d = tl.load(st + 4)
+    st = stats_ptr + row * 9
+    gr = g_ptr + row * 4
+    g_kl = tl.load(gr)
+    g_lp = tl.load(gr + 1)
+    g_rl = tl.load(gr + 2)
+    g_h = tl.load(gr + 3)
+    if HAS_TOKEN:  # LOGP or REF_LOGP (the flags combined on the host: plain constexpr tests)
+        is_tok = col == tl.load(tok_ptr + row)
+    if NEED_P:  # the policy's probabilities (KL, LOGP or ENTROPY)
+        tau = 0.0
+        if HAS_TAU:
+            tau = tl.load(tau_ptr + row).to(tl.float32)
+        x = _kept_x(x_ptr + row * stride_x, keep_ptr + row * stride_keep, tau, col, inside,
+                    HAS_KEEP, HAS_TAU)
+        dx = x - tl.load(st)  # logit units
+        p = tl.exp2(dx * c2 - tl.load(st + 1) * 1.4426950408889634)
+        live = p > 0
+    if NEED_Q:  # the reference's (KL or REF_LOGP)
         y = tl.load(y_ptr + row * stride_y + col, mask=inside, other=float("-inf")).to(tl.float32)
-        dy = y - shift_y
-        if NEED_X:
-            gx = tl.where(p > 0, p * ((dx - dy) * inv_t - mean_d), 0.0) * (g * inv_t)
-            gx = tl.where(live, gx, 0.0)
-            tl.store(gx_ptr + row * V + col, gx.to(gx_ptr.dtype.element_ty), mask=inside)
-        if NEED_Y:
-            q = tl.exp2(dy * c2 - log_s_y * 1.4426950408889634) - p  # ρ − π
-            gy = tl.where(q == q, q, 0.0) * (g * inv_t)
-            gy = tl.where(live, gy, 0.0)
-            tl.store(gy_ptr + row * V + col, gy.to(gy_ptr.dtype.element_ty), mask=inside)
-    elif KIND == 1:
-        tok = tl.load(tok_ptr + row)
-        at_tok = tl.load(at_tok_ptr + row)
-        gx = tl.where(p > 0, -p, 0.0) * (g * inv_t)
-        gx = tl.where(col == tok, at_tok, gx)
-        gx = tl.where(live, gx, 0.0)
-        tl.store(gx_ptr + row * V + col, gx.to(gx_ptr.dtype.element_ty), mask=inside)
-    else:
-        mean_u = tl.load(st + 2)
-        gx = tl.where(p > 0, p * (dx * inv_t - mean_u), 0.0) * (-g * inv_t)
-        gx = tl.where(live, gx, 0.0)
-        tl.store(gx_ptr + row * V + col, gx.to(gx_ptr.dtype.element_ty), mask=inside)
+        dy = y - tl.load(st + 2)
+        q = tl.exp2(dy * c2 - tl.load(st + 3) * 1.4426950408889634)
+    if NEED_X:
+        gx = tl.zeros([BLOCK], dtype=tl.float32)
+        if KL:
+            t_kl = p * ((dx - dy) * inv_t - tl.load(st + 4))
+            gx += _term(live, t_kl, g_kl)
+        if ENTROPY:
+            t_h = p * (dx * inv_t - tl.load(st + 6))
+            gx -= _term(live, t_h, g_h)
+        if LOGP:
+            gx += tl.where(is_tok, tl.load(at_tok_ptr + row * 2), _term(live, -p, g_lp))
+        tl.store(gx_ptr + row * V + col, (gx * inv_t).to(gx_ptr.dtype.element_ty), mask=inside)
+    if NEED_Y:
+        gy = tl.zeros([BLOCK], dtype=tl.float32)
+        if KL:
+            qp = q - p
+            gy += _term(qp == qp, qp, g_kl)  # NaN only where both vanish
+        if REF_LOGP:
+            gy += tl.where(is_tok, tl.load(at_tok_ptr + row * 2 + 1), _term(q > 0, -q, g_rl))
+        tl.store(gy_ptr + row * V + col, (gy * inv_t).to(gy_ptr.dtype.element_ty), mask=inside)
 
 
 # Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1).

@@ -4,28 +4,37 @@ state in fused GPU kernels.
 The kernels live in :mod:`._triton_jit`, imported at the first call (Triton is an optional
 dependency: ``pip install 'klpenalty[triton]'``; this module imports without it).
 
-**Forward.** Program (row, split) walks its columns in ``BLOCK`` chunks, reads each logit once
-in its own dtype (bf16/fp16/fp32), keeps the state of both models in float32 — maxima in logit
-units, s_x = Σ e^u, s_y = Σ e^w, a = Σ e^u·(u − w) — and rescales it when a block raises a
-max (a ← α·(a + (δ_x − δ_y)·s_x)), exactly the engine's merge. It writes its partial state
-to an (N, splits, 5) float32 buffer ((N, splits, 3) = (m, s, b) for log-probs and entropy);
-the splits of a row are merged with the engine's rescale-and-add in torch, and the (N,) merged
-state is finalized by :func:`.engine.kl_finalize` / :func:`.engine.entropy_finalize`, so the
-numerics and the stats layouts ((N, 6), (N, 3)) are the engine's. One split per row unless the
-rows are too few to fill the GPU (:func:`split_columns`); ``vocab_chunk`` forces the split.
-Float64 inputs run the streaming ops (the kernels compute in float32).
+One op pair, ``klpenalty::triton_token_stats[_backward]`` (the contract of
+:func:`.autograd.register_token_stats`), computes every per-token statistic — KL(π̃‖ρ),
+log π̃(token), log ρ(token), H(π̃) — in one read of the logits; :func:`full_kl`,
+:func:`token_logprobs` and :func:`entropy` are views of it (one column of ``want``).
 
-**Backward.** A (rows, vocabulary blocks) grid recomputes π (and ρ) from the stats and writes
-∂/∂x (and ∂/∂y when needed) once, in the input's dtype; the upstream gradient (0 on masked rows
-and ignored tokens) and the 0·log 0 guards are applied in the kernel, so rows with −inf entries
-get finite gradients and masked rows exactly 0.
+**Forward.** One kernel (:func:`._triton_jit.stats_kernel`) specialised by ``tl.constexpr``
+flags (the policy's state, the reference's, the KL moment a, the entropy moment b, a support
+by keep mask and/or threshold tau). Program (row, split) walks its columns in ``BLOCK``
+chunks, reads each logit once in its own dtype (bf16/fp16/fp32), keeps the engine's state in
+float32 — maxima in logit units, s_x = Σ e^u over the support, s_y = Σ e^w,
+a = Σ e^u·(u − w), b = Σ e^u·u — and rescales it when a block raises a max (the engine's
+merge). It writes its partial state to an (N, splits, 6) float32 buffer; the splits of a row
+are merged with the engine's rescale-and-add in torch, and the (N,) merged state is finalized
+by :func:`.engine.kl_finalize` / :func:`.engine.entropy_finalize`, so the numerics and the
+stats columns are the engine's. log π̃(t) and log ρ(t) come from the merged state and the
+token's logit (one gather per row). One split per row unless the rows are too few to fill the
+GPU (:func:`split_columns`); ``vocab_chunk`` forces the split. Float64 inputs run the streaming
+op (the kernels compute in float32).
+
+**Backward.** One kernel (:func:`._triton_jit.grad_kernel`) over a (rows, vocabulary blocks)
+grid recomputes π̃ (and ρ) from the stats and writes ∂/∂x and ∂/∂y of all wanted outputs
+together, once, in the inputs' dtypes; the upstream gradient (0 on masked rows, the log-prob
+columns 0 at ignored tokens) and the 0·log 0 guards are applied in the kernel, so rows with
+−inf entries get finite gradients and masked rows exactly 0.
 
 **Strides.** Rows are passed with their row stride: a (..., V) tensor whose leading dimensions
 flatten to one stride and whose last dimension is contiguous is read in place; any other
 layout is copied once by ``reshape``/``contiguous``.
 
-The careful-arithmetic flag (column 5 of the KL stats) marks the rows without a distribution or
-with E_π[u − w] = +inf only: the backward kernel always uses the guarded arithmetic.
+The careful-arithmetic flag (stats column 5) marks the rows without a distribution or with
+E_π̃[u − w] = +inf only: the backward kernel always uses the guarded arithmetic.
 """
 
 from __future__ import annotations
@@ -40,25 +49,19 @@ from torch import Tensor
 from .. import _validation as v
 from . import autograd as ag
 from . import streaming
-from .engine import (
-    EntropyState,
-    KLState,
-    LSEState,
-    entropy_finalize,
-    entropy_rescale,
-    kl_finalize,
-    kl_rescale,
-)
+from .engine import StatsState, stats_finalize, stats_rescale
 
 __all__ = [
+    "token_stats",
     "full_kl",
     "token_logprobs",
     "entropy",
-    "token_stats",
     "available",
     "interpreted",
     "check_device",
     "split_columns",
+    "forward_constexprs",
+    "backward_constexprs",
     "MAX_BLOCK",
     "INSTALL_HINT",
 ]
@@ -181,264 +184,215 @@ def _warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
 
-def _states(kernel, tensors, n: int, vocab: int, fields: int, temperature: float, vocab_chunk: int):
-    """Run a forward kernel: (n, fields) float32 partial states per split → (n, splits, fields)."""
-    device = tensors[0].device
+def _portable(*tensors: Tensor | None) -> bool:
+    """Float64 inputs (float64 math) and empty vocabularies run the streaming ops."""
+    given = [t for t in tensors if t is not None]
+    return any(t.dtype == torch.float64 for t in given) or given[0].shape[-1] == 0
+
+
+def _wanted(want: int) -> tuple[bool, bool, bool, bool]:
+    """(kl, logp, ref_logp, entropy): the outputs asked for by the ``want`` bits."""
+    return tuple(bool(want & bit) for bit in (ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP,
+                                              ag.WANT_ENTROPY))
+
+
+def forward_constexprs(flags, has_keep: bool, has_tau: bool) -> dict[str, bool]:
+    """The ``tl.constexpr`` flags of :func:`._triton_jit.stats_kernel` for the wanted outputs
+    ``flags`` = (kl, logp, ref_logp, entropy) (:func:`_wanted`) and the support."""
+    kl, logp, ref_logp, ent = flags
+    return dict(
+        X_STATE=kl or logp or ent, Y_STATE=kl or ref_logp, MOMENT_A=kl, MOMENT_B=ent,
+        HAS_KEEP=has_keep, HAS_TAU=has_tau,
+    )
+
+
+def backward_constexprs(
+    flags, need_x: bool, need_y: bool, has_keep: bool, has_tau: bool
+) -> dict[str, bool]:
+    """The ``tl.constexpr`` flags of :func:`._triton_jit.grad_kernel` (as
+    :func:`forward_constexprs`; ``need_x``/``need_y``: the gradients written)."""
+    kl, logp, ref_logp, ent = flags
+    return dict(
+        KL=kl, LOGP=logp, REF_LOGP=ref_logp, ENTROPY=ent, NEED_X=need_x, NEED_Y=need_y,
+        NEED_P=(need_x and (kl or logp or ent)) or (need_y and kl),
+        NEED_Q=need_y or (need_x and kl), HAS_TOKEN=logp or ref_logp,
+        HAS_KEEP=has_keep, HAS_TAU=has_tau,
+    )
+
+
+def _support_args(keep: Tensor | None, tau: Tensor | None, n: int):
+    """(keep rows (N, V) as uint8 or None, their row stride, tau (N,) or None)."""
+    keepf = _rows(keep).view(torch.uint8) if keep is not None else None
+    tauf = tau.reshape(n).contiguous() if tau is not None else None
+    return keepf, (keepf.stride(0) if keepf is not None else 0), tauf
+
+
+def _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature: float, vocab_chunk: int):
+    """Run :func:`._triton_jit.stats_kernel` over (N, splits) programs; the merged
+    :class:`.engine.StatsState` of whole rows (fields not computed are None)."""
+    kl, logp, ref_logp, ent = flags
+    n, vocab = xf.shape
+    device = xf.device
     block, cols = split_columns(n, vocab, device, vocab_chunk)
     splits = max(1, -(-vocab // cols))
-    out = torch.empty((n, splits, fields), dtype=torch.float32, device=device)
-    if n == 0:
-        return out
-    inv_t = 1.0 / temperature
-    strides = [t.stride(0) for t in tensors]
-    kernel[(n, splits)](
-        *tensors, out, *strides, vocab, cols, splits, inv_t, inv_t * 1.4426950408889634,
-        BLOCK=block, num_warps=_warps(block),
-    )
-    return out
-
-
-def _merged(parts: Tensor, cls, rescale, temperature: float, max_fields: tuple[int, ...]):
-    """Merge the (n, splits, k) partial states of a row's splits: the engine's rescale to the
-    common maxima, then a sum over splits. Returns a ``cls`` of (n,) tensors."""
-    state = cls(*parts.unbind(-1))
-    if parts.shape[1] == 1:
-        return cls(*(f[:, 0] for f in state))
-    maxima = [parts[..., i].amax(1, keepdim=True) for i in max_fields]
-    scaled = rescale(state, *maxima, temperature)
-    return cls(*(f.sum(1) if i not in max_fields else f[:, 0] for i, f in enumerate(scaled)))
-
-
-def _portable(*tensors: Tensor) -> bool:
-    """Float64 inputs (float64 math) and empty vocabularies run the streaming ops."""
-    return any(t.dtype == torch.float64 for t in tensors) or tensors[0].shape[-1] == 0
-
-
-def _kl_state(xf: Tensor, yf: Tensor, temperature: float, vocab_chunk: int) -> KLState:
-    n, vocab = xf.shape
-    parts = _states(_kernels().kl_state_kernel, (xf, yf), n, vocab, 5, temperature, vocab_chunk)
-    return _merged(parts, KLState, kl_rescale, temperature, (0, 2))
-
-
-def _entropy_state(xf: Tensor, temperature: float, vocab_chunk: int) -> EntropyState:
-    n, vocab = xf.shape
-    parts = _states(_kernels().entropy_state_kernel, (xf,), n, vocab, 3, temperature, vocab_chunk)
-    return _merged(parts, EntropyState, entropy_rescale, temperature, (0,))
-
-
-def _grads(kind: int, g: Tensor, xf: Tensor, yf: Tensor, stats: Tensor, temperature: float,
-           need_x: bool, need_y: bool, tok: Tensor | None = None, at_tok: Tensor | None = None):
-    """Launch the backward kernel over (rows, vocabulary blocks); (N, V) contiguous outputs."""
-    n, vocab = xf.shape
-    gx = torch.empty((n, vocab), dtype=xf.dtype, device=xf.device) if need_x else None
-    gy = torch.empty((n, vocab), dtype=yf.dtype, device=yf.device) if need_y else None
-    if n and vocab:
-        block = _block(vocab, 1024)
+    parts = torch.empty((n, splits, _kernels().STATE_FIELDS), dtype=torch.float32, device=device)
+    constexprs = forward_constexprs(flags, keepf is not None, tauf is not None)
+    if n:
         inv_t = 1.0 / temperature
-        dummy = g
-        _kernels().grad_kernel[(n, -(-vocab // block))](
-            xf, yf, gx if need_x else xf, gy if need_y else xf,
-            stats.contiguous(), g.contiguous(),
-            dummy if tok is None else tok, dummy if at_tok is None else at_tok,
-            xf.stride(0), yf.stride(0), vocab, inv_t, inv_t * 1.4426950408889634,
-            KIND=kind, NEED_X=need_x, NEED_Y=need_y, BLOCK=block, num_warps=_warps(block),
+        _kernels().stats_kernel[(n, splits)](
+            xf, xf if yf is None else yf, xf if keepf is None else keepf,
+            parts if tauf is None else tauf, parts,
+            xf.stride(0), 0 if yf is None else yf.stride(0), stride_keep,
+            vocab, cols, splits, inv_t, inv_t * 1.4426950408889634,
+            **constexprs, BLOCK=block, num_warps=_warps(block),
         )
-    return gx, gy
+    m_x, s_x, m_y, s_y, a, b = parts.unbind(-1)  # (N, splits) each
+    has_y = constexprs["Y_STATE"]
+    state = StatsState(m_x, s_x, b if ent else None, m_y if has_y else None,
+                       s_y if has_y else None, a if kl else None)
+    if splits > 1:  # the engine's merge: rescale to the common maxima, then a sum
+        big_y = m_y.amax(1, keepdim=True) if has_y else None
+        state = stats_rescale(state, m_x.amax(1, keepdim=True), big_y, temperature)
+        state = StatsState(*(None if f is None else f.sum(1) for f in state))._replace(
+            m_x=state.m_x[:, 0], m_y=None if big_y is None else state.m_y[:, 0]
+        )
+    else:
+        state = StatsState(*(None if f is None else f[:, 0] for f in state))
+    return state
 
 
-# ------------------------------------------------------------------------------ custom ops
-@torch.library.custom_op("klpenalty::triton_full_kl", mutates_args=())
-def _full_kl_op(
+@torch.library.custom_op("klpenalty::triton_token_stats", mutates_args=())
+def _token_stats_op(
     x: Tensor,
-    y: Tensor,
+    y: Optional[Tensor],
+    tokens: Optional[Tensor],
     mask: Optional[Tensor],
+    keep: Optional[Tensor],
+    tau: Optional[Tensor],
     temperature: float,
+    ignore_index: int,
+    want: int,
     check: bool,
     tile_rows: int,
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
-    """(..., V) logits → KL (...) and stats (..., 6); ``tile_cols`` > 0 forces the split width
-    (``tile_rows`` is unused: one program per row)."""
+    """(..., V) logits → out (..., 4) = (KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃)) and stats (..., 9)
+    (the contract of :mod:`.autograd`), in one read of each logit; ``tile_cols`` > 0 forces the
+    split width (``tile_rows`` is unused: one program per row)."""
     if _portable(x, y):
-        return streaming._full_kl_op(x, y, mask, temperature, check, tile_rows, tile_cols)
-    xf = _rows(x)
-    yf = _rows(y)
-    kl, stats = kl_finalize(_kl_state(xf, yf, temperature, tile_cols), None)
-    return streaming.masked_checked(kl, stats, mask, check, {"policy_logits": x, "ref_logits": y})
+        return streaming._token_stats_op(
+            x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
+            tile_cols,
+        )
+    v.check_want(want, y is not None, tokens is not None)
+    flags = kl, logp, ref_logp, ent = _wanted(want)
+    leading, vocab = x.shape[:-1], x.shape[-1]
+    xf = _rows(x)  # (N, V)
+    n = xf.shape[0]
+    yf = _rows(y) if kl or ref_logp else None  # (N, V)
+    keepf, stride_keep, tauf = _support_args(keep, tau, n)
+    state = _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature, tile_cols)
+    kl_val, h, stats = stats_finalize(state, None)  # (N,), (N,), (N, 9)
+    out = stats.new_zeros(n, 4)
+    if kl_val is not None:
+        out[:, ag.OUT_KL] = kl_val
+    if h is not None:
+        out[:, ag.OUT_ENTROPY] = h
+    range_bad = outside = None
+    if logp or ref_logp:
+        tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)  # (N,)
+        if check:  # gather safely; the range error is raised below, with the other checks
+            range_bad = (tok < 0) | (tok >= vocab)
+            tok = tok.masked_fill(range_bad, 0)
+        if logp:
+            keep_rows = None if keepf is None else keepf.view(torch.bool)
+            x_t = streaming._token_logits(xf, tok, keep_rows, tauf, stats.dtype)
+            lp = streaming._token_logp(x_t, state.m_x, state.s_x, temperature)
+            out[:, ag.OUT_LOGP] = stats[:, ag.ST_LOGP] = lp.masked_fill(ignored, 0.0)
+        if ref_logp:
+            y_t = yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(stats.dtype)
+            lq = streaming._token_logp(y_t, state.m_y, state.s_y, temperature)
+            out[:, ag.OUT_REF_LOGP] = stats[:, ag.ST_REF_LOGP] = lq.masked_fill(ignored, 0.0)
+    if mask is not None:
+        out.masked_fill_(~mask.reshape(-1, 1), 0.0)
+    if check:  # one host read for all the checks
+        if (keep is not None or tau is not None) and logp:
+            outside = torch.isneginf(out[:, ag.OUT_LOGP])  # counted, non-ignored, off the support
+        streaming._check_token_stats(out, x, y, tokens, range_bad, outside, want, ignore_index)
+    return out.reshape(*leading, 4), stats.reshape(*leading, ag.STATS_COLS)
 
 
-@torch.library.custom_op("klpenalty::triton_full_kl_backward", mutates_args=())
-def _full_kl_backward_op(
+@torch.library.custom_op("klpenalty::triton_token_stats_backward", mutates_args=())
+def _token_stats_backward_op(
     grad: Tensor,
     x: Tensor,
-    y: Tensor,
+    y: Optional[Tensor],
+    tokens: Optional[Tensor],
     stats: Tensor,
     mask: Optional[Tensor],
+    keep: Optional[Tensor],
+    tau: Optional[Tensor],
     temperature: float,
+    ignore_index: int,
+    want: int,
     need_x: bool,
     need_y: bool,
     tile_rows: int,
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
-    """Gradients (..., V) w.r.t. x and y (an empty tensor for one that is not needed)."""
+    """∂/∂x (..., V) and ∂/∂y (..., V) of Σ grad·out (grad (..., 4)) in one read of the
+    logits, in their dtypes (an empty tensor for one that is not needed)."""
     if _portable(x, y):
-        return streaming._full_kl_backward_op(
-            grad, x, y, stats, mask, temperature, need_x, need_y, tile_rows, tile_cols
+        return streaming._token_stats_backward_op(
+            grad, x, y, tokens, stats, mask, keep, tau, temperature, ignore_index, want,
+            need_x, need_y, tile_rows, tile_cols,
         )
-    g = ag.masked_grad(grad, mask, stats.dtype).reshape(-1)  # (N,)
-    gx, gy = _grads(0, g, _rows(x), _rows(y), stats.reshape(-1, 6), temperature, need_x, need_y)
+    flags = kl, logp, ref_logp, ent = _wanted(want)
+    need_y = need_y and y is not None
+    xf = _rows(x)  # (N, V)
+    n, vocab = xf.shape
+    yf = _rows(y) if (kl or ref_logp) and y is not None else None  # (N, V)
+    st = stats.reshape(n, ag.STATS_COLS).contiguous()  # (N, 9)
+    g = streaming.token_stats_upstream(grad, mask, tokens, ignore_index, want, st.dtype)  # (N, 4)
+    tok = None
+    at_tok = st.new_zeros(n, 2)
+    if logp or ref_logp:
+        tok, _ = ag.safe_tokens(tokens.reshape(-1), ignore_index)
+        lp, lq = st[:, ag.ST_LOGP], st[:, ag.ST_REF_LOGP]
+        # at the token: (1 − p_t)·g = −expm1(log p_t)·g, exact for p_t near 1; 0 for a token
+        # off the support (its logit, fixed at −inf by keep/tau, does not move log π̃(t))
+        at_tok = torch.stack([-torch.expm1(lp) * g[:, 1], -torch.expm1(lq) * g[:, 2]], -1)
+        at_tok[:, 0] = at_tok[:, 0].masked_fill(torch.isneginf(lp), 0.0)
+        at_tok = torch.where(g[:, 1:3] != 0, at_tok, 0.0)
+    gx = torch.empty((n, vocab), dtype=x.dtype, device=x.device) if need_x else None
+    gy = None
+    if need_y:  # a reference not in any wanted output gets a zero gradient
+        gy = (torch.empty if yf is not None else torch.zeros)((n, vocab), dtype=y.dtype,
+                                                               device=x.device)
+    write_y = need_y and yf is not None
+    if n and (need_x or write_y):
+        keepf, stride_keep, tauf = _support_args(keep, tau, n)
+        block = _block(vocab, 1024)
+        inv_t = 1.0 / temperature
+        _kernels().grad_kernel[(n, -(-vocab // block))](
+            xf, xf if yf is None else yf, xf if keepf is None else keepf,
+            st if tauf is None else tauf, gx if need_x else st, gy if write_y else st,
+            st, g.contiguous(), st if tok is None else tok, at_tok.contiguous(),
+            xf.stride(0), 0 if yf is None else yf.stride(0), stride_keep,
+            vocab, inv_t, inv_t * 1.4426950408889634,
+            **backward_constexprs(flags, need_x, write_y, keepf is not None, tauf is not None),
+            BLOCK=block, num_warps=_warps(block),
+        )
     return (
         gx.view(x.shape) if need_x else x.new_empty(0),
-        gy.view(y.shape) if need_y else y.new_empty(0),
+        gy.view(y.shape) if need_y else x.new_empty(0),
     )
 
 
-@torch.library.custom_op("klpenalty::triton_token_logprobs", mutates_args=())
-def _token_logprobs_op(
-    x: Tensor,
-    tokens: Tensor,
-    temperature: float,
-    ignore_index: int,
-    check: bool,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
-    """(..., V) logits, (...) tokens → log π(token) (...) and stats (..., 3)."""
-    if _portable(x):
-        return streaming._token_logprobs_op(
-            x, tokens, temperature, ignore_index, check, tile_rows, tile_cols
-        )
-    if check:
-        v.check_token_range(tokens, x.shape[-1], ignore_index)
-    xf = _rows(x)
-    tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)
-    state = _entropy_state(xf, temperature, tile_cols)
-    lse = LSEState(state.m, state.s)
-    return streaming.lse_finish(x, xf, tok, ignored, lse, temperature, check)
-
-
-@torch.library.custom_op("klpenalty::triton_token_logprobs_backward", mutates_args=())
-def _token_logprobs_backward_op(
-    grad: Tensor,
-    x: Tensor,
-    tokens: Tensor,
-    stats: Tensor,
-    temperature: float,
-    ignore_index: int,
-    tile_rows: int,
-    tile_cols: int,
-) -> Tensor:
-    """Gradient (..., V) of Σ grad·log π(token): (onehot(token) − π)·grad/T."""
-    if _portable(x):
-        return streaming._token_logprobs_backward_op(
-            grad, x, tokens, stats, temperature, ignore_index, tile_rows, tile_cols
-        )
-    tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)
-    st = stats.reshape(-1, 3)  # (N, 3)
-    g = grad.reshape(-1).to(st.dtype).masked_fill(ignored, 0.0)  # (N,)
-    # at the token: (1 − π_t)·g/T = −expm1(log π_t)·g/T, exact for π_t near 1
-    at_token = -torch.expm1(st[:, 2]) * g / temperature
-    xf = _rows(x)
-    gx, _ = _grads(1, g, xf, xf, st, temperature, True, False, tok, at_token)
-    return gx.view(x.shape)
-
-
-@torch.library.custom_op("klpenalty::triton_entropy", mutates_args=())
-def _entropy_op(
-    x: Tensor,
-    mask: Optional[Tensor],
-    temperature: float,
-    check: bool,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
-    """(..., V) logits → H(π) (...) and stats (..., 3)."""
-    if _portable(x):
-        return streaming._entropy_op(x, mask, temperature, check, tile_rows, tile_cols)
-    h, stats = entropy_finalize(_entropy_state(_rows(x), temperature, tile_cols))
-    return streaming.masked_checked(h, stats, mask, check, {"logits": x})
-
-
-@torch.library.custom_op("klpenalty::triton_entropy_backward", mutates_args=())
-def _entropy_backward_op(
-    grad: Tensor,
-    x: Tensor,
-    stats: Tensor,
-    mask: Optional[Tensor],
-    temperature: float,
-    tile_rows: int,
-    tile_cols: int,
-) -> Tensor:
-    """Gradient (..., V) of Σ grad·H(π): −π·(u − E_π[u])·grad/T, 0 where π = 0 or masked."""
-    if _portable(x):
-        return streaming._entropy_backward_op(
-            grad, x, stats, mask, temperature, tile_rows, tile_cols
-        )
-    g = ag.masked_grad(grad, mask, stats.dtype).reshape(-1)  # (N,)
-    xf = _rows(x)
-    gx, _ = _grads(2, g, xf, xf, stats.reshape(-1, 3), temperature, True, False)
-    return gx.view(x.shape)
-
-
-ag.register_full_kl(_full_kl_op, _full_kl_backward_op)
-ag.register_token_logprobs(_token_logprobs_op, _token_logprobs_backward_op)
-ag.register_entropy(_entropy_op, _entropy_backward_op)
+ag.register_token_stats(_token_stats_op, _token_stats_backward_op)
 
 
 # ------------------------------------------------------------------------------ entry points
-def full_kl(
-    x: Tensor,
-    y: Tensor,
-    mask: Tensor | None,
-    temperature: float,
-    *,
-    check: bool = False,
-    vocab_chunk: int | None = None,
-) -> Tensor:
-    """Exact KL(softmax(x/T) ‖ softmax(y/T)) per position with the Triton kernels.
-
-    The contract of :func:`.streaming.full_kl` (unchecked internal entry point);
-    ``vocab_chunk`` > 0 forces the split-vocabulary forward with programs of that many columns.
-    Raises ValueError where the kernels cannot run on the tensors' device (:func:`check_device`).
-    """
-    check_device(x.device)
-    kl, _ = _full_kl_op(x, y, mask, float(temperature), bool(check), 0, int(vocab_chunk or 0))
-    return kl
-
-
-def token_logprobs(
-    x: Tensor,
-    tokens: Tensor,
-    temperature: float,
-    *,
-    ignore_index: int = -100,
-    check: bool = False,
-    vocab_chunk: int | None = None,
-) -> Tensor:
-    """log softmax(x/T)[token] per position with the Triton kernels (as
-    :func:`.streaming.token_logprobs`; ``vocab_chunk`` as in :func:`full_kl`)."""
-    check_device(x.device)
-    out, _ = _token_logprobs_op(
-        x, tokens, float(temperature), int(ignore_index), bool(check), 0, int(vocab_chunk or 0)
-    )
-    return out
-
-
-def entropy(
-    x: Tensor,
-    mask: Tensor | None,
-    temperature: float,
-    *,
-    check: bool = False,
-    vocab_chunk: int | None = None,
-) -> Tensor:
-    """Policy entropy H(softmax(x/T)) per position with the Triton kernels (as
-    :func:`.streaming.entropy`; ``vocab_chunk`` as in :func:`full_kl`)."""
-    check_device(x.device)
-    h, _ = _entropy_op(x, mask, float(temperature), bool(check), 0, int(vocab_chunk or 0))
-    return h
-
-
 def token_stats(
     x: Tensor,
     y: Tensor | None,
@@ -455,13 +409,77 @@ def token_stats(
     vocab_chunk: int | None = None,
     tile_elements: int = streaming.TILE_ELEMENTS,
 ) -> Tensor:
-    """The one-pass token statistics out (..., 4) (the contract of :func:`.streaming.token_stats`).
+    """KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃) per position, (..., 4), in one pass of the
+    Triton kernels: the contract of :func:`.streaming.token_stats` (unchecked inputs; columns
+    not in ``want`` hold 0).
 
-    For now this runs the streaming op; the Triton kernels implement the same op contract
-    (``ops/autograd.py``) and replace this body.
+    Shapes: x, y, keep (..., V); tokens, mask, tau (...). ``vocab_chunk`` > 0 forces the
+    split-vocabulary forward with programs of that many columns; ``chunk_rows`` and
+    ``tile_elements`` (the streaming tiles) apply only where the streaming op runs (float64).
+    Raises ValueError where the kernels cannot run on the tensors' device (:func:`check_device`).
     """
     check_device(x.device)
-    return streaming.token_stats(
-        x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
-        check=check, chunk_rows=chunk_rows, vocab_chunk=vocab_chunk, tile_elements=tile_elements,
+    if _portable(x, y):
+        return streaming.token_stats(
+            x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
+            check=check, chunk_rows=chunk_rows, vocab_chunk=vocab_chunk,
+            tile_elements=tile_elements,
+        )
+    out, _ = _token_stats_op(
+        x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
+        bool(check), 0, int(vocab_chunk or 0),
     )
+    return out
+
+
+def full_kl(
+    x: Tensor,
+    y: Tensor,
+    mask: Tensor | None,
+    temperature: float,
+    *,
+    check: bool = False,
+    vocab_chunk: int | None = None,
+) -> Tensor:
+    """Exact KL(softmax(x/T) ‖ softmax(y/T)) per position: the KL column of :func:`token_stats`.
+
+    The contract of :func:`.streaming.full_kl` (unchecked internal entry point);
+    ``vocab_chunk`` > 0 forces the split-vocabulary forward with programs of that many columns.
+    """
+    return token_stats(
+        x, y, None, mask, None, None, temperature, want=ag.WANT_KL, check=check,
+        vocab_chunk=vocab_chunk,
+    )[..., ag.OUT_KL].contiguous()  # (...) contiguous: callers may .view() it
+
+
+def token_logprobs(
+    x: Tensor,
+    tokens: Tensor,
+    temperature: float,
+    *,
+    ignore_index: int = -100,
+    check: bool = False,
+    vocab_chunk: int | None = None,
+) -> Tensor:
+    """log softmax(x/T)[token] per position: the log-prob column of :func:`token_stats` (as
+    :func:`.streaming.token_logprobs`; ``vocab_chunk`` as in :func:`full_kl`)."""
+    return token_stats(
+        x, None, tokens, None, None, None, temperature, want=ag.WANT_LOGP,
+        ignore_index=ignore_index, check=check, vocab_chunk=vocab_chunk,
+    )[..., ag.OUT_LOGP].contiguous()  # (...) contiguous: callers may .view() it
+
+
+def entropy(
+    x: Tensor,
+    mask: Tensor | None,
+    temperature: float,
+    *,
+    check: bool = False,
+    vocab_chunk: int | None = None,
+) -> Tensor:
+    """Policy entropy H(softmax(x/T)) per position: the entropy column of :func:`token_stats`
+    (as :func:`.streaming.entropy`; ``vocab_chunk`` as in :func:`full_kl`)."""
+    return token_stats(
+        x, None, None, mask, None, None, temperature, want=ag.WANT_ENTROPY, check=check,
+        vocab_chunk=vocab_chunk,
+    )[..., ag.OUT_ENTROPY].contiguous()  # (...) contiguous: callers may .view() it

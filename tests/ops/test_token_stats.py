@@ -147,6 +147,26 @@ def test_hessian_vector_product_with_a_support():
     torch.testing.assert_close(hvp, want, rtol=1e-9, atol=1e-9)
 
 
+def test_token_off_the_support_first_derivative_equals_the_differentiable_one():
+    """check=False with a sampled token off the support: log π̃(t) = −inf; the backend's first
+    derivative and the create_graph=True one agree (−π̃·g/T on the row, 0 at the token), and
+    the reference's log ρ(t) keeps its onehot term."""
+    x, y = make_logits((3, 11), torch.float64, seed=9)
+    tokens = torch.tensor([2, 7, 0])
+    keep = torch.ones(3, 11, dtype=torch.bool)
+    keep[1, 7] = False  # row 1's token is off the support
+    g = torch.linspace(-1.0, 1.5, 12, dtype=torch.float64).reshape(3, 4)
+    xg, yg = x.detach().requires_grad_(), y.detach().requires_grad_()
+    out = streaming.token_stats(xg, yg, tokens, None, keep, None, 0.9, want=15, check=False)
+    assert torch.isneginf(out[1, 1])
+    first = torch.autograd.grad(out, (xg, yg), g)
+    out = streaming.token_stats(xg, yg, tokens, None, keep, None, 0.9, want=15, check=False)
+    second = torch.autograd.grad(out, (xg, yg), g, create_graph=True)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-12)
+    assert first[0][1, 7] == 0 and first[1][1, 7] != 0
+
+
 def test_fullgraph_compile_gives_the_same_numbers():
     c = token_stats_case(torch.float32)
     x = c["x"].contiguous().requires_grad_()

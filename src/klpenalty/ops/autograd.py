@@ -261,8 +261,9 @@ def _token_stats_grads_differentiable(
 
     With p = π̃, q = ρ (log-probs lp, lq), KL, H and onehot(t):
     ∂/∂x = p·[g_kl·((lp − lq) − KL) − g_lp − g_h·(lp + H)]/T + onehot·g_lp/T,
-    ∂/∂y = [g_kl·(q − p) + g_rl·(onehot − q)]/T; 0 off the support, also at a sampled token
-    off the support (``check=False``: its log π̃(t) = −inf does not move with the logits).
+    ∂/∂y = [g_kl·(q − p) + g_rl·(onehot − q)]/T. ∂/∂x is 0 off the support; for a sampled
+    token off the support (``check=False``, log π̃(t) = −inf) the onehot term is dropped: the
+    limit x_t → −inf of the untruncated derivative, as the backends' first derivative gives.
     """
     dtype = compute_dtype(x) if y is None else compute_dtype(x, y)
     g = masked_grad(grad, None if mask is None else mask.unsqueeze(-1), dtype)  # (..., 4)
@@ -280,14 +281,16 @@ def _token_stats_grads_differentiable(
     p = lp.exp()
     live = p > 0  # 0·log 0 = 0, with no NaN in the unused branch's gradient either
     lp0 = torch.where(live, lp, 0.0)
-    onehot = torch.zeros_like(p)
+    onehot = onehot_x = torch.zeros_like(p)
     if tokens is not None:
         tok, ignored = safe_tokens(tokens, ignore_index)
         onehot = onehot.scatter(-1, tok.unsqueeze(-1), 1.0)
         g_lp, g_rl = g_lp.masked_fill(ignored, 0.0), g_rl.masked_fill(ignored, 0.0)
-        # a token off the support has log π̃(t) = −inf whatever the logits: no gradient
-        off = torch.isneginf(xs.detach().gather(-1, tok.unsqueeze(-1)).squeeze(-1))
-        g_lp = g_lp.masked_fill(off, 0.0)
+        # a token off the support (check=False): log π̃(t) = −inf; its derivative is taken as
+        # the limit x_t → −inf of the untruncated one, −π̃·g/T (0 at the token itself), as the
+        # backends' first derivative gives it
+        off = torch.isneginf(xs.detach().gather(-1, tok.unsqueeze(-1)))
+        onehot_x = onehot.masked_fill(off, 0.0)
     inner = -g_lp.unsqueeze(-1) - g_h.unsqueeze(-1) * (lp0 + (-(p * lp0).sum(-1, keepdim=True)))
     grad_y = None
     if ys is not None:
@@ -298,7 +301,7 @@ def _token_stats_grads_differentiable(
         inner = inner + g_kl.unsqueeze(-1) * (diff - kl)
         grad_y = (g_kl.unsqueeze(-1) * (q - p) + g_rl.unsqueeze(-1) * (onehot - q)) / temperature
         grad_y = grad_y.to(y.dtype)
-    grad_x = (p * inner + onehot * g_lp.unsqueeze(-1)) / temperature
+    grad_x = (p * inner + onehot_x * g_lp.unsqueeze(-1)) / temperature
     return grad_x.to(x.dtype), grad_y
 
 

@@ -12,6 +12,7 @@ import torch
 
 from . import _validation as v
 from .ops import autograd as ag
+from .ops import views
 from .ops.dispatch import get_backend
 from .sampling import resolve_support
 
@@ -371,22 +372,12 @@ def _token_stats(
 
 
 def _dispatch(impl, x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check):
-    """One backend call → the four fields (None where not wanted). A single output without a
-    support runs the backend's dedicated op (the same contract and numbers; the native and
-    Triton kernels of the one-pass op replace these when they land)."""
-    if keep is None and tau is None:
-        if want == ag.WANT_KL:
-            return impl.full_kl(x, y, mask, temperature, check=check), None, None, None
-        if want == ag.WANT_ENTROPY:
-            return None, None, None, impl.entropy(x, mask, temperature, check=check)
-        if want == ag.WANT_LOGP and mask is None:
-            lp = impl.token_logprobs(x, tokens, temperature, ignore_index=ignore_index, check=check)
-            return None, lp, None, None
+    """One backend call → the four fields (None where not wanted)."""
     out = impl.token_stats(
         x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
         check=check,
     )
     return tuple(  # (...) contiguous fields: callers may .view() them
-        out[..., col].contiguous() if want & bit else None
+        views.column(out, col) if want & bit else None
         for col, bit in enumerate((ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY))
     )

@@ -230,13 +230,13 @@ def test_check_false_returns_nan_instead_of_raising():
 # ----------------------------------------------------------------------- threads (6)
 def test_cpu_tile_loop_runs_on_one_thread_and_restores_the_setting(monkeypatch):
     seen = []
-    original = engine.kl_partial
+    original = engine.stats_partial
 
     def spy(*args, **kwargs):
         seen.append(torch.get_num_threads())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(streaming, "kl_partial", spy)
+    monkeypatch.setattr(streaming, "stats_partial", spy)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

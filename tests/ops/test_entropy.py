@@ -129,22 +129,17 @@ def test_large_offsets_keep_float32_accuracy(backend, offset, temperature):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stats_match_across_backends(backend):
-    """Every backend's op gives the streaming op's (..., 3) stats: shift, log s, E_π[u] (the
-    native kernel's one token_stats op: its entropy column and those stats columns)."""
+    """Every backend's token_stats op gives the streaming op's entropy and its stats columns
+    shift, log s, E_π[u] (H = log s − E_π[u])."""
     x, _ = make_logits((5, 3000), torch.float32, seed=3)
     x[1, 7] = NINF
-    if backend == "native":
-        if not klpenalty.ops.native.available():
-            pytest.skip("the native kernel is unavailable")
-        out, st = torch.ops.klpenalty.native_token_stats(
-            x, None, None, None, None, None, 0.9, -100, ag.WANT_ENTROPY, False, 0, 0
-        )
-        h, st = out[:, ag.OUT_ENTROPY], st[:, [ag.ST_SHIFT_X, ag.ST_LOG_S_X, ag.ST_MEAN_U]]
-    else:
-        op = getattr(torch.ops.klpenalty, f"{backend}_entropy")
-        h, st = op(x, None, 0.9, False, 0, 0)
-    h_s, st_s = torch.ops.klpenalty.streaming_entropy(x, None, 0.9, False, 0, 0)
-    assert st.shape == (5, 3)
+    if backend == "native" and not klpenalty.ops.native.available():
+        pytest.skip("the native kernel is unavailable")
+    args = (x, None, None, None, None, None, 0.9, -100, ag.WANT_ENTROPY, False, 0, 0)
+    cols = [ag.ST_SHIFT_X, ag.ST_LOG_S_X, ag.ST_MEAN_U]
+    out, st = getattr(torch.ops.klpenalty, f"{backend}_token_stats")(*args)
+    out_s, st_s = torch.ops.klpenalty.streaming_token_stats(*args)
+    h, st, h_s, st_s = out[:, ag.OUT_ENTROPY], st[:, cols], out_s[:, ag.OUT_ENTROPY], st_s[:, cols]
     torch.testing.assert_close(h, h_s, **tol(torch.float32))
     torch.testing.assert_close(st, st_s, **tol(torch.float32))
     torch.testing.assert_close(st[:, 1] - st[:, 2], h, **tol(torch.float32))  # H = log s − E[u]

@@ -51,7 +51,7 @@ distribution. Stats (N, 3): shift, log s, E_π[u] = b/s; ∂H/∂x = −π·(u �
 **Token-stats state** (:class:`StatsState`, for the one-pass ``token_stats`` op): the policy's
 (m_x, s_x), with b = Σ e^u·u when the entropy is wanted, and the reference's (m_y, s_y), with
 a = Σ e^u·(u − w) when the KL is wanted: one read of a tile gives all of them
-(:func:`stats_partial`; :func:`kl_partial`, :func:`entropy_partial` and :func:`lse_partial` are
+(:func:`stats_partial`; :func:`kl_partial` and :func:`lse_partial` are
 its special cases), merged and finalized with the KL and entropy rules above
 (:func:`stats_merge`, :func:`stats_finalize`). Its gradient tile (:func:`stats_grad_tile`)
 writes ∂/∂x and ∂/∂y of Σ g·(KL, log π(t), log ρ(t), H) in one pass::
@@ -103,11 +103,9 @@ __all__ = [
     "lse_merge",
     "lse_grad_tile",
     "EntropyState",
-    "entropy_partial",
     "entropy_rescale",
     "entropy_merge",
     "entropy_finalize",
-    "entropy_grad_tile",
     "StatsState",
     "stats_partial",
     "stats_rescale",
@@ -405,13 +403,6 @@ def lse_grad_tile(
 
 
 # ------------------------------------------------------------------------------------ entropy
-def entropy_partial(
-    x: torch.Tensor, temperature: float, ws: Workspace, careful: bool | None
-) -> EntropyState:
-    """Entropy state of one (r, c) tile of raw logits; ``careful`` as in :func:`kl_partial`."""
-    st, _ = stats_partial(x, None, temperature, ws, careful, kl=False, entropy=True)
-    return EntropyState(st.m_x, st.s_x, st.b)
-
 
 def entropy_rescale(state: EntropyState, m: torch.Tensor, temperature: float) -> EntropyState:
     """The same state against the (larger or equal) max ``m`` (N,)."""
@@ -441,32 +432,6 @@ def entropy_finalize(state: EntropyState) -> tuple[torch.Tensor, torch.Tensor]:
     stats = torch.stack([finite_or_zero(state.m), finite_or_zero(log_s), mean_u], dim=-1)
     return h, stats
 
-
-def entropy_grad_tile(
-    x: torch.Tensor,
-    stats: torch.Tensor,
-    g: torch.Tensor,
-    temperature: float,
-    ws: Workspace,
-    gx: torch.Tensor,
-    careful: bool | None,
-) -> None:
-    """gx ← −π·(u − E_π[u])·g/T for one (r, c) tile; stats (r, 3), g (r,) compute dtype.
-
-    ``careful``: True = zero the entries where π = 0 (0·log 0, −inf logits) and the rows with
-    g = 0 (masked rows may hold garbage); None = do so only if the tile came out non-finite
-    (a host read: free on CPU).
-    """
-    r, c = x.shape
-    shift, log_s, mean_u = stats.unbind(-1)
-    d = _shifted(ws.get("d", r, c), x, shift)  # T·u
-    p = _exp_tempered(ws.get("e", r, c), d, temperature, log_s)
-    d.sub_((mean_u * temperature).unsqueeze(-1)).mul_(p)  # π·T·(u − E_π[u])
-    torch.mul(d, (-g / (temperature * temperature)).unsqueeze(-1), out=gx)
-    if careful is None:
-        careful = not bool(torch.isfinite(gx).all())
-    if careful:
-        gx.masked_fill_(p == 0, 0.0).masked_fill_((g == 0).unsqueeze(-1), 0.0)
 
 
 # ------------------------------------------------------------------------------ token stats

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from . import autograd as ag
-from . import streaming
+from . import streaming, views
 
 __all__ = [
     "token_stats",
@@ -274,44 +274,4 @@ def token_stats(
     return out
 
 
-def full_kl(
-    x: Tensor, y: Tensor, mask: Tensor | None, temperature: float, *, check: bool = False
-) -> Tensor:
-    """Exact KL(softmax(x/T) ‖ softmax(y/T)) per position, (...): the KL column of
-    :func:`token_stats` (the contract of :func:`.streaming.full_kl`; falls back to it when the
-    kernel is unavailable)."""
-    if not available():
-        return streaming.full_kl(x, y, mask, temperature, check=check)
-    out = token_stats(x, y, None, mask, None, None, temperature, want=ag.WANT_KL, check=check)
-    return out[..., ag.OUT_KL].contiguous()  # (...) contiguous: callers may .view() it
-
-
-def token_logprobs(
-    x: Tensor,
-    tokens: Tensor,
-    temperature: float,
-    *,
-    ignore_index: int = -100,
-    check: bool = False,
-) -> Tensor:
-    """log softmax(x/T)[token] per position, (...): the log-prob column of :func:`token_stats`
-    (as :func:`.streaming.token_logprobs`; falls back to it when the kernel is unavailable)."""
-    if not available():
-        return streaming.token_logprobs(
-            x, tokens, temperature, ignore_index=ignore_index, check=check
-        )
-    out = token_stats(
-        x, None, tokens, None, None, None, temperature,
-        ignore_index=ignore_index, want=ag.WANT_LOGP, check=check,
-    )
-    return out[..., ag.OUT_LOGP].contiguous()  # (...) contiguous: callers may .view() it
-
-
-def entropy(x: Tensor, mask: Tensor | None, temperature: float, *, check: bool = False) -> Tensor:
-    """Policy entropy H(softmax(x/T)) per position, (...): the entropy column of
-    :func:`token_stats` (as :func:`.streaming.entropy`; falls back to it when the kernel is
-    unavailable)."""
-    if not available():
-        return streaming.entropy(x, mask, temperature, check=check)
-    out = token_stats(x, None, None, mask, None, None, temperature, want=ag.WANT_ENTROPY, check=check)
-    return out[..., ag.OUT_ENTROPY].contiguous()  # (...) contiguous: callers may .view() it
+full_kl, token_logprobs, entropy = views.backend_views(token_stats)

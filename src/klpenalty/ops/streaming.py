@@ -9,11 +9,11 @@ Temporaries are tile-sized buffers reused for every tile: nothing of size (N, V)
 On CPU the tile loop runs on one intra-op thread (see :func:`_cpu_threads`); on accelerators it
 makes no host synchronisation (the careful 0·log 0 arithmetic always runs there).
 
-The public entry points are the custom ops ``torch.ops.klpenalty.streaming_full_kl``,
-``torch.ops.klpenalty.streaming_token_logprobs``, ``torch.ops.klpenalty.streaming_entropy`` and
-the one-pass ``torch.ops.klpenalty.streaming_token_stats`` (with fake implementations and
-autograd from :mod:`.autograd`), wrapped by :func:`full_kl`, :func:`token_logprobs`,
-:func:`entropy` and :func:`token_stats` on (..., V) tensors.
+The backend is one custom op pair, the one-pass ``torch.ops.klpenalty.streaming_token_stats``
+(with its fake implementation and autograd from :mod:`.autograd`), wrapped by
+:func:`token_stats` on (..., V) tensors; :func:`full_kl`, :func:`token_logprobs` and
+:func:`entropy` are its single-column views (:mod:`.views`). :func:`kl_state`, :func:`kl_grads`,
+:func:`lse_state` and :func:`lse_grads` are the tile loops of the vocabulary-parallel path.
 """
 
 from __future__ import annotations
@@ -27,17 +27,12 @@ from torch import Tensor
 from .. import _validation as v
 from .._validation import compute_dtype
 from . import autograd as ag
+from . import views
 from .engine import (
-    EntropyState,
     KLState,
     LSEState,
     Workspace,
-    entropy_finalize,
-    entropy_grad_tile,
-    entropy_merge,
-    entropy_partial,
     finite_or_zero,
-    kl_finalize,
     kl_grad_tile,
     kl_merge,
     kl_partial,
@@ -62,7 +57,8 @@ __all__ = [
     "tile_shape",
     "kl_state",
     "lse_state",
-    "entropy_state",
+    "kl_grads",
+    "lse_grads",
     "TILE_ELEMENTS",
 ]
 
@@ -213,18 +209,6 @@ def lse_state(x: Tensor, temperature: float, rows: int, cols: int) -> LSEState:
     )
 
 
-def entropy_state(x: Tensor, temperature: float, rows: int, cols: int) -> EntropyState:
-    """Per-row entropy state of (N, C) logits over all their columns."""
-    careful = None if _host_checks(x.device) else True
-    return _row_states(
-        x,
-        rows,
-        cols,
-        EntropyState,
-        lambda tile, ws: entropy_partial(tile, temperature, ws, careful),
-        lambda a, b: entropy_merge(a, b, temperature),
-    )
-
 
 def _grad_tiles(x: Tensor, dtype: torch.dtype, rows: int, cols: int, tile_grad) -> Tensor:
     """A gradient buffer like (N, C) ``x``, filled by ``tile_grad(r0, r1, c0, c1, ws, out)``."""
@@ -250,19 +234,6 @@ def lse_grads(
     return _grad_tiles(x, g.dtype, rows, cols, tile_grad)
 
 
-def entropy_grads(
-    g: Tensor, x: Tensor, stats: Tensor, temperature: float, rows: int, cols: int
-) -> Tensor:
-    """−π·(u − E_π[u])·g/T for (N, C) logits from the (N, 3) stats; g (N,) compute dtype."""
-    careful = None if _host_checks(x.device) else True
-
-    def tile_grad(r0, r1, c0, c1, ws, out):
-        entropy_grad_tile(
-            x[r0:r1, c0:c1], stats[r0:r1], g[r0:r1], temperature, ws, out, careful
-        )
-
-    return _grad_tiles(x, g.dtype, rows, cols, tile_grad)
-
 
 # ------------------------------------------------------------------------------ custom ops
 def _rows_and_tiles(x: Tensor, tile_rows: int, tile_cols: int) -> tuple[Tensor, int, int]:
@@ -272,170 +243,7 @@ def _rows_and_tiles(x: Tensor, tile_rows: int, tile_cols: int) -> tuple[Tensor, 
     return (xf, *tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols))
 
 
-def masked_checked(
-    out: Tensor, stats: Tensor, mask: Tensor | None, check: bool, named: dict[str, Tensor]
-) -> tuple[Tensor, Tensor]:
-    """(N,) result and (N, k) stats → 0 at masked positions, the NaN check, (...) shapes."""
-    if mask is not None:
-        out = out.masked_fill(~mask.reshape(-1), 0.0)
-    if check:
-        v.raise_if_nan(out, named)
-    leading = next(iter(named.values())).shape[:-1]
-    return out.reshape(leading), stats.reshape(*leading, stats.shape[-1])
 
-
-@torch.library.custom_op("klpenalty::streaming_full_kl", mutates_args=())
-def _full_kl_op(
-    x: Tensor,
-    y: Tensor,
-    mask: Optional[Tensor],
-    temperature: float,
-    check: bool,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
-    """(..., V) logits → KL (...) and backward stats (..., 6). See :mod:`.engine`."""
-    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
-    yf = y.reshape(xf.shape)  # (N, V)
-    with _cpu_threads(x.device):
-        state, careful = kl_state(xf, yf, temperature, rows, cols)
-        kl, stats = kl_finalize(state, careful)
-    return masked_checked(kl, stats, mask, check, {"policy_logits": x, "ref_logits": y})
-
-
-@torch.library.custom_op("klpenalty::streaming_full_kl_backward", mutates_args=())
-def _full_kl_backward_op(
-    grad: Tensor,
-    x: Tensor,
-    y: Tensor,
-    stats: Tensor,
-    mask: Optional[Tensor],
-    temperature: float,
-    need_x: bool,
-    need_y: bool,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
-    """Gradients (..., V) w.r.t. x and y (an empty tensor for one that is not needed)."""
-    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
-    yf = y.reshape(xf.shape)  # (N, V)
-    g = ag.masked_grad(grad, mask, stats.dtype).reshape(-1)  # (N,)
-    with _cpu_threads(x.device):
-        gx, gy = kl_grads(g, xf, yf, stats.reshape(-1, 6), temperature, need_x, need_y, rows, cols)
-    return (
-        gx.view(x.shape) if need_x else x.new_empty(0),
-        gy.view(y.shape) if need_y else y.new_empty(0),
-    )
-
-
-@torch.library.custom_op("klpenalty::streaming_token_logprobs", mutates_args=())
-def _token_logprobs_op(
-    x: Tensor,
-    tokens: Tensor,
-    temperature: float,
-    ignore_index: int,
-    check: bool,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
-    """(..., V) logits, (...) tokens → log π(token) (...) and stats (..., 3)."""
-    vocab = x.shape[-1]
-    if check:
-        v.check_token_range(tokens, vocab, ignore_index)
-    xf = x.reshape(-1, vocab)  # (N, V)
-    tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)  # (N,), (N,)
-    rows, cols = tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols)
-    with _cpu_threads(x.device):
-        state = lse_state(xf, temperature, rows, cols)
-    return lse_finish(x, xf, tok, ignored, state, temperature, check)
-
-
-def lse_finish(
-    x: Tensor,
-    xf: Tensor,
-    tok: Tensor,
-    ignored: Tensor,
-    state: LSEState,
-    temperature: float,
-    check: bool,
-) -> tuple[Tensor, Tensor]:
-    """(log π(token) (...), stats (..., 3)) from the merged log-sum-exp state (N,) of the rows
-    ``xf`` (N, V) of ``x`` (..., V); ``tok``, ``ignored`` (N,) from :func:`.autograd.safe_tokens`.
-    Shared by the backends whose ops compute the state in their own loop."""
-    leading = x.shape[:-1]
-    shift, log_s = finite_or_zero(state.m), torch.log(state.s)
-    picked = xf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(log_s.dtype)  # (N,)
-    # (x_t − m)/T − log s: the shifted difference is exact for nearby logits, even at ±1e4.
-    # An all −inf row (s = 0) defines no distribution: NaN.
-    out = (picked - shift) / temperature - log_s
-    out = out.masked_fill(state.s == 0, float("nan")).masked_fill(ignored, 0.0)
-    if check:
-        v.raise_if_nan(out, {"logits": x})
-    stats = torch.stack([shift, finite_or_zero(log_s), out], dim=-1)  # (N, 3)
-    return out.reshape(leading), stats.reshape(*leading, 3)
-
-
-@torch.library.custom_op("klpenalty::streaming_token_logprobs_backward", mutates_args=())
-def _token_logprobs_backward_op(
-    grad: Tensor,
-    x: Tensor,
-    tokens: Tensor,
-    stats: Tensor,
-    temperature: float,
-    ignore_index: int,
-    tile_rows: int,
-    tile_cols: int,
-) -> Tensor:
-    """Gradient (..., V) of Σ grad·log π(token): (onehot(token) − π)·grad/T."""
-    vocab = x.shape[-1]
-    xf = x.reshape(-1, vocab)  # (N, V)
-    tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)
-    st = stats.reshape(-1, 3)  # (N, 3)
-    g = grad.reshape(-1).to(st.dtype).masked_fill(ignored, 0.0)  # (N,)
-    rows, cols = tile_shape(xf.shape[0], vocab, TILE_ELEMENTS, tile_rows, tile_cols)
-    with _cpu_threads(x.device):
-        gx = lse_grads(g, xf, st[:, 0], st[:, 1], temperature, rows, cols)
-    # at the token: (1 − π_t)·g/T = −expm1(log π_t)·g/T, exact for π_t near 1
-    at_token = -torch.expm1(st[:, 2]) * g / temperature
-    gx.scatter_(-1, tok.unsqueeze(-1), at_token.unsqueeze(-1).to(gx.dtype))
-    return gx.view(x.shape)
-
-
-@torch.library.custom_op("klpenalty::streaming_entropy", mutates_args=())
-def _entropy_op(
-    x: Tensor,
-    mask: Optional[Tensor],
-    temperature: float,
-    check: bool,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
-    """(..., V) logits → H(π) (...) and backward stats (..., 3). See :mod:`.engine`."""
-    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
-    with _cpu_threads(x.device):
-        h, stats = entropy_finalize(entropy_state(xf, temperature, rows, cols))
-    return masked_checked(h, stats, mask, check, {"logits": x})
-
-
-@torch.library.custom_op("klpenalty::streaming_entropy_backward", mutates_args=())
-def _entropy_backward_op(
-    grad: Tensor,
-    x: Tensor,
-    stats: Tensor,
-    mask: Optional[Tensor],
-    temperature: float,
-    tile_rows: int,
-    tile_cols: int,
-) -> Tensor:
-    """Gradient (..., V) of Σ grad·H(π): −π·(u − E_π[u])·grad/T, 0 where π = 0 or masked."""
-    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
-    g = ag.masked_grad(grad, mask, stats.dtype).reshape(-1)  # (N,)
-    with _cpu_threads(x.device):
-        gx = entropy_grads(g, xf, stats.reshape(-1, 3), temperature, rows, cols)
-    return gx.view(x.shape)
-
-
-# ------------------------------------------------------------------------------ token stats
 def support_tile(
     xt: Tensor, keep_t: Tensor | None, tau_t: Tensor | None, ws: Workspace
 ) -> Tensor:
@@ -734,101 +542,10 @@ def _token_stats_backward_op(
     )
 
 
-ag.register_full_kl(_full_kl_op, _full_kl_backward_op)
-ag.register_token_logprobs(_token_logprobs_op, _token_logprobs_backward_op)
-ag.register_entropy(_entropy_op, _entropy_backward_op)
 ag.register_token_stats(_token_stats_op, _token_stats_backward_op)
 
 
 # ------------------------------------------------------------------------------ entry points
-def full_kl(
-    x: Tensor,
-    y: Tensor,
-    mask: Tensor | None,
-    temperature: float,
-    *,
-    check: bool = False,
-    chunk_rows: int | None = None,
-    vocab_chunk: int | None = None,
-    tile_elements: int = TILE_ELEMENTS,
-) -> Tensor:
-    """Exact KL(softmax(x/T) ‖ softmax(y/T)) per position, streamed over cache-sized tiles.
-
-    Unchecked internal entry point (the public :func:`klpenalty.full_kl` validates first).
-
-    Args:
-        x: (..., V) float16/bfloat16/float32/float64 policy logits.
-        y: (..., V) same shape, reference logits.
-        mask: (...) bool or None; False positions give 0 and zero gradient whatever they hold.
-        temperature: > 0, divides both logits.
-        check: raise ValueError naming the input when a counted position's KL is NaN.
-        chunk_rows, vocab_chunk: override the tile's rows / columns.
-        tile_elements: target elements per tile (used when the overrides are not given).
-
-    Returns:
-        (...) float32 (float64 if either input is float64), differentiable (also twice).
-    """
-    rows, cols = _tile_args(x, tile_elements, chunk_rows, vocab_chunk)
-    kl, _ = _full_kl_op(x, y, mask, float(temperature), bool(check), rows, cols)
-    return kl
-
-
-def token_logprobs(
-    x: Tensor,
-    tokens: Tensor,
-    temperature: float,
-    *,
-    ignore_index: int = -100,
-    check: bool = False,
-    chunk_rows: int | None = None,
-    vocab_chunk: int | None = None,
-    tile_elements: int = TILE_ELEMENTS,
-) -> Tensor:
-    """log softmax(x/T)[token] per position, streamed over cache-sized tiles (unchecked).
-
-    Args:
-        x: (..., V) float logits.  tokens: (...) int64 ids in [0, V) or ``ignore_index``.
-        temperature: > 0.
-        ignore_index: positions holding it give 0 and zero gradient.
-        check, chunk_rows, vocab_chunk, tile_elements: as in :func:`full_kl` (``check`` also
-            checks the token range).
-
-    Returns:
-        (...) float32 (float64 for float64 logits), differentiable with respect to ``x``.
-    """
-    rows, cols = _tile_args(x, tile_elements, chunk_rows, vocab_chunk)
-    out, _ = _token_logprobs_op(
-        x, tokens, float(temperature), int(ignore_index), bool(check), rows, cols
-    )
-    return out
-
-
-def entropy(
-    x: Tensor,
-    mask: Tensor | None,
-    temperature: float,
-    *,
-    check: bool = False,
-    chunk_rows: int | None = None,
-    vocab_chunk: int | None = None,
-    tile_elements: int = TILE_ELEMENTS,
-) -> Tensor:
-    """Policy entropy H(softmax(x/T)) per position, streamed over cache-sized tiles (unchecked).
-
-    Args:
-        x: (..., V) float logits.
-        mask: (...) bool or None; False positions give 0 and zero gradient whatever they hold.
-        temperature: > 0.
-        check: raise ValueError naming ``logits`` when a counted position's entropy is NaN.
-        chunk_rows, vocab_chunk, tile_elements: as in :func:`full_kl`.
-
-    Returns:
-        (...) float32 (float64 for float64 logits), ≥ 0, differentiable (also twice).
-    """
-    rows, cols = _tile_args(x, tile_elements, chunk_rows, vocab_chunk)
-    h, _ = _entropy_op(x, mask, float(temperature), bool(check), rows, cols)
-    return h
-
 
 def token_stats(
     x: Tensor,
@@ -880,3 +597,6 @@ def _tile_args(x: Tensor, tile_elements: int, chunk_rows, vocab_chunk) -> tuple[
     vocab = x.shape[-1]
     n = x.numel() // vocab if vocab else 0
     return tile_shape(n, vocab, tile_elements, chunk_rows, vocab_chunk)
+
+
+full_kl, token_logprobs, entropy = views.backend_views(token_stats)

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from .. import _validation as v
 from . import autograd as ag
-from . import streaming
+from . import streaming, views
 from .engine import StatsState, stats_finalize, stats_rescale
 
 __all__ = [
@@ -432,54 +432,4 @@ def token_stats(
     return out
 
 
-def full_kl(
-    x: Tensor,
-    y: Tensor,
-    mask: Tensor | None,
-    temperature: float,
-    *,
-    check: bool = False,
-    vocab_chunk: int | None = None,
-) -> Tensor:
-    """Exact KL(softmax(x/T) ‖ softmax(y/T)) per position: the KL column of :func:`token_stats`.
-
-    The contract of :func:`.streaming.full_kl` (unchecked internal entry point);
-    ``vocab_chunk`` > 0 forces the split-vocabulary forward with programs of that many columns.
-    """
-    return token_stats(
-        x, y, None, mask, None, None, temperature, want=ag.WANT_KL, check=check,
-        vocab_chunk=vocab_chunk,
-    )[..., ag.OUT_KL].contiguous()  # (...) contiguous: callers may .view() it
-
-
-def token_logprobs(
-    x: Tensor,
-    tokens: Tensor,
-    temperature: float,
-    *,
-    ignore_index: int = -100,
-    check: bool = False,
-    vocab_chunk: int | None = None,
-) -> Tensor:
-    """log softmax(x/T)[token] per position: the log-prob column of :func:`token_stats` (as
-    :func:`.streaming.token_logprobs`; ``vocab_chunk`` as in :func:`full_kl`)."""
-    return token_stats(
-        x, None, tokens, None, None, None, temperature, want=ag.WANT_LOGP,
-        ignore_index=ignore_index, check=check, vocab_chunk=vocab_chunk,
-    )[..., ag.OUT_LOGP].contiguous()  # (...) contiguous: callers may .view() it
-
-
-def entropy(
-    x: Tensor,
-    mask: Tensor | None,
-    temperature: float,
-    *,
-    check: bool = False,
-    vocab_chunk: int | None = None,
-) -> Tensor:
-    """Policy entropy H(softmax(x/T)) per position: the entropy column of :func:`token_stats`
-    (as :func:`.streaming.entropy`; ``vocab_chunk`` as in :func:`full_kl`)."""
-    return token_stats(
-        x, None, None, mask, None, None, temperature, want=ag.WANT_ENTROPY, check=check,
-        vocab_chunk=vocab_chunk,
-    )[..., ag.OUT_ENTROPY].contiguous()  # (...) contiguous: callers may .view() it
+full_kl, token_logprobs, entropy = views.backend_views(token_stats)

@@ -29,9 +29,11 @@ from .ops.dispatch import get_backend
 
 __all__ = ["linear_kl"]
 
-# Elements of one model's (R, V) logits chunk on CPU: 2**22 = 16 MiB of float32 (the backward
-# holds a few such buffers per model). Matmuls of ≥ 16 rows keep the CPU GEMM efficient.
-CPU_CHUNK_ELEMENTS = 1 << 22
+# Elements of one model's (R, V) logits chunk on CPU: 3·2**20 = 12 MiB of float32, 24 MiB for
+# both models (the backward holds about three such buffers: both logits and ∂/∂z). Larger chunks
+# make the weight-gradient GEMM (K = R) more efficient, smaller ones cost less memory; at
+# (N = 4096, V = 32000) this is R = 98, ~7% of one model's (N, V) logits at the peak.
+CPU_CHUNK_ELEMENTS = 3 << 20
 CPU_MIN_CHUNK_ROWS = 16
 # On accelerators every chunk reads the whole (V, H) weight: the matmul is memory-bound below
 # ~256 rows (an H100/H200 does ~200 flop per byte read), so a chunk has at least that many rows.
@@ -236,6 +238,17 @@ def _accumulator(t: Tensor) -> Tensor:
     return torch.zeros(t.shape, dtype=dtype, device=t.device)
 
 
+def _head_grads(dz: Tensor, h: Tensor, weight: Tensor, sel, grad_h, grad_w, grad_b) -> None:
+    """Chain ∂/∂(h Wᵀ + b) (R, V) of one chunk into the gradient buffers (None = not needed):
+    grad_h[sel] = dz W (R, H), grad_w += dzᵀ h (V, H), grad_b += Σ_rows dz (V,)."""
+    if grad_h is not None:
+        grad_h[sel] = dz @ weight
+    if grad_w is not None:
+        _add_matmul(grad_w, dz.t(), h)
+    if grad_b is not None:
+        grad_b.add_(dz.sum(0, dtype=grad_b.dtype))
+
+
 class _LinearKL(torch.autograd.Function):
     """Chunked LM heads of both models → engine → per-row outputs, with a recomputing backward.
 
@@ -266,6 +279,7 @@ class _LinearKL(torch.autograd.Function):
             stats[r0:r1] = st
             for k in range(4):
                 outs[k][sel] = out[:, k]
+            del out, st
         ctx.save_for_backward(hp, wp, bp, hr, wr, br, tokens, rows, stats)
         ctx.opts = opts
         ctx.set_materialize_grads(False)
@@ -309,19 +323,20 @@ class _LinearKL(torch.autograd.Function):
                     g_all[sel].to(dtype), zp, zr, tok, None, stats[r0:r1], temperature,
                     need_p, need_r, impl,
                 )
-                for dz, z, h, w, gh, gw, gb, scale, cap in (
-                    (dzp, zp, hpc, wp, grad_hp, grad_wp, grad_bp, scale_p, cap_p),
-                    (dzr, zr, hrc, wr, grad_hr, grad_wr, grad_br, scale_r, cap_r),
-                ):
-                    if dz is None:
-                        continue
-                    dz = _chain(dz, z, scale, cap, w.dtype)  # (R, V), ∂/∂(h Wᵀ + b)
-                    if gh is not None:
-                        gh[sel] = dz @ w  # (R, H)
-                    if gw is not None:
-                        _add_matmul(gw, dz.t(), h)  # (V, H)
-                    if gb is not None:
-                        gb.add_(dz.sum(0, dtype=gb.dtype))
+                # the logits are needed again only for the soft-cap's derivative: free them now
+                zp = zp if cap_p is not None else None
+                zr = zr if cap_r is not None else None
+                if dzp is not None:
+                    dzp = _chain(dzp, zp, scale_p, cap_p, wp.dtype)  # (R, V), ∂/∂(h Wᵀ + b)
+                    zp = None
+                    _head_grads(dzp, hpc, wp, sel, grad_hp, grad_wp, grad_bp)
+                    dzp = None
+                if dzr is not None:
+                    dzr = _chain(dzr, zr, scale_r, cap_r, wr.dtype)
+                    zr = None
+                    _head_grads(dzr, hrc, wr, sel, grad_hr, grad_wr, grad_br)
+                # free this chunk's buffers before the next chunk allocates its own
+                del zp, zr, dzp, dzr
         cast = lambda acc, t: None if acc is None else acc.to(t.dtype)  # noqa: E731
         return (
             grad_hp, cast(grad_wp, wp), cast(grad_bp, bp),
@@ -438,7 +453,7 @@ def linear_kl(
         entropy: also return H(π).
         ignore_index: negative int; positions whose token equals it give log-probs 0 (and zero
             gradient through them); their KL and entropy still count unless masked.
-        chunk_rows: ≥ 1 rows per chunk; None picks R from V (≈16 MiB of float32 logits per
+        chunk_rows: ≥ 1 rows per chunk; None picks R from V (≈12 MiB of float32 logits per
             model on CPU; at least 256 rows on accelerators, where smaller GEMMs are bound by
             reading the weight).
         backend: as in :func:`klpenalty.full_kl` (the engine run on each chunk).

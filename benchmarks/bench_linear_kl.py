@@ -14,8 +14,9 @@ Times: both variants in this process, interleaved rounds after a warm-up, median
 dropped) and ``fwdbwd`` (forward + backward). Memory: a fresh subprocess per variant runs one
 forward+backward under the torch profiler (peak of the live CPU allocations made inside it) and
 reports it whole and beyond the returned gradients (hidden (N, H) and weight (V, H)) and the
-outputs, against one model's (N, V) float32 logits; the RSS growth (ru_maxrss) of a first call
-in the same subprocess is reported too. Every row records the thread count and the 1-minute
+outputs, against one model's (N, V) float32 logits; the peak growth of the resident set
+during another forward+backward (after a warm-up one), sampled every ~1 ms, is reported too
+(it includes the gradients, and what the allocator keeps from the warm-up is not counted). Every row records the thread count and the 1-minute
 load average. Writes ``benchmarks/results/bench_linear_kl.{csv,md}``.
 """
 
@@ -25,10 +26,10 @@ import argparse
 import csv
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -88,27 +89,60 @@ def timings(args) -> dict[tuple[str, str], list[float]]:
 
 
 def _alloc_peak(fn) -> int:
-    """Peak live bytes of the CPU allocations made inside fn (torch profiler)."""
+    """Peak live bytes of the CPU allocations made inside fn: the profiler's allocation and
+    free events, each at its own timestamp."""
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    tree = prof.profiler.kineto_results.experimental_event_tree()
     live = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += e.self_cpu_memory_usage
+    for _, size in sorted((n.start_time_ns, n.extra_fields.alloc_size)
+                          for n in walk(tree) if n.tag == _EventType.Allocation):
+        live += size
         peak = max(peak, live)
     return peak
 
 
+def _rss_peak_growth(fn) -> int:
+    """Peak growth of the resident set during fn, sampled from /proc/self/statm every ~1 ms."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    base, peak, done = rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak[0], rss()) - base
+
+
 def memory_child(args) -> dict:
-    """In a fresh process: RSS growth of a first forward+backward, then the profiler's peak."""
+    """In a fresh process: RSS growth of a forward+backward (after a warm-up one), then the
+    profiler's peak of another."""
     inputs = make_inputs(args.n, args.hidden, args.vocab, DTYPES[args.dtype])
     fn = variant(args.variants[0], args.chunk_rows)
-    if args.variants[0] == "linear_kl":  # load the native kernel before measuring
-        klpenalty.full_kl(torch.zeros(1, 2), torch.zeros(1, 2))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    run_once(fn, inputs, "fwdbwd")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    run_once(fn, inputs, "fwdbwd")  # warm-up: native kernel load, allocator
+    rss = _rss_peak_growth(lambda: run_once(fn, inputs, "fwdbwd"))
     peak = _alloc_peak(lambda: run_once(fn, inputs, "fwdbwd"))
     return {"rss_growth": rss, "profiler_peak": peak}
 

@@ -222,14 +222,33 @@ def _chain(dz: Tensor, z: Tensor, scale: float, softcap, dtype: torch.dtype) -> 
     return dz.to(dtype)
 
 
+# Whether torch.addmm(..., out_dtype=float32, out=acc) works here (CUDA, bf16/fp16 operands):
+# None = not tried yet.
+_addmm_out_dtype_ok: Optional[bool] = None
+
+
 def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b; ``acc`` may be float32 for low-precision a, b (the product is then rounded
-    once per chunk to their dtype, with float32 accumulation inside the GEMM, and summed in
-    float32)."""
+    """acc += a @ b, where ``acc`` may be float32 for bf16/fp16 a, b.
+
+    Same dtypes: one in-place ``addmm_``. Float32 accumulator: on CUDA the GEMM writes straight
+    into it (``addmm`` with ``out_dtype=float32``, float32 accumulation, no rounding of the
+    product); elsewhere (or where that overload is missing) the product is rounded once to the
+    operands' dtype (float32 accumulation inside the GEMM) and added in float32.
+    """
+    global _addmm_out_dtype_ok
     if acc.dtype == a.dtype:
         acc.addmm_(a, b)
-    else:
-        acc.add_(torch.mm(a, b))
+        return
+    if acc.device.type == "cuda" and _addmm_out_dtype_ok is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _addmm_out_dtype_ok = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            if _addmm_out_dtype_ok:  # it worked before: a real error
+                raise
+            _addmm_out_dtype_ok = False
+    acc.add_(torch.mm(a, b))
 
 
 def _accumulator(t: Tensor) -> Tensor:

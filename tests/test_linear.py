@@ -261,6 +261,26 @@ def test_leading_dims_and_mixed_dtypes(leading):
     close_values(got, want, torch.bfloat16)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_equals_the_public_functions_on_materialised_logits(backend):
+    leading = (3, 5)
+    t = make_heads(leading, dtype=torch.float32, seed=19)
+    tokens, mask = make_tokens(leading, 37, seed=20), make_mask(leading, seed=21)
+    kw = dict(temperature=0.8, backend=backend)
+    got = call(t, tokens=tokens, mask=mask, entropy=True, logit_scale=1.5, softcap=6.0,
+               chunk_rows=4, **kw)
+    zp = transformed(t["hp"], t["wp"], t["bp"], 1.5, 6.0)  # (3, 5, V)
+    zr = transformed(t["hr"], t["wr"], t["br"], 1.5, 6.0)
+    want = (
+        klpenalty.full_kl(zp, zr, mask=mask, **kw),
+        token_logprobs(zp, tokens.masked_fill(~mask, -100), **kw),
+        token_logprobs(zr, tokens.masked_fill(~mask, -100), **kw),
+        klpenalty.entropy(zp, mask=mask, **kw),
+    )
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol(torch.float32))
+
+
 # --------------------------------------------------------------------------- chunking
 def test_chunk_size_invariance():
     leading = (2, 5)  # N = 10

@@ -478,7 +478,8 @@ def linear_kl(
         backend: as in :func:`klpenalty.full_kl` (the engine run on each chunk).
         check: raise ValueError for token ids out of range and for NaN in a counted position's
             outputs (naming the hidden states or the weight that hold NaN). One host read of
-            the tokens and one of the (N,) outputs per call; ``check=False`` skips both.
+            the tokens and one of the (N,) outputs per call; ``check=False`` skips both. (A
+            ``mask`` costs one more: the indices of the counted rows.)
 
     Returns:
         :class:`klpenalty.TokenStats` ``(kl, logprobs, ref_logprobs, entropy)``, each (...)

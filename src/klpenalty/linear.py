@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from . import _validation as v
 from .functional import TokenStats
+from .ops import autograd as ag
 from .ops import native, streaming, triton_kernels
 from .ops.dispatch import get_backend
 
@@ -44,8 +45,8 @@ ACCEL_MIN_CHUNK_ROWS = 256
 # the range check, so the adapter's signature stays free of it).
 IGNORE = -100
 
-# out columns of the adapter (and the order of the Function's outputs)
-KL, LOGPROBS, REF_LOGPROBS, ENTROPY = range(4)
+# out columns of the adapter (and the order of the Function's outputs): the token_stats op's
+KL, LOGPROBS, REF_LOGPROBS, ENTROPY = ag.OUT_KL, ag.OUT_LOGP, ag.OUT_REF_LOGP, ag.OUT_ENTROPY
 
 
 # ------------------------------------------------------------------------------ engine adapter
@@ -69,6 +70,16 @@ def _host_checks(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+def _want(tokens: Optional[Tensor], want_entropy: bool) -> int:
+    """The token_stats ``want`` bits: the KL always, the log-probs with tokens, the entropy."""
+    want = ag.WANT_KL
+    if tokens is not None:
+        want |= ag.WANT_LOGP | ag.WANT_REF_LOGP
+    if want_entropy:
+        want |= ag.WANT_ENTROPY
+    return want
+
+
 def _chunk_forward(
     zp: Tensor,
     zr: Tensor,
@@ -78,7 +89,7 @@ def _chunk_forward(
     want_entropy: bool,
     impl,
 ) -> tuple[Tensor, Tensor]:
-    """The per-row statistics of one chunk of logits.
+    """The per-row statistics of one chunk of logits: one ``<backend>_token_stats`` call.
 
     Args:
         zp, zr: (R, V) policy and reference logits (after scale and soft-cap), any float dtype.
@@ -91,24 +102,12 @@ def _chunk_forward(
     Returns:
         ``out`` (R, 4) in the compute dtype, columns kl, logprobs, ref_logprobs, entropy (0 where
         not requested), and ``stats`` (R, k): what :func:`_chunk_backward` needs, opaque to the
-        caller (k depends on what was requested).
+        caller (the op's (R, 9) statistics).
     """
-    rows = zp.shape[0]
-    dtype = v.compute_dtype(zp, zr)
-    out = zp.new_zeros((rows, 4), dtype=dtype)
-    kl, st = _op(impl, "full_kl")(zp, zr, mask, temperature, False, 0, 0)
-    out[:, KL] = kl
-    stats = [st]
-    if tokens is not None:
-        for col, z in ((LOGPROBS, zp), (REF_LOGPROBS, zr)):
-            lp, st = _op(impl, "token_logprobs")(z, tokens, temperature, IGNORE, False, 0, 0)
-            out[:, col] = lp
-            stats.append(st.to(dtype))
-    if want_entropy:
-        h, st = _op(impl, "entropy")(zp, mask, temperature, False, 0, 0)
-        out[:, ENTROPY] = h
-        stats.append(st.to(dtype))
-    return out, torch.cat(stats, dim=-1)
+    want = _want(tokens, want_entropy)
+    return _op(impl, "token_stats")(
+        zp, zr, tokens, mask, None, None, temperature, IGNORE, want, False, 0, 0
+    )
 
 
 def _chunk_backward(
@@ -123,65 +122,32 @@ def _chunk_backward(
     need_r: bool,
     impl,
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """∂/∂zp and ∂/∂zr of Σ grad_out·out for one chunk (the adapter's backward).
+    """∂/∂zp and ∂/∂zr of Σ grad_out·out for one chunk: one ``<backend>_token_stats_backward``
+    call.
 
     Args:
-        grad_out: (R, 4) upstream gradients of the columns of ``out`` (0 where unused).
+        grad_out: (R, 4) upstream gradients of the columns of ``out`` (0 where unused, and in
+            the entropy column when it was not requested).
         zp, zr, tokens, mask, temperature, impl: as given to :func:`_chunk_forward`.
         stats: (R, k) from :func:`_chunk_forward`.
         need_p, need_r: which gradients to compute.
 
     Returns:
-        (dzp, dzr): (R, V) in the compute dtype (float32, float64 for float64 logits), or None
-        where not needed.
+        (dzp, dzr): (R, V) in the logits' dtypes, or None where not needed.
     """
-    dtype = stats.dtype
-    host = _host_checks(zp.device)
-
-    def live(col: int) -> bool:  # on CPU, skip a pass whose upstream gradient is all zero
-        return not host or bool(grad_out[:, col].any())
-
-    kl_st, rest = stats[:, :6], stats[:, 6:]
-    lp_st = rlp_st = h_st = None
-    if tokens is not None:
-        lp_st, rlp_st, rest = rest[:, :3], rest[:, 3:6], rest[:, 6:]
-    if rest.shape[-1]:
-        h_st = rest[:, :3]
-    dzp = dzr = None
-
-    def add(acc: Optional[Tensor], g: Tensor) -> Tensor:
-        return g.to(dtype) if acc is None else acc.add_(g)
-
-    if live(KL):
-        gx, gy = _op(impl, "full_kl_backward")(
-            grad_out[:, KL].contiguous(), zp, zr, kl_st, mask, temperature, need_p, need_r, 0, 0
-        )
-        if need_p:
-            dzp = add(dzp, gx)
-        if need_r:
-            dzr = add(dzr, gy)
-    if tokens is not None:
-        for col, z, st, need in ((LOGPROBS, zp, lp_st, need_p), (REF_LOGPROBS, zr, rlp_st, need_r)):
-            if need and live(col):
-                g = _op(impl, "token_logprobs_backward")(
-                    grad_out[:, col].contiguous(), z, tokens, st.to(v.compute_dtype(z)),
-                    temperature, IGNORE, 0, 0,
-                )
-                if col == LOGPROBS:
-                    dzp = add(dzp, g)
-                else:
-                    dzr = add(dzr, g)
-    if h_st is not None and need_p and live(ENTROPY):
-        g = _op(impl, "entropy_backward")(
-            grad_out[:, ENTROPY].contiguous(), zp, h_st.to(v.compute_dtype(zp)), mask,
-            temperature, 0, 0,
-        )
-        dzp = add(dzp, g)
-    if need_p and dzp is None:
-        dzp = zp.new_zeros(zp.shape, dtype=dtype)
-    if need_r and dzr is None:
-        dzr = zr.new_zeros(zr.shape, dtype=dtype)
-    return dzp, dzr
+    want = _want(tokens, True)  # an entropy column not requested carries a zero gradient
+    if _host_checks(zp.device):  # on CPU, drop the terms whose upstream gradient is all zero
+        live = grad_out.ne(0).any(0).tolist()
+        for col, bit in enumerate((ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY)):
+            if not live[col]:
+                want &= ~bit
+    if not want:
+        return (torch.zeros_like(zp) if need_p else None, torch.zeros_like(zr) if need_r else None)
+    gx, gy = _op(impl, "token_stats_backward")(
+        grad_out, zp, zr, tokens, stats, mask, None, None, temperature, IGNORE, want,
+        need_p, need_r, 0, 0,
+    )
+    return (gx if need_p else None), (gy if need_r else None)
 
 
 # ------------------------------------------------------------------------------ chunked matmul
@@ -208,15 +174,20 @@ def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], scale: float, sof
     return z
 
 
-def _chain(dz: Tensor, z: Tensor, scale: float, softcap, dtype: torch.dtype) -> Tensor:
+def _chain(dz: Tensor, z: Optional[Tensor], scale: float, softcap, dtype: torch.dtype) -> Tensor:
     """∂/∂(h Wᵀ + b) from ∂/∂z of the transformed logits z (R, V), returned in ``dtype``.
 
     Soft-cap: z = cap·tanh(s/cap) gives ∂z/∂s = 1 − (z/cap)²; scale: ∂s/∂(hWᵀ + b) = scale.
-    ``dz`` is in the compute dtype (float32/float64), the chain is computed there.
+    The chain is computed in float32 (float64 for float64 gradients), in place on ``dz`` when
+    it already is in that dtype (the engine's fresh buffer); ``z`` is read only with a soft-cap.
     """
+    if softcap is None and scale == 1.0:
+        return dz.to(dtype)
+    dz = dz.to(v.compute_dtype(dz))
     if softcap is not None:
         t = z.to(dz.dtype).div_(softcap)
         dz = dz.mul_(t.mul_(t).neg_().add_(1.0))
+        del t
     if scale != 1.0:
         dz = dz.mul_(scale)
     return dz.to(dtype)

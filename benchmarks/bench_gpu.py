@@ -16,10 +16,19 @@ against one call of the Triton backend's ``token_stats`` (read once), forward an
 forward+backward (the gradient of the sum of the three), at ``--one-pass-shapes`` (default
 8x4096x128256 bf16). Their GB/s and floor ratio count one read of both inputs.
 
+``--linear`` runs the rows of issue 12 instead: ``klpenalty.linear_kl`` (exact KL straight from
+the hidden states and LM heads, chunked) against the unfused path (both ``F.linear`` + ``full_kl``,
+with backward into the policy's hidden states and weight), and Liger-Kernel's
+``LigerFusedLinearJSD`` at β = 1 where it imports (its scalar loss, the teacher frozen), at
+(N = 16384, H = 4096, V = 128256) bf16: median time of fwd and fwd+bwd, and the peak extra memory
+from ``torch.cuda.max_memory_allocated`` (whole, and beyond the returned gradients of the hidden
+states and weight), against one model's (N, V) bf16 logits. Writes bench_gpu_linear.{csv,md}.
+
 Written for torch 2.11 / Triton 3.6 / Python 3.12 (no network needed). Usage::
 
     python benchmarks/bench_gpu.py                       # the four shapes of issue 11
     python benchmarks/bench_gpu.py --shapes 2x512x32000 --dtypes bf16 --repeats 5
+    python benchmarks/bench_gpu.py --linear --repeats 5  # linear_kl rows (issue 12)
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ SHAPES = [
 ]
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "gpu")
 ERROR_ROWS = 32
+LINEAR_SHAPE = (16384, 4096, 128256)  # (N tokens, H hidden, V vocabulary), bf16
 
 
 def _parse(argv):
@@ -53,6 +63,10 @@ def _parse(argv):
     p.add_argument("--one-pass-shapes", nargs="*", default=["8x4096x128256"],
                    help="BxTxV shapes (bf16) of the one-pass rows; none to skip them")
     p.add_argument("--out", default=OUT_DIR, help="folder for bench_gpu.csv / bench_gpu.md")
+    p.add_argument("--linear", action="store_true",
+                   help="the linear_kl rows of issue 12 instead (bench_gpu_linear.{csv,md})")
+    p.add_argument("--linear-shape", default="x".join(map(str, LINEAR_SHAPE)),
+                   help="NxHxV of the --linear rows")
     return p.parse_args(argv)
 
 
@@ -84,6 +98,111 @@ def one_pass_providers(tokens):
     return {"kl+logp+H 3 calls": three_calls, "kl+logp+H token_stats": one_call}
 
 
+def _timed(torch, fn, n):
+    """Median milliseconds of n calls of fn (CUDA events, synchronised around each call)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _write(rows, out_dir, stem, title):
+    os.makedirs(out_dir, exist_ok=True)
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(os.path.join(out_dir, stem + ".csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+        f.write(f"{title}, {time.strftime('%Y-%m-%d')}\n\n| " + " | ".join(fields) + " |\n|"
+                + "---|" * len(fields) + "\n")
+        for r in rows:
+            f.write("| " + " | ".join(f"{r[k]:.4g}" if isinstance(r.get(k), float) else
+                                      str(r.get(k, "")) for k in fields) + " |\n")
+    print(f"wrote {out_dir}/{stem}.csv and {stem}.md")
+
+
+def linear_main(args) -> int:
+    """linear_kl vs the unfused LM heads + full_kl vs Liger's fused linear JSD (β = 1)."""
+    import torch
+    import torch.nn.functional as F
+
+    import klpenalty
+
+    device = torch.device("cuda")
+    n, h, v = (int(x) for x in args.linear_shape.lower().split("x"))
+    g = torch.Generator(device=device).manual_seed(0)
+    dtype = torch.bfloat16
+    wp = (torch.randn(v, h, generator=g, device=device) * h**-0.5 * 2).to(dtype)
+    wr = (wp.float() + torch.randn(v, h, generator=g, device=device) * h**-0.5 * 0.3).to(dtype)
+    hp = torch.randn(n, h, generator=g, device=device).to(dtype)
+    hr = (hp.float() + 0.3 * torch.randn(n, h, generator=g, device=device)).to(dtype)
+    del g
+    logits_mib = n * v * 2 / 2**20  # one model's (N, V) bf16 logits
+    grads_mib = (n + v) * h * 2 / 2**20  # the returned gradients of hidden states and weight
+    table = {
+        "unfused": lambda a, b: klpenalty.full_kl(F.linear(a, b), F.linear(hr, wr)).sum(),
+        "linear_kl": lambda a, b: klpenalty.linear_kl(a, b, hr, wr).kl.sum(),
+    }
+    try:
+        from liger_kernel.transformers import LigerFusedLinearJSD
+
+        jsd = LigerFusedLinearJSD(jsd_beta=1.0)  # β = 1: its KL; a scalar, teacher frozen
+        table["liger_jsd_b1"] = lambda a, b: jsd(a, b, hr, wr)
+    except Exception as exc:  # not installed / too old for β = 1: reported, not fatal
+        print(f"liger LigerFusedLinearJSD: not installed or unusable ({type(exc).__name__}: {exc})")
+    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, linear_kl rows "
+          f"N={n} H={h} V={v} bf16; one model's logits {logits_mib:.0f} MiB")
+    rows = []
+    for mode in ("fwd", "fwd+bwd"):
+        for name, fn in table.items():
+            a = hp.detach().requires_grad_(True)
+            b = wp.detach().requires_grad_(True)
+
+            def call():
+                loss = fn(a, b)
+                if mode == "fwd+bwd":
+                    loss.backward()
+                    a.grad = b.grad = None
+                return loss
+
+            try:
+                for _ in range(args.warmup):
+                    call()
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                ms = _timed(torch, call, args.repeats)
+                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+                note = ""
+            except Exception as exc:  # e.g. out of memory: recorded, the run goes on
+                ms, peak, note = float("nan"), float("nan"), f"{type(exc).__name__}: {exc}"[:120]
+                torch.cuda.empty_cache()
+            beyond = peak - (grads_mib if mode == "fwd+bwd" else 0.0)
+            row = {
+                "shape": f"N={n} H={h} V={v}", "dtype": "bf16", "mode": mode, "provider": name,
+                "ms": ms, "peak_extra_MiB": peak, "beyond_grads_MiB": beyond,
+                "x_one_logits": beyond / logits_mib, "note": note,
+            }
+            rows.append(row)
+            print("  " + "  ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else
+                                    f"{k}={row[k]}" for k in row), flush=True)
+        base_ms = next(r["ms"] for r in rows if r["mode"] == mode and r["provider"] == "unfused")
+        for r in rows:
+            if r["mode"] == mode:
+                r["x_unfused"] = r["ms"] / base_ms
+    _write(rows, args.out, "bench_gpu_linear",
+           f"linear_kl GPU benchmark, {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     import torch
@@ -91,6 +210,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_gpu.py: no CUDA device here; this benchmark runs on a GPU only", file=sys.stderr)
         return 2
+    if args.linear:
+        return linear_main(args)
     import torch.nn.functional as F
 
     import klpenalty
@@ -122,17 +243,7 @@ def main(argv=None) -> int:
         table = {k: v for k, v in table.items() if k in args.providers}
 
     def timed(fn, n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
-        return times[len(times) // 2]
+        return _timed(torch, fn, n)
 
     rows = []
     device = torch.device("cuda")
@@ -252,20 +363,8 @@ def main(argv=None) -> int:
                                         f"{k}={row[k]}" for k in row))
         del x, y
         torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    fields = list(rows[0]) if rows else []
-    with open(os.path.join(args.out, "bench_gpu.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        w.writerows(rows)
-    with open(os.path.join(args.out, "bench_gpu.md"), "w") as f:
-        f.write(f"GPU benchmark, {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
-                f"{time.strftime('%Y-%m-%d')}\n\n| " + " | ".join(fields) + " |\n|"
-                + "---|" * len(fields) + "\n")
-        for r in rows:
-            f.write("| " + " | ".join(f"{r[k]:.4g}" if isinstance(r[k], float) else str(r[k])
-                                      for k in fields) + " |\n")
-    print(f"wrote {args.out}/bench_gpu.csv and bench_gpu.md")
+    _write(rows, args.out, "bench_gpu",
+           f"GPU benchmark, {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     return 0
 
 

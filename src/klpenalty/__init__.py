@@ -1,6 +1,6 @@
 """klpenalty: the exact KL-divergence penalty for RLHF, from logits, without (B, T, V) temporaries.
 
-Shape letters in every docstring: B batch, T sequence, V vocabulary, N rows.
+Shape letters in every docstring: B batch, T sequence, V vocabulary, N rows, H hidden.
 """
 
 from . import rlhf, sampling
@@ -12,6 +12,7 @@ from .functional import (
     token_logprobs,
     token_stats,
 )
+from .linear import linear_kl
 from .modules import FullKL, KLPenalty
 from .report import KLReport, kl_report
 from .rlhf import *  # noqa: F403  (the names in klpenalty.rlhf.__all__)
@@ -26,6 +27,8 @@ __all__ = [
     "entropy",
     "token_stats",
     "TokenStats",
+    # the same straight from hidden states and LM heads, no (N, V) logits (klpenalty.linear)
+    "linear_kl",
     # the support of the policy that sampled (top-k / top-p / min-p, engines' kept sets)
     "sampling",
     # the same as nn.Modules

@@ -1,0 +1,233 @@
+"""Benchmark klpenalty.linear_kl against the unfused LM heads + full_kl, on CPU.
+
+    .venv/bin/python benchmarks/bench_linear_kl.py                 # N=4096, H=512, V=32000 fp32
+    .venv/bin/python benchmarks/bench_linear_kl.py --n 1024 --repeats 3 --chunk-rows 64
+
+Variants (the policy's hidden states and weight require grad, the reference is frozen, no bias):
+
+- ``unfused``: ``F.linear`` of both models (the (N, V) logits of both), ``klpenalty.full_kl`` on
+  them, and for fwd+bwd ``kl.sum().backward()`` (autograd through the logits and ``F.linear``);
+- ``linear_kl``: ``klpenalty.linear_kl`` on the hidden states and weights, same loss.
+
+Times: both variants in this process, interleaved rounds after a warm-up, medians of
+``--repeats`` (≥ 5 by default). Modes: ``fwd`` (forward with grad-requiring inputs, graph
+dropped) and ``fwdbwd`` (forward + backward). Memory: a fresh subprocess per variant runs one
+forward+backward under the torch profiler (peak of the live CPU allocations made inside it) and
+reports it whole and beyond the returned gradients (hidden (N, H) and weight (V, H)) and the
+outputs, against one model's (N, V) float32 logits; the peak growth of the resident set
+during another forward+backward (after a warm-up one), sampled every ~1 ms, is reported too
+(it includes the gradients, and what the allocator keeps from the warm-up is not counted). Every row records the thread count and the 1-minute
+load average. Writes ``benchmarks/results/bench_linear_kl.{csv,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+import klpenalty
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0):
+    """Hidden states and LM heads of two models whose logits are O(3) (KL ~ 0.1)."""
+    g = torch.Generator().manual_seed(seed)
+    wp = torch.randn(vocab, hidden, generator=g) * (2.0 / hidden**0.5)
+    wr = wp + torch.randn(vocab, hidden, generator=g) * (0.3 / hidden**0.5)
+    hp = torch.randn(n, hidden, generator=g)
+    hr = hp + 0.3 * torch.randn(n, hidden, generator=g)
+    return (
+        hp.to(dtype).requires_grad_(),
+        wp.to(dtype).requires_grad_(),
+        hr.to(dtype),
+        wr.to(dtype),
+    )
+
+
+def variant(name: str, chunk_rows):
+    """fn(hp, wp, hr, wr) -> (N,) KL."""
+    if name == "unfused":
+        return lambda hp, wp, hr, wr: klpenalty.full_kl(F.linear(hp, wp), F.linear(hr, wr))
+    if name == "linear_kl":
+        return lambda hp, wp, hr, wr: klpenalty.linear_kl(hp, wp, hr, wr, chunk_rows=chunk_rows).kl
+    raise ValueError(name)
+
+
+def run_once(fn, inputs, mode: str) -> None:
+    hp, wp = inputs[0], inputs[1]
+    kl = fn(*inputs)
+    if mode == "fwdbwd":
+        kl.sum().backward()
+        hp.grad = wp.grad = None
+
+
+def timings(args) -> dict[tuple[str, str], list[float]]:
+    inputs = make_inputs(args.n, args.hidden, args.vocab, DTYPES[args.dtype])
+    fns = {name: variant(name, args.chunk_rows) for name in args.variants}
+    times: dict[tuple[str, str], list[float]] = {}
+    for mode in args.modes:
+        for fn in fns.values():  # warm-up (native kernel load, first-touch of the allocator)
+            run_once(fn, inputs, mode)
+        for _ in range(args.repeats):  # interleaved rounds
+            for name, fn in fns.items():
+                t0 = time.perf_counter()
+                run_once(fn, inputs, mode)
+                times.setdefault((name, mode), []).append(time.perf_counter() - t0)
+    return times
+
+
+def _alloc_peak(fn) -> int:
+    """Peak live bytes of the CPU allocations made inside fn: the profiler's allocation and
+    free events, each at its own timestamp."""
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    live = peak = 0
+    for _, size in sorted((n.start_time_ns, n.extra_fields.alloc_size)
+                          for n in walk(tree) if n.tag == _EventType.Allocation):
+        live += size
+        peak = max(peak, live)
+    return peak
+
+
+def _rss_peak_growth(fn) -> int:
+    """Peak growth of the resident set during fn, sampled from /proc/self/statm every ~1 ms."""
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * page
+
+    base, peak, done = rss(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.001)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        fn()
+    finally:
+        done.set()
+        thread.join()
+    return max(peak[0], rss()) - base
+
+
+def memory_child(args) -> dict:
+    """In a fresh process: RSS growth of a forward+backward (after a warm-up one), then the
+    profiler's peak of another."""
+    inputs = make_inputs(args.n, args.hidden, args.vocab, DTYPES[args.dtype])
+    fn = variant(args.variants[0], args.chunk_rows)
+    run_once(fn, inputs, "fwdbwd")  # warm-up: native kernel load, allocator
+    rss = _rss_peak_growth(lambda: run_once(fn, inputs, "fwdbwd"))
+    peak = _alloc_peak(lambda: run_once(fn, inputs, "fwdbwd"))
+    return {"rss_growth": rss, "profiler_peak": peak}
+
+
+def memory(args, name: str) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", "--variants", name,
+           "--n", str(args.n), "--hidden", str(args.hidden), "--vocab", str(args.vocab),
+           "--dtype", args.dtype, "--threads", str(args.threads)]
+    if args.chunk_rows:
+        cmd += ["--chunk-rows", str(args.chunk_rows)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=4096, help="tokens N (rows)")
+    p.add_argument("--hidden", type=int, default=512, help="hidden size H of both models")
+    p.add_argument("--vocab", type=int, default=32000, help="vocabulary V")
+    p.add_argument("--dtype", default="fp32", choices=list(DTYPES))
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--chunk-rows", type=int, default=None, help="linear_kl's chunk_rows")
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    p.add_argument("--variants", nargs="+", default=["unfused", "linear_kl"])
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "bench_linear_kl"))
+    p.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.memory_child:
+        print(json.dumps(memory_child(args)))
+        return 0
+
+    times = timings(args)
+    load = os.getloadavg()[0]
+    logits_mib = args.n * args.vocab * 4 / 2**20  # one model's (N, V) float32 logits
+    elem = torch.finfo(DTYPES[args.dtype]).bits // 8
+    grads_mib = (args.n + args.vocab) * args.hidden * elem / 2**20  # grad of hidden and weight
+    outputs_mib = args.n * 4 / 2**20
+    mem = {} if args.no_memory else {name: memory(args, name) for name in args.variants}
+    rows = []
+    for mode in args.modes:
+        base = statistics.median(times[("unfused", mode)]) if "unfused" in args.variants else None
+        for name in args.variants:
+            med = statistics.median(times[(name, mode)])
+            row = {
+                "shape": f"N={args.n} H={args.hidden} V={args.vocab}", "dtype": args.dtype,
+                "mode": mode, "variant": name, "median_s": round(med, 4),
+                "min_s": round(min(times[(name, mode)]), 4), "repeats": args.repeats,
+                "x_unfused": round(med / base, 3) if base else "",
+                "threads": args.threads, "loadavg_1m": round(load, 2),
+                "chunk_rows": args.chunk_rows or ("default" if name == "linear_kl" else ""),
+            }
+            if name in mem and mode == "fwdbwd":
+                peak = mem[name]["profiler_peak"] / 2**20
+                beyond = peak - grads_mib - outputs_mib
+                row.update({
+                    "peak_MiB": round(peak, 1),
+                    "peak_beyond_grads_MiB": round(beyond, 1),
+                    "x_one_logits": round(beyond / logits_mib, 3),
+                    "rss_growth_MiB": round(mem[name]["rss_growth"] / 2**20, 1),
+                })
+            rows.append(row)
+            print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        w.writerows(rows)
+    with open(args.out + ".md", "w") as f:
+        f.write(
+            f"linear_kl vs unfused (F.linear ×2 + full_kl), {time.strftime('%Y-%m-%d')}, "
+            f"torch {torch.__version__}, CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores; one model's "
+            f"(N, V) fp32 logits = {logits_mib:.0f} MiB; gradients of hidden + weight = "
+            f"{grads_mib:.1f} MiB\n\n| " + " | ".join(fields) + " |\n|" + "---|" * len(fields)
+            + "\n"
+        )
+        for r in rows:
+            f.write("| " + " | ".join(str(r.get(k, "")) for k in fields) + " |\n")
+    print(f"wrote {args.out}.csv and {args.out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,551 @@
+"""Exact KL, token log-probs and entropy straight from both models' hidden states.
+
+Shape letters: B batch, T sequence, V vocabulary, N rows (product of the leading dims), R rows of
+one chunk, H hidden size (H_p of the policy, H_r of the reference).
+
+:func:`linear_kl` never builds the (N, V) logits of either model. It walks the counted rows in
+chunks of R rows: per chunk, z = F.linear(h, W, b) in the input dtype (the matmul accumulates in
+float32, as torch does), the logit transforms (scale, soft-cap), then the backend's engine on the
+(R, V) chunk of both models through one private adapter pair (:func:`_chunk_forward`,
+:func:`_chunk_backward`). The backward recomputes each chunk's logits, gets ∂/∂z from the
+engine, chains it through the transforms and into the hidden states, weights and biases.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from . import _validation as v
+from .functional import TokenStats
+from .ops import autograd as ag
+from .ops import native, streaming, triton_kernels
+from .ops.dispatch import get_backend
+
+__all__ = ["linear_kl"]
+
+# Elements of one model's (R, V) logits chunk on CPU: 3·2**20 = 12 MiB of float32, 24 MiB for
+# both models (the backward holds about three such buffers: both logits and ∂/∂z). Larger chunks
+# make the weight-gradient GEMM (K = R) more efficient, smaller ones cost less memory; at
+# (N = 4096, V = 32000) this is R = 98, ~7% of one model's (N, V) logits at the peak.
+CPU_CHUNK_ELEMENTS = 3 << 20
+CPU_MIN_CHUNK_ROWS = 16
+# On accelerators every chunk reads the whole (V, H) weight: the matmul is memory-bound below
+# ~256 rows (an H100/H200 does ~200 flop per byte read), so a chunk has at least that many rows.
+ACCEL_CHUNK_ELEMENTS = 1 << 24
+ACCEL_MIN_CHUNK_ROWS = 256
+
+# Token id the adapter reads as "ignored" (linear_kl maps the caller's ignore_index to it after
+# the range check, so the adapter's signature stays free of it).
+IGNORE = -100
+
+# out columns of the adapter (and the order of the Function's outputs): the token_stats op's
+KL, LOGPROBS, REF_LOGPROBS, ENTROPY = ag.OUT_KL, ag.OUT_LOGP, ag.OUT_REF_LOGP, ag.OUT_ENTROPY
+
+
+# ------------------------------------------------------------------------------ engine adapter
+def _op_prefix(impl) -> str:
+    """The custom-op name prefix of a backend module (native falls back to streaming)."""
+    if impl is triton_kernels:
+        return "triton"
+    if impl is native:
+        return "native" if native.available() else "streaming"
+    if impl is streaming:
+        return "streaming"
+    raise ValueError(f"no custom ops known for backend module {getattr(impl, '__name__', impl)!r}")
+
+
+def _op(impl, name: str):
+    return getattr(torch.ops.klpenalty, f"{_op_prefix(impl)}_{name}")
+
+
+def _host_checks(device: torch.device) -> bool:
+    """Whether reading a tensor value on the host is free (CPU: no device synchronisation)."""
+    return device.type == "cpu"
+
+
+def _want(tokens: Optional[Tensor], want_entropy: bool) -> int:
+    """The token_stats ``want`` bits: the KL always, the log-probs with tokens, the entropy."""
+    want = ag.WANT_KL
+    if tokens is not None:
+        want |= ag.WANT_LOGP | ag.WANT_REF_LOGP
+    if want_entropy:
+        want |= ag.WANT_ENTROPY
+    return want
+
+
+def _chunk_forward(
+    zp: Tensor,
+    zr: Tensor,
+    tokens: Optional[Tensor],
+    mask: Optional[Tensor],
+    temperature: float,
+    want_entropy: bool,
+    impl,
+) -> tuple[Tensor, Tensor]:
+    """The per-row statistics of one chunk of logits: one ``<backend>_token_stats`` call.
+
+    Args:
+        zp, zr: (R, V) policy and reference logits (after scale and soft-cap), any float dtype.
+        tokens: (R,) int64 ids in [0, V) or :data:`IGNORE`, or None (no log-probs).
+        mask: (R,) bool or None (False rows give 0).
+        temperature: > 0.
+        want_entropy: compute H(π).
+        impl: the backend module (:func:`klpenalty.ops.dispatch.get_backend`).
+
+    Returns:
+        ``out`` (R, 4) in the compute dtype, columns kl, logprobs, ref_logprobs, entropy (0 where
+        not requested), and ``stats`` (R, k): what :func:`_chunk_backward` needs, opaque to the
+        caller (the op's (R, 9) statistics).
+    """
+    want = _want(tokens, want_entropy)
+    return _op(impl, "token_stats")(
+        zp, zr, tokens, mask, None, None, temperature, IGNORE, want, False, 0, 0
+    )
+
+
+def _chunk_backward(
+    grad_out: Tensor,
+    zp: Tensor,
+    zr: Tensor,
+    tokens: Optional[Tensor],
+    mask: Optional[Tensor],
+    stats: Tensor,
+    temperature: float,
+    need_p: bool,
+    need_r: bool,
+    impl,
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """∂/∂zp and ∂/∂zr of Σ grad_out·out for one chunk: one ``<backend>_token_stats_backward``
+    call.
+
+    Args:
+        grad_out: (R, 4) upstream gradients of the columns of ``out`` (0 where unused, and in
+            the entropy column when it was not requested).
+        zp, zr, tokens, mask, temperature, impl: as given to :func:`_chunk_forward`.
+        stats: (R, k) from :func:`_chunk_forward`.
+        need_p, need_r: which gradients to compute.
+
+    Returns:
+        (dzp, dzr): (R, V) in the logits' dtypes, or None where not needed.
+    """
+    want = _want(tokens, True)  # an entropy column not requested carries a zero gradient
+    if _host_checks(zp.device):  # on CPU, drop the terms whose upstream gradient is all zero
+        live = grad_out.ne(0).any(0).tolist()
+        for col, bit in enumerate((ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY)):
+            if not live[col]:
+                want &= ~bit
+    if not want:
+        return (torch.zeros_like(zp) if need_p else None, torch.zeros_like(zr) if need_r else None)
+    gx, gy = _op(impl, "token_stats_backward")(
+        grad_out, zp, zr, tokens, stats, mask, None, None, temperature, IGNORE, want,
+        need_p, need_r, 0, 0,
+    )
+    return (gx if need_p else None), (gy if need_r else None)
+
+
+# ------------------------------------------------------------------------------ chunked matmul
+def default_chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
+    """Rows R of one chunk for an (N, V) problem on ``device`` (clipped to [1, N])."""
+    if device.type == "cpu":
+        rows = max(CPU_MIN_CHUNK_ROWS, CPU_CHUNK_ELEMENTS // max(vocab, 1))
+    else:
+        rows = max(ACCEL_MIN_CHUNK_ROWS, ACCEL_CHUNK_ELEMENTS // max(vocab, 1))
+    return max(1, min(rows, n_rows))
+
+
+def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], scale: float, softcap) -> Tensor:
+    """(R, V) logits scale·(h Wᵀ + b), soft-capped as cap·tanh(z/cap), in the input dtype.
+
+    h (R, H), weight (V, H), bias (V,) or None. The matmul accumulates in float32 (torch's
+    GEMM); the transforms run in place on the chunk.
+    """
+    z = F.linear(h, weight, bias)
+    if scale != 1.0:
+        z.mul_(scale)
+    if softcap is not None:
+        z.div_(softcap).tanh_().mul_(softcap)
+    return z
+
+
+def _chain(dz: Tensor, z: Optional[Tensor], scale: float, softcap, dtype: torch.dtype) -> Tensor:
+    """∂/∂(h Wᵀ + b) from ∂/∂z of the transformed logits z (R, V), returned in ``dtype``.
+
+    Soft-cap: z = cap·tanh(s/cap) gives ∂z/∂s = 1 − (z/cap)²; scale: ∂s/∂(hWᵀ + b) = scale.
+    The chain is computed in float32 (float64 for float64 gradients), in place on ``dz`` when
+    it already is in that dtype (the engine's fresh buffer); ``z`` is read only with a soft-cap.
+    """
+    if softcap is None and scale == 1.0:
+        return dz.to(dtype)
+    dz = dz.to(v.compute_dtype(dz))
+    if softcap is not None:
+        t = z.to(dz.dtype).div_(softcap)
+        dz = dz.mul_(t.mul_(t).neg_().add_(1.0))
+        del t
+    if scale != 1.0:
+        dz = dz.mul_(scale)
+    return dz.to(dtype)
+
+
+# Whether torch.addmm(..., out_dtype=float32, out=acc) works here (CUDA, bf16/fp16 operands):
+# None = not tried yet.
+_addmm_out_dtype_ok: Optional[bool] = None
+
+
+def _add_matmul(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b, where ``acc`` may be float32 for bf16/fp16 a, b.
+
+    Same dtypes: one in-place ``addmm_``. Float32 accumulator: on CUDA the GEMM writes straight
+    into it (``addmm`` with ``out_dtype=float32``, float32 accumulation, no rounding of the
+    product); elsewhere (or where that overload is missing) the product is rounded once to the
+    operands' dtype (float32 accumulation inside the GEMM) and added in float32.
+    """
+    global _addmm_out_dtype_ok
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.device.type == "cuda" and _addmm_out_dtype_ok is not False:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            _addmm_out_dtype_ok = True
+            return
+        except (RuntimeError, TypeError, NotImplementedError):
+            if _addmm_out_dtype_ok:  # it worked before: a real error
+                raise
+            _addmm_out_dtype_ok = False
+    acc.add_(torch.mm(a, b))
+
+
+def _accumulator(t: Tensor) -> Tensor:
+    """A zero gradient accumulator for ``t``: float32 for bf16/fp16, else ``t``'s dtype."""
+    dtype = torch.float32 if t.dtype in (torch.bfloat16, torch.float16) else t.dtype
+    return torch.zeros(t.shape, dtype=dtype, device=t.device)
+
+
+def _head_grads(dz: Tensor, h: Tensor, weight: Tensor, sel, grad_h, grad_w, grad_b) -> None:
+    """Chain ∂/∂(h Wᵀ + b) (R, V) of one chunk into the gradient buffers (None = not needed):
+    grad_h[sel] = dz W (R, H), grad_w += dzᵀ h (V, H), grad_b += Σ_rows dz (V,)."""
+    if grad_h is not None:
+        grad_h[sel] = dz @ weight
+    if grad_w is not None:
+        _add_matmul(grad_w, dz.t(), h)
+    if grad_b is not None:
+        grad_b.add_(dz.sum(0, dtype=grad_b.dtype))
+
+
+class _LinearKL(torch.autograd.Function):
+    """Chunked LM heads of both models → engine → per-row outputs, with a recomputing backward.
+
+    Inputs are already validated; hidden states are (N, H_p) / (N, H_r) rows. ``rows`` (M,)
+    int64 are the counted rows (None = all N); ``tokens`` (N,) int64 with ignored positions
+    set to :data:`IGNORE`, or None. Outputs: kl, logprobs, ref_logprobs, entropy, each (N,)
+    in the compute dtype (0 for outputs not requested, rows not counted).
+    """
+
+    @staticmethod
+    def forward(ctx, hp, wp, bp, hr, wr, br, tokens, rows, opts):
+        temperature, scale_p, cap_p, scale_r, cap_r, want_entropy, chunk, impl = opts
+        n = hp.shape[0]
+        dtype = v.compute_dtype(hp, wp, hr, wr)
+        outs = [hp.new_zeros(n, dtype=dtype) for _ in range(4)]
+        m = n if rows is None else rows.shape[0]
+        stats = None
+        for r0 in range(0, m, chunk):
+            r1 = min(m, r0 + chunk)
+            sel = slice(r0, r1) if rows is None else rows[r0:r1]
+            zp = _logits(hp[sel], wp, bp, scale_p, cap_p)  # (R, V)
+            zr = _logits(hr[sel], wr, br, scale_r, cap_r)  # (R, V)
+            tok = None if tokens is None else tokens[sel]
+            out, st = _chunk_forward(zp, zr, tok, None, temperature, want_entropy, impl)
+            del zp, zr
+            if stats is None:
+                stats = st.new_empty((m, st.shape[-1]))
+            stats[r0:r1] = st
+            for k in range(4):
+                outs[k][sel] = out[:, k]
+            del out, st
+        ctx.save_for_backward(hp, wp, bp, hr, wr, br, tokens, rows, stats)
+        ctx.opts = opts
+        ctx.set_materialize_grads(False)
+        unused = [outs[k] for k, on in ((LOGPROBS, tokens is not None),
+                                         (REF_LOGPROBS, tokens is not None),
+                                         (ENTROPY, want_entropy)) if not on]
+        ctx.mark_non_differentiable(*unused)
+        return tuple(outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        hp, wp, bp, hr, wr, br, tokens, rows, stats = ctx.saved_tensors
+        temperature, scale_p, cap_p, scale_r, cap_r, _, chunk, impl = ctx.opts
+        need = ctx.needs_input_grad[:6]
+        need_p, need_r = any(need[:3]), any(need[3:6])
+        n = hp.shape[0]
+        m = n if rows is None else rows.shape[0]
+        grad_hp = torch.zeros_like(hp) if need[0] else None
+        grad_wp = _accumulator(wp) if need[1] else None
+        grad_bp = _accumulator(bp) if need[2] else None
+        grad_hr = torch.zeros_like(hr) if need[3] else None
+        grad_wr = _accumulator(wr) if need[4] else None
+        grad_br = _accumulator(br) if need[5] else None
+        live = [g is not None for g in grads]
+        if m and any(live) and (need_p or need_r):
+            dtype = stats.dtype
+            # (N, 4) upstream gradients, 0 for outputs that did not reach the loss
+            g_all = stats.new_zeros((n, 4))
+            for k, g in enumerate(grads):
+                if g is not None:
+                    g_all[:, k] = g
+            for r0 in range(0, m, chunk):
+                r1 = min(m, r0 + chunk)
+                sel = slice(r0, r1) if rows is None else rows[r0:r1]
+                hpc, hrc = hp[sel], hr[sel]  # (R, H_p), (R, H_r)
+                zp = _logits(hpc, wp, bp, scale_p, cap_p)  # (R, V), recomputed
+                zr = _logits(hrc, wr, br, scale_r, cap_r)  # (R, V), recomputed
+                tok = None if tokens is None else tokens[sel]
+                dzp, dzr = _chunk_backward(
+                    g_all[sel].to(dtype), zp, zr, tok, None, stats[r0:r1], temperature,
+                    need_p, need_r, impl,
+                )
+                # the logits are needed again only for the soft-cap's derivative: free them now
+                zp = zp if cap_p is not None else None
+                zr = zr if cap_r is not None else None
+                if dzp is not None:
+                    dzp = _chain(dzp, zp, scale_p, cap_p, wp.dtype)  # (R, V), ∂/∂(h Wᵀ + b)
+                    zp = None
+                    _head_grads(dzp, hpc, wp, sel, grad_hp, grad_wp, grad_bp)
+                    dzp = None
+                if dzr is not None:
+                    dzr = _chain(dzr, zr, scale_r, cap_r, wr.dtype)
+                    zr = None
+                    _head_grads(dzr, hrc, wr, sel, grad_hr, grad_wr, grad_br)
+                # free this chunk's buffers before the next chunk allocates its own
+                del zp, zr, dzp, dzr
+        cast = lambda acc, t: None if acc is None else acc.to(t.dtype)  # noqa: E731
+        return (
+            grad_hp, cast(grad_wp, wp), cast(grad_bp, bp),
+            grad_hr, cast(grad_wr, wr), cast(grad_br, br),
+            None, None, None,
+        )
+
+
+# ------------------------------------------------------------------------------ validation
+def _check_positive(name: str, value: object) -> float:
+    x = v.as_real(name, value)
+    if not math.isfinite(x) or x <= 0:
+        raise ValueError(f"{name} must be finite and > 0, got {x}")
+    return x
+
+
+def _check_head(side: str, hidden: object, weight: object, bias: object) -> None:
+    """One model's hidden states (..., H), weight (V, H) and bias (V,) or None."""
+    hname, wname, bname = f"{side}_hidden", f"{side}_weight", f"{side}_bias"
+    v.check_float(hname, hidden)
+    v.check_float(wname, weight)
+    if hidden.dim() < 1:
+        raise ValueError(f"{hname} must have shape (..., H), got {v.describe(hidden)}")
+    if weight.dim() != 2 or weight.shape[0] < 1:
+        raise ValueError(f"{wname} must have shape (V, H) with V >= 1, got {v.describe(weight)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"{wname} must have shape (V, {hidden.shape[-1]}) (H = the last dim of {hname}), "
+            f"got {wname} {v.describe(weight)}, {hname} {v.describe(hidden)}"
+        )
+    if weight.dtype != hidden.dtype:
+        raise TypeError(
+            f"{hname} and {wname} must have the same dtype (the LM head's matmul runs in it), "
+            f"got {hname} {v.describe(hidden)}, {wname} {v.describe(weight)}"
+        )
+    if bias is not None:
+        v.check_float(bname, bias)
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"{bname} must have shape ({weight.shape[0]},) (V of {wname}), got {v.describe(bias)}"
+            )
+        if bias.dtype != weight.dtype:
+            raise TypeError(
+                f"{bname} must have the dtype of {wname} ({weight.dtype}), got {v.describe(bias)}"
+            )
+
+
+def _check_nan(
+    outs: list[Tensor], named_hidden: dict[str, Tensor], named_params: dict[str, Tensor]
+) -> None:
+    """Raise ValueError when a counted position's outputs hold NaN, naming the cause."""
+    nan = torch.stack([o.isnan() for o in outs]).any(0)  # (N,)
+    if not bool(nan.any()):
+        return
+    for name, t in named_params.items():
+        if bool(t.isnan().any()):
+            raise ValueError(f"{name} contains NaN ({v.describe(t)})")
+    # the hidden rows with NaN, else "no distribution" (e.g. logits overflowing to ±inf)
+    v.raise_if_nan(torch.where(nan, float("nan"), 0.0), named_hidden)
+
+
+# ------------------------------------------------------------------------------ public
+def linear_kl(
+    policy_hidden: Tensor,
+    policy_weight: Tensor,
+    ref_hidden: Tensor,
+    ref_weight: Tensor,
+    *,
+    tokens: Optional[Tensor] = None,
+    mask: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    policy_bias: Optional[Tensor] = None,
+    ref_bias: Optional[Tensor] = None,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    ref_logit_scale: Optional[float] = None,
+    ref_softcap: Optional[float] = None,
+    entropy: bool = False,
+    ignore_index: int = -100,
+    chunk_rows: Optional[int] = None,
+    backend: str = "auto",
+    check: bool = True,
+) -> TokenStats:
+    """Exact KL(π‖ρ), token log-probs and entropy from both models' hidden states and LM heads.
+
+    Shapes: ... leading dims (e.g. B, T), N their product, H_p / H_r the hidden sizes, V the
+    vocabulary, R the rows of one chunk.
+
+    Each model's logits are z = scale·(h Wᵀ + b), soft-capped as z ← cap·tanh(z/cap) when a cap
+    is given (Gemma 2), and π = softmax(z_p/T), ρ = softmax(z_r/T). The results equal
+    materialising both (..., V) logits and calling :func:`klpenalty.full_kl`,
+    :func:`klpenalty.token_logprobs` and :func:`klpenalty.entropy` on them, but no (N, V)
+    tensor is ever allocated: the counted rows are walked in chunks of R rows, each chunk's
+    logits of both models are computed (``F.linear`` in the input dtype, float32 accumulation),
+    reduced by the backend's engine and dropped; the backward recomputes them chunk by chunk.
+    Peak extra memory is a few (R, V) buffers plus O(N) statistics.
+
+    Args:
+        policy_hidden: (..., H_p) float, the policy's last hidden states. Gradients flow.
+        policy_weight: (V, H_p), the policy's LM head (output embedding), same dtype.
+        ref_hidden: (..., H_r), the reference's hidden states, the same leading dims (H_r may
+            differ from H_p).
+        ref_weight: (V, H_r), the reference's LM head, same dtype as ``ref_hidden``. The
+            reference side gets gradients only for the tensors that require grad.
+        tokens: optional (...) integer ids in [0, V) or ``ignore_index``: adds log π(token) and
+            log ρ(token).
+        mask: optional (...) bool, True = counts. False rows are never multiplied (their hidden
+            states may hold anything, even NaN), give 0 in every output and zero gradient.
+        temperature: > 0, divides both models' (transformed) logits.
+        policy_bias, ref_bias: optional (V,) LM-head biases, the dtype of the weight.
+        logit_scale: > 0, multiplies the policy's logits (h Wᵀ + b).
+        softcap: > 0 or None, the policy's final-logit soft-cap.
+        ref_logit_scale, ref_softcap: the reference's; None = the policy's values.
+        entropy: also return H(π).
+        ignore_index: negative int; positions whose token equals it give log-probs 0 (and zero
+            gradient through them); their KL and entropy still count unless masked.
+        chunk_rows: ≥ 1 rows per chunk; None picks R from V (≈12 MiB of float32 logits per
+            model on CPU; at least 256 rows on accelerators, where smaller GEMMs are bound by
+            reading the weight).
+        backend: as in :func:`klpenalty.full_kl` (the engine run on each chunk).
+        check: raise ValueError for token ids out of range and for NaN in a counted position's
+            outputs (naming the hidden states or the weight that hold NaN). One host read of
+            the tokens and one of the (N,) outputs per call; ``check=False`` skips both. (A
+            ``mask`` costs one more: the indices of the counted rows.)
+
+    Returns:
+        :class:`klpenalty.TokenStats` ``(kl, logprobs, ref_logprobs, entropy)``, each (...)
+        float32 (float64 if any hidden state or weight is float64) or None: ``kl`` always,
+        ``logprobs``/``ref_logprobs`` when ``tokens`` is given, ``entropy`` when asked.
+        Differentiable once with respect to the hidden states, weights and biases, from any
+        combination of the outputs (the backward recomputes each chunk's logits, takes ∂/∂z from
+        the engine and chains it through soft-cap and scale: grad_h = dz W, grad_W = dzᵀ h,
+        grad_b = Σ dz). Gradients come back in each tensor's dtype; for bf16/fp16 weights and
+        biases they are accumulated over chunks in float32 and cast once at the end. A second
+        derivative (``create_graph=True``) raises.
+
+    Raises:
+        TypeError: non-tensor or non-floating hidden states / weights / biases, a hidden state
+            and its weight (or bias) of different dtypes, non-integer tokens, non-bool mask.
+        ValueError: ranks or shapes that do not match (hidden sizes vs weights, V of the two
+            weights, bias shapes, leading dims, tokens, mask), tensors on different devices,
+            temperature / scales ≤ 0, a soft-cap ≤ 0, chunk_rows < 1, ignore_index ≥ 0, an
+            unknown backend; with ``check``: token ids out of range, NaN in a counted position.
+    """
+    _check_head("policy", policy_hidden, policy_weight, policy_bias)
+    _check_head("ref", ref_hidden, ref_weight, ref_bias)
+    vocab = policy_weight.shape[0]
+    if ref_weight.shape[0] != vocab:
+        raise ValueError(
+            "policy_weight and ref_weight must have the same vocabulary size V (dim 0): "
+            f"policy_weight {v.describe(policy_weight)}, ref_weight {v.describe(ref_weight)}"
+        )
+    leading = policy_hidden.shape[:-1]
+    if ref_hidden.shape[:-1] != leading:
+        raise ValueError(
+            "policy_hidden and ref_hidden must have the same leading dims (...): "
+            f"policy_hidden {v.describe(policy_hidden)}, ref_hidden {v.describe(ref_hidden)}"
+        )
+    device = policy_hidden.device
+    named = {
+        "policy_hidden": policy_hidden, "policy_weight": policy_weight, "policy_bias": policy_bias,
+        "ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias,
+    }
+    for name, t in named.items():
+        if t is not None and t.device != device:
+            raise ValueError(
+                f"{name} must be on the device of policy_hidden ({device}), got {t.device}"
+            )
+    if tokens is not None:
+        v.check_tokens(tokens, leading)
+        if tokens.device != device:
+            raise ValueError(f"tokens must be on {device}, got {tokens.device}")
+    if mask is not None:
+        mask = v.check_mask(mask, leading, device)
+    temperature = v.check_temperature(temperature)
+    scale_p = _check_positive("logit_scale", logit_scale)
+    scale_r = scale_p if ref_logit_scale is None else _check_positive("ref_logit_scale", ref_logit_scale)
+    cap_p = None if softcap is None else _check_positive("softcap", softcap)
+    cap_r = cap_p if ref_softcap is None else _check_positive("ref_softcap", ref_softcap)
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
+    ignore_index = v.check_ignore_index(ignore_index)
+    if chunk_rows is not None:
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, Integral):
+            raise TypeError(f"chunk_rows must be an int or None, got {type(chunk_rows).__name__}")
+        if chunk_rows < 1:
+            raise ValueError(f"chunk_rows must be >= 1 or None, got {chunk_rows}")
+    impl = get_backend(backend, device)
+
+    n = math.prod(leading)
+    hp = policy_hidden.reshape(n, policy_hidden.shape[-1])  # (N, H_p)
+    hr = ref_hidden.reshape(n, ref_hidden.shape[-1])  # (N, H_r)
+    rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)  # (M,) counted rows
+    tok = None
+    if tokens is not None:
+        tok = tokens.reshape(-1).long()  # (N,)
+        if mask is not None:  # masked rows are never read: their tokens may hold anything
+            tok = tok.masked_fill(~mask.reshape(-1), ignore_index)
+        if check:
+            v.check_token_range(tok.reshape(leading), vocab, ignore_index)
+        if ignore_index != IGNORE:
+            tok = tok.masked_fill(tok == ignore_index, IGNORE)
+    m = n if rows is None else rows.shape[0]
+    chunk = int(chunk_rows) if chunk_rows is not None else default_chunk_rows(m, vocab, device)
+    opts = (temperature, scale_p, cap_p, scale_r, cap_r, entropy, chunk, impl)
+    outs = _LinearKL.apply(
+        hp, policy_weight, policy_bias, hr, ref_weight, ref_bias, tok, rows, opts
+    )
+    if check:
+        _check_nan(
+            [outs[k] for k, on in ((KL, True), (LOGPROBS, tok is not None),
+                                   (ENTROPY, entropy)) if on],
+            {"policy_hidden": policy_hidden, "ref_hidden": ref_hidden},
+            {k: t for k, t in named.items() if "hidden" not in k and t is not None},
+        )
+    kl, lp, rlp, ent = (o.reshape(leading) for o in outs)
+    return TokenStats(
+        kl,
+        lp if tok is not None else None,
+        rlp if tok is not None else None,
+        ent if entropy else None,
+    )

@@ -1,0 +1,546 @@
+"""klpenalty.linear_kl against materialised logits and the float64 reference.
+
+Shape letters: N rows, H hidden (H_p policy, H_r reference), V vocabulary.
+
+How the comparisons isolate the errors: the fast path computes each chunk's logits with
+``F.linear`` in the *input* dtype, then the engine. For float64 inputs everything is compared
+with plain float64 autograd through ``F.linear`` and the reference formulas. For float32 and
+bfloat16 inputs the reference is evaluated on *the same logits the fast path saw* (the input-dtype
+logits, upcast exactly), while its derivatives still flow through a float64 ``F.linear`` graph
+(the input-dtype logit values are substituted with a straight-through ``z64 + (z − z64).detach()``).
+So the value error is the engine's alone (the tolerance table's entry for that input dtype), and
+the gradient error is the engine's ∂/∂z rounded to the input dtype plus the input-dtype GEMMs of
+the chain rule (the table's gradient entry for that dtype, relative to the largest entry).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+import klpenalty
+from klpenalty import (
+    TokenStats,
+    full_kl_reward_and_loss,
+    k3_ratio_loss,
+    linear_kl,
+    next_token_kl,
+    token_logprobs,
+)
+from klpenalty.linear import default_chunk_rows
+from klpenalty.ops.reference import (
+    entropy_reference,
+    full_kl_reference,
+    token_logprobs_reference,
+)
+
+from .conftest import GRAD_REL_TOL, tol, triton_interpreter_env
+
+BACKENDS = ["streaming", "native"]
+NAMES = ("hp", "wp", "bp", "hr", "wr", "br")
+
+
+# --------------------------------------------------------------------------- helpers
+def make_heads(leading, h_p=12, h_r=9, vocab=37, dtype=torch.float32, *, seed=0, bias=True):
+    """Hidden states and LM heads of two models whose logits are O(3) and KL ~ 0.1-1."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    wp = rnd(vocab, h_p) * (2.0 / math.sqrt(h_p))
+    wr = rnd(vocab, h_r) * (2.0 / math.sqrt(h_r))
+    t = {
+        "hp": rnd(*leading, h_p),
+        "wp": wp,
+        "bp": rnd(vocab) * 0.5 if bias else None,
+        "hr": rnd(*leading, h_r),
+        "wr": wr,
+        "br": rnd(vocab) * 0.5 if bias else None,
+    }
+    return {k: (None if x is None else x.to(dtype)) for k, x in t.items()}
+
+
+def make_tokens(leading, vocab, *, seed=1, ignored=0.2):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, leading, generator=g)
+    return tokens.masked_fill(torch.rand(leading, generator=g) < ignored, -100)
+
+
+def make_mask(leading, *, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(leading, generator=g) < 0.7
+    mask.view(-1)[0] = True
+    return mask
+
+
+def call(t, **kw):
+    """linear_kl on the dict of tensors ``t``."""
+    return linear_kl(
+        t["hp"], t["wp"], t["hr"], t["wr"], policy_bias=t["bp"], ref_bias=t["br"], **kw
+    )
+
+
+def transformed(h, w, b, scale, cap):
+    """The logits scale·(h Wᵀ + b), soft-capped, with plain differentiable ops in h's dtype."""
+    z = F.linear(h, w, b)
+    if scale != 1.0:
+        z = z * scale
+    if cap is not None:
+        z = torch.tanh(z / cap) * cap
+    return z
+
+
+def reference(t, *, tokens=None, mask=None, temperature=1.0, logit_scale=1.0, softcap=None,
+              ref_logit_scale=None, ref_softcap=None, entropy=False, same_logits=True, **_):
+    """Float64 outputs (kl, logprobs, ref_logprobs, entropy; None where not asked) and the
+    float64 leaves they are differentiable in (a dict like ``t``).
+
+    ``same_logits``: for non-float64 inputs, substitute the values of the input-dtype logits
+    (see the module docstring); masked rows are zeroed before the matmul so that their garbage
+    never enters the graph.
+    """
+    scale_r = logit_scale if ref_logit_scale is None else ref_logit_scale
+    cap_r = softcap if ref_softcap is None else ref_softcap
+    leaves = {k: None if x is None else x.detach().double().requires_grad_() for k, x in t.items()}
+    keep = None if mask is None else mask.unsqueeze(-1)
+
+    def logits(side, scale, cap):
+        h, w, b = (f"h{side}", f"w{side}", f"b{side}")
+        h64, hin = leaves[h], t[h].detach()
+        if keep is not None:
+            h64, hin = torch.where(keep, h64, 0.0), torch.where(keep, hin, 0.0)
+        z64 = transformed(h64, leaves[w], leaves[b], scale, cap)
+        if same_logits and t[h].dtype != torch.float64:
+            bias = None if t[b] is None else t[b].detach()
+            z = transformed(hin, t[w].detach(), bias, scale, cap).double()
+            z64 = z64 + (z - z64).detach()
+        return z64
+
+    zp, zr = logits("p", logit_scale, softcap), logits("r", scale_r, cap_r)
+    outs = [full_kl_reference(zp, zr, temperature), None, None, None]
+    if tokens is not None:
+        ignored = tokens == -100
+        safe = tokens.masked_fill(ignored, 0)
+        outs[1] = token_logprobs_reference(zp, safe, temperature).masked_fill(ignored, 0.0)
+        outs[2] = token_logprobs_reference(zr, safe, temperature).masked_fill(ignored, 0.0)
+    if entropy:
+        outs[3] = entropy_reference(zp, temperature)
+    if mask is not None:
+        outs = [None if o is None else torch.where(mask, o, 0.0) for o in outs]
+    return outs, leaves
+
+
+def close_values(got, want, dtype):
+    for g, w in zip(got, want):
+        assert (g is None) == (w is None)
+        if g is not None:
+            assert g.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+            torch.testing.assert_close(g.double(), w, **tol(dtype))
+
+
+def close_grad(got, want, dtype, name=""):
+    """Gradients relative to the largest entry, with the table's entry for ``dtype``."""
+    rel = GRAD_REL_TOL[dtype]
+    scale = max(float(want.abs().max()), 1e-30) if want.numel() else 1.0
+    assert got.dtype == dtype, name
+    torch.testing.assert_close(got.double(), want, atol=rel * scale, rtol=rel, msg=lambda m: f"{name}: {m}")
+
+
+def upstream(outs, seed=3):
+    """Non-unit upstream gradients (one per present output)."""
+    g = torch.Generator().manual_seed(seed)
+    return [None if o is None else
+            (torch.randn(o.shape, generator=g, dtype=torch.float64) * 1.7).to(o.device)
+            for o in outs]
+
+
+def loss_of(outs, grads):
+    return sum((o.double() * g).sum() for o, g in zip(outs, grads) if o is not None and g is not None)
+
+
+def check_against_reference(t, dtype, want_grad=NAMES, **kw):
+    """linear_kl vs the float64 reference: values and the gradients of ``want_grad``."""
+    for k in want_grad:
+        if t[k] is not None:
+            t[k].requires_grad_()
+    got = call(t, **kw)
+    want, leaves = reference(t, **kw)
+    close_values(got, want, dtype)
+    grads = upstream(want)
+    names = [k for k in want_grad if t[k] is not None]
+    got_g = torch.autograd.grad(loss_of(got, grads), [t[k] for k in names])
+    want_g = torch.autograd.grad(loss_of(want, grads), [leaves[k] for k in names])
+    for k, a, b in zip(names, got_g, want_g):
+        close_grad(a, b, dtype, k)
+    return got, dict(zip(names, got_g))
+
+
+# --------------------------------------------------------------------------- values and grads
+TRANSFORMS = [
+    dict(),
+    dict(temperature=0.7),
+    dict(logit_scale=1.7, softcap=4.0),  # both models soft-capped and scaled alike
+    dict(logit_scale=0.8, softcap=None, ref_logit_scale=1.3, ref_softcap=2.5, temperature=1.3),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("transform", TRANSFORMS, ids=lambda d: ",".join(d) or "plain")
+def test_values_and_all_grads_match_reference(backend, dtype, transform):
+    leading = (2, 7)
+    t = make_heads(leading, dtype=dtype)
+    tokens, mask = make_tokens(leading, 37), make_mask(leading)
+    t["hp"][~mask] = float("nan")  # masked rows hold garbage, never multiplied
+    t["hr"][~mask] = float("inf")
+    got, grads = check_against_reference(
+        t, dtype, tokens=tokens, mask=mask, entropy=True, chunk_rows=3, backend=backend,
+        **transform,
+    )
+    assert isinstance(got, TokenStats) and all(o.shape == leading for o in got)
+    assert all(torch.all(o[~mask] == 0) for o in got)
+    assert torch.all(got.logprobs[tokens == -100] == 0)
+    assert torch.all(grads["hp"][~mask] == 0) and torch.all(grads["hr"][~mask] == 0)
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+# the interpreter evaluates masked-off lanes too (−inf − −inf): numpy warns, the kernels guard
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_backend(dtype):
+    """The Triton kernels on each chunk: compiled on a GPU, in Triton's interpreter on CPU."""
+    pytest.importorskip("triton", reason="Triton is not installed: pip install 'klpenalty[triton]'")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    leading = (2, 5)
+    t = {k: x.to(device) for k, x in make_heads(leading, dtype=dtype, seed=22).items()}
+    tokens, mask = make_tokens(leading, 37).to(device), make_mask(leading).to(device)
+    with triton_interpreter_env():
+        check_against_reference(t, dtype, tokens=tokens, mask=mask, entropy=True, softcap=4.0,
+                                temperature=0.9, chunk_rows=3, backend="triton")
+
+
+@pytest.mark.parametrize("output", ["kl", "logprobs", "ref_logprobs", "entropy"])
+def test_gradient_from_each_output_alone(output):
+    leading = (9,)
+    t = make_heads(leading, dtype=torch.float64, seed=4)
+    for k in NAMES:
+        t[k].requires_grad_()
+    tokens = make_tokens(leading, 37, seed=5)
+    kw = dict(tokens=tokens, entropy=True, temperature=0.9, softcap=3.0, chunk_rows=4)
+    got = call(t, **kw)
+    want, leaves = reference(t, **kw)
+    k = TokenStats._fields.index(output)
+    g = torch.linspace(-2.0, 3.0, 9, dtype=torch.float64)
+    got_g = torch.autograd.grad((getattr(got, output) * g).sum(), [t[n] for n in NAMES],
+                                allow_unused=True)
+    want_g = torch.autograd.grad((want[k] * g).sum(), [leaves[n] for n in NAMES],
+                                 allow_unused=True)
+    for n, a, b in zip(NAMES, got_g, want_g):
+        if b is None:  # e.g. the reference side of the policy entropy: nothing flows there
+            assert a is None or torch.all(a == 0), n
+        else:
+            close_grad(a, b, torch.float64, n)
+
+
+def test_reference_side_gets_gradients_only_where_asked():
+    leading = (3, 4)
+    t = make_heads(leading, dtype=torch.float32, seed=6)
+    for k in ("hp", "wp", "bp", "wr"):  # the reference's hidden states and bias are frozen
+        t[k].requires_grad_()
+    got = call(t, tokens=make_tokens(leading, 37), temperature=0.8)
+    (got.kl.sum() + got.ref_logprobs.sum()).backward()
+    assert t["hr"].grad is None and t["br"].grad is None
+    assert t["wr"].grad is not None and t["wr"].grad.abs().max() > 0
+    check_against_reference(make_heads(leading, dtype=torch.float32, seed=6), torch.float32,
+                            want_grad=("hp", "wr"), tokens=make_tokens(leading, 37),
+                            temperature=0.8)
+
+
+def test_frozen_reference_and_no_bias():
+    leading = (5, 3)
+    t = make_heads(leading, h_p=16, h_r=7, vocab=50, dtype=torch.float32, seed=7, bias=False)
+    got, _ = check_against_reference(t, torch.float32, want_grad=("hp", "wp"), mask=make_mask(leading))
+    assert got.logprobs is None and got.ref_logprobs is None and got.entropy is None
+
+
+@pytest.mark.parametrize("leading", [(), (6,), (2, 2, 3)])
+def test_leading_dims_and_mixed_dtypes(leading):
+    t = make_heads(leading, dtype=torch.float32, seed=8)
+    t["hr"], t["wr"], t["br"] = (x.bfloat16() for x in (t["hr"], t["wr"], t["br"]))
+    tokens = make_tokens(leading, 37, ignored=0.0)
+    got = call(t, tokens=tokens, entropy=True)
+    want, _ = reference(t, tokens=tokens, entropy=True)
+    assert all(o.shape == leading and o.dtype == torch.float32 for o in got)
+    close_values(got, want, torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_equals_the_public_functions_on_materialised_logits(backend):
+    leading = (3, 5)
+    t = make_heads(leading, dtype=torch.float32, seed=19)
+    tokens, mask = make_tokens(leading, 37, seed=20), make_mask(leading, seed=21)
+    kw = dict(temperature=0.8, backend=backend)
+    got = call(t, tokens=tokens, mask=mask, entropy=True, logit_scale=1.5, softcap=6.0,
+               chunk_rows=4, **kw)
+    zp = transformed(t["hp"], t["wp"], t["bp"], 1.5, 6.0)  # (3, 5, V)
+    zr = transformed(t["hr"], t["wr"], t["br"], 1.5, 6.0)
+    want = (
+        klpenalty.full_kl(zp, zr, mask=mask, **kw),
+        token_logprobs(zp, tokens.masked_fill(~mask, -100), **kw),
+        token_logprobs(zr, tokens.masked_fill(~mask, -100), **kw),
+        klpenalty.entropy(zp, mask=mask, **kw),
+    )
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **tol(torch.float32))
+
+
+# --------------------------------------------------------------------------- chunking
+def test_chunk_size_invariance():
+    leading = (2, 5)  # N = 10
+    t = make_heads(leading, dtype=torch.float32, seed=9)
+    tokens, mask = make_tokens(leading, 37, seed=10), make_mask(leading, seed=11)
+    results = []
+    for chunk in (1, 3, 10, 25, None):
+        u = {k: x.detach().clone().requires_grad_() for k, x in t.items()}
+        got = call(u, tokens=tokens, mask=mask, entropy=True, softcap=5.0, chunk_rows=chunk)
+        grads = upstream(got, seed=12)
+        loss_of(got, grads).backward()
+        results.append((got, {k: u[k].grad for k in NAMES}))
+    (base, base_g), rest = results[0], results[1:]
+    for got, g in rest:
+        for a, b in zip(got, base):
+            torch.testing.assert_close(a, b, **tol(torch.float32))
+        for k in NAMES:
+            close_grad(g[k], base_g[k].double(), torch.float32, k)
+
+
+def test_default_chunk_rows():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_chunk_rows(4096, 32000, cpu) == (3 << 20) // 32000  # 12 MiB of fp32 logits
+    assert default_chunk_rows(16384, 128256, cuda) == 256  # GEMMs of >= 256 rows on a GPU
+    assert default_chunk_rows(10, 32000, cpu) == 10 and default_chunk_rows(0, 5, cpu) == 1
+    assert default_chunk_rows(4096, 1 << 24, cpu) == 16
+
+
+# --------------------------------------------------------------------------- edge cases
+def test_empty_batch():
+    t = make_heads((0,), dtype=torch.float32)
+    for k in NAMES:
+        t[k].requires_grad_()
+    got = call(t, tokens=torch.zeros(0, dtype=torch.long), entropy=True)
+    assert all(o.shape == (0,) for o in got)
+    loss_of(got, [torch.ones(0, dtype=torch.float64)] * 4).backward()
+    for k in NAMES:
+        assert t[k].grad is not None and t[k].grad.shape == t[k].shape and not t[k].grad.any()
+    t = make_heads((2, 0), dtype=torch.float32)
+    assert call(t).kl.shape == (2, 0)
+
+
+def test_vocabulary_of_one():
+    leading = (4,)
+    t = make_heads(leading, vocab=1, dtype=torch.float64, seed=13)
+    got, _ = check_against_reference(t, torch.float64, tokens=torch.zeros(4, dtype=torch.long),
+                                  entropy=True)
+    for o in got:
+        assert torch.all(o == 0)
+
+
+def test_all_rows_masked_cost_nothing():
+    leading = (3, 2)
+    t = make_heads(leading, dtype=torch.float32)
+    t["hp"].fill_(float("nan"))
+    for k in NAMES:
+        t[k].requires_grad_()
+    got = call(t, mask=torch.zeros(leading, dtype=torch.bool), entropy=True)
+    assert all(torch.all(o == 0) for o in (got.kl, got.entropy))
+    (got.kl.sum() + got.entropy.sum()).backward()
+    assert all(not t[k].grad.any() for k in NAMES)
+
+
+def test_identical_models_give_zero_kl_and_zero_gradient():
+    t = make_heads((6,), dtype=torch.float32, seed=14)
+    t["hr"], t["wr"], t["br"] = t["hp"], t["wp"], t["bp"]
+    t["hp"].requires_grad_()
+    got = call(t, chunk_rows=4)
+    assert torch.all(got.kl == 0)
+    (g,) = torch.autograd.grad(got.kl.sum(), [t["hp"]])
+    assert g.abs().max() < 1e-6
+
+
+def test_second_derivative_raises():
+    t = make_heads((4,), dtype=torch.float64)
+    t["hp"].requires_grad_()
+    kl = call(t).kl
+    (g,) = torch.autograd.grad(kl.sum(), [t["hp"]], create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(g.sum(), [t["hp"]])
+
+
+# --------------------------------------------------------------------------- loss forms
+def test_loss_forms_match_materialised_logits():
+    """next_token_kl(kl) as reward + kl as loss, and k3_ratio_loss on the log-probs, give the
+    gradients of full_kl_reward_and_loss / k3_ratio_loss on materialised logits."""
+    leading = (3, 6)  # (B, T)
+    t = make_heads(leading, dtype=torch.float64, seed=15)
+    mask = make_mask(leading, seed=16)
+    tokens = make_tokens(leading, 37, seed=17).masked_fill(~mask, -100)
+    weights = torch.linspace(0.5, 2.0, 6, dtype=torch.float64)
+    for k in ("hp", "wp", "bp"):
+        t[k].requires_grad_()
+    got = call(t, tokens=tokens, mask=mask, temperature=0.9)
+    reward = next_token_kl(got.kl, mask)
+    loss = (got.kl * weights).sum() + k3_ratio_loss(got.logprobs, got.ref_logprobs, mask=mask).sum()
+    grads = torch.autograd.grad(loss, [t[k] for k in ("hp", "wp", "bp")])
+
+    u = {k: None if x is None else x.detach().clone().requires_grad_(k in ("hp", "wp", "bp"))
+         for k, x in t.items()}
+    zp = F.linear(u["hp"], u["wp"], u["bp"])  # (B, T, V), materialised
+    zr = F.linear(u["hr"], u["wr"], u["br"])
+    reward_kl, loss_kl = full_kl_reward_and_loss(zp, zr, mask=mask, temperature=0.9)
+    lp = token_logprobs(zp, tokens, temperature=0.9)
+    rlp = token_logprobs(zr, tokens, temperature=0.9)
+    loss_m = (loss_kl * weights).sum() + k3_ratio_loss(lp, rlp, mask=mask).sum()
+    want = torch.autograd.grad(loss_m, [u[k] for k in ("hp", "wp", "bp")])
+    torch.testing.assert_close(reward, reward_kl, **tol(torch.float64))
+    for k, a, b in zip(("hp", "wp", "bp"), grads, want):
+        close_grad(a, b, torch.float64, k)
+
+
+# --------------------------------------------------------------------------- memory
+def _alloc_profile(fn):
+    """(peak live bytes, largest single allocation) of the CPU allocations made inside fn.
+
+    Walks the profiler's allocation events in time order: each allocation and each free at its
+    own timestamp (an op's aggregated "self" memory would apply the frees done inside a
+    backward node at the node's start, hiding the chunk buffers of the backward).
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+
+    def walk(nodes):
+        for node in nodes:
+            yield node
+            yield from walk(node.children)
+
+    tree = prof.profiler.kineto_results.experimental_event_tree()
+    sizes = sorted(
+        (n.start_time_ns, n.extra_fields.alloc_size)
+        for n in walk(tree) if n.tag == _EventType.Allocation
+    )
+    assert sizes, "the profiler recorded no allocation"
+    live = peak = 0
+    for _, size in sizes:
+        live += size
+        peak = max(peak, live)
+    return peak, max(size for _, size in sizes)
+
+
+def test_forward_and_backward_never_allocate_rows_by_vocab():
+    # backend "auto" (native): the chunking is the backends' common structure; the streaming
+    # engine's own tile buffers are checked in tests/ops/test_streaming.py (and its ~10 ATen
+    # ops per tile make the profiler slow here)
+    backend = "auto"
+    n, h, vocab, chunk = 512, 16, 2048, 16
+    logits_bytes = n * vocab * 4  # one model's (N, V) float32 logits: 4 MiB
+    t = make_heads((n,), h_p=h, h_r=h, vocab=vocab, dtype=torch.float32, seed=18)
+    tokens = make_tokens((n,), vocab)
+    for k in NAMES:
+        t[k].requires_grad_()
+
+    def fused():
+        out = call(t, tokens=tokens, entropy=True, chunk_rows=chunk, backend=backend)
+        (out.kl.sum() + out.logprobs.sum() + out.entropy.sum()).backward()
+
+    def unfused():
+        zp = F.linear(t["hp"], t["wp"], t["bp"])
+        zr = F.linear(t["hr"], t["wr"], t["br"])
+        klpenalty.full_kl(zp, zr, backend=backend).sum().backward()
+
+    fused()  # warm-up (native build, op registration)
+    peak, largest = _alloc_profile(fused)
+    # a few chunk-sized buffers (16 × 2048 × 4 B = 128 KiB each: both models' logits and
+    # their gradients), the gradients of the hidden states (32 KiB each) and weights
+    # (V·H·4 = 128 KiB each) and O(N) statistics: far below one (N, V) tensor (4 MiB)
+    assert largest <= chunk * vocab * 4
+    assert peak < logits_bytes / 2
+    # sanity check of the probe: the unfused path is caught
+    peak_u, largest_u = _alloc_profile(unfused)
+    assert largest_u >= logits_bytes and peak_u >= 2 * logits_bytes
+
+
+# --------------------------------------------------------------------------- checks
+def test_nan_in_counted_rows_is_named():
+    t = make_heads((2, 3), dtype=torch.float32)
+    t["hr"][1, 2, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"ref_hidden contains NaN .* the first at index \(1, 2\)"):
+        call(t)
+    assert torch.isnan(call(t, check=False).kl[1, 2])
+    t = make_heads((2, 3), dtype=torch.float32)
+    t["wp"][5, 1] = float("nan")
+    with pytest.raises(ValueError, match=r"policy_weight contains NaN \(shape=\(37, 12\)"):
+        call(t)
+
+
+def test_token_range_is_checked_on_counted_rows_only():
+    leading = (2, 3)
+    t = make_heads(leading, dtype=torch.float32)
+    tokens = make_tokens(leading, 37, ignored=0.0)
+    tokens[1, 1] = 37
+    with pytest.raises(ValueError, match=r"tokens must lie in \[0, 37\).* at index \(1, 1\)"):
+        call(t, tokens=tokens)
+    mask = torch.ones(leading, dtype=torch.bool)
+    mask[1, 1] = False
+    got = call(t, tokens=tokens, mask=mask)
+    assert got.logprobs[1, 1] == 0
+    # another ignore_index: -1 is ignored, -100 is then out of range
+    tokens[1, 1] = -1
+    assert call(t, tokens=tokens, ignore_index=-1).logprobs[1, 1] == 0
+    with pytest.raises(ValueError, match="tokens must lie"):
+        call(t, tokens=tokens.masked_fill(tokens == -1, -100), ignore_index=-1)
+
+
+def _bad(**over):
+    return over
+
+
+INVALID = [
+    (_bad(hp=[1.0]), TypeError, "policy_hidden must be a torch.Tensor"),
+    (_bad(hp=torch.ones(3, 12, dtype=torch.long)), TypeError, "policy_hidden must be a floating"),
+    (_bad(hp=torch.ones(())), ValueError, r"policy_hidden must have shape \(\.\.\., H\)"),
+    (_bad(wp=torch.ones(37, 12, 1)), ValueError, r"policy_weight must have shape \(V, H\)"),
+    (_bad(wp=torch.ones(0, 12)), ValueError, r"policy_weight must have shape \(V, H\) with V >= 1"),
+    (_bad(wp=torch.ones(37, 11)), ValueError, r"policy_weight must have shape \(V, 12\)"),
+    (_bad(wr=torch.ones(36, 9), br=None), ValueError, "same vocabulary size V"),
+    (_bad(wr=torch.ones(37, 9, dtype=torch.float64)), TypeError, "ref_hidden and ref_weight must have the same dtype"),
+    (_bad(bp=torch.ones(36)), ValueError, r"policy_bias must have shape \(37,\)"),
+    (_bad(br=torch.ones(37, dtype=torch.float64)), TypeError, "ref_bias must have the dtype"),
+    (_bad(br=torch.ones(37, dtype=torch.long)), TypeError, "ref_bias must be a floating"),
+    (_bad(hr=torch.ones(4, 9)), ValueError, "same leading dims"),
+    (_bad(wr=torch.ones(37, 9, device="meta")), ValueError, "ref_weight must be on the device"),
+    (_bad(tokens=torch.zeros(3, 4)), TypeError, "tokens must be an integer tensor"),
+    (_bad(tokens=torch.zeros(4, dtype=torch.long)), ValueError, r"tokens must have shape \(3,\)"),
+    (_bad(tokens=torch.zeros(3, dtype=torch.long, device="meta")), ValueError, "tokens must be on cpu"),
+    (_bad(mask=torch.ones(3)), TypeError, "mask must be a bool tensor"),
+    (_bad(mask=torch.ones(4, dtype=torch.bool)), ValueError, r"mask must have shape \(3,\)"),
+    (_bad(temperature=0.0), ValueError, "temperature must be finite and > 0"),
+    (_bad(logit_scale=-1.0), ValueError, "logit_scale must be finite and > 0"),
+    (_bad(ref_logit_scale=float("inf")), ValueError, "ref_logit_scale must be finite and > 0"),
+    (_bad(softcap=0.0), ValueError, "softcap must be finite and > 0"),
+    (_bad(ref_softcap="30"), TypeError, "ref_softcap must be a real number"),
+    (_bad(entropy=1), TypeError, "entropy must be a bool"),
+    (_bad(ignore_index=0), ValueError, "ignore_index must be negative"),
+    (_bad(chunk_rows=0), ValueError, "chunk_rows must be >= 1"),
+    (_bad(chunk_rows=2.0), TypeError, "chunk_rows must be an int"),
+    (_bad(backend="fast"), ValueError, "backend must be one of"),
+]
+
+
+@pytest.mark.parametrize("over, exc, match", INVALID, ids=[m[:40] for _, _, m in INVALID])
+def test_validation_errors(over, exc, match):
+    t = make_heads((3,), dtype=torch.float32)
+    tensors = {k: over.pop(k, t[k]) for k in NAMES}
+    with pytest.raises(exc, match=match):
+        call(tensors, **over)

@@ -4,6 +4,9 @@ the float64 reference (values) and full_kl / token_logprobs / entropy (gradients
 
 from __future__ import annotations
 
+import importlib
+import sys
+
 import pytest
 import torch
 
@@ -11,7 +14,12 @@ transformers = pytest.importorskip("transformers")
 
 import klpenalty.hf as hf  # noqa: E402
 from klpenalty import entropy, full_kl, token_logprobs  # noqa: E402
-from klpenalty.hf import SUPPORTED_ARCHITECTURES, causal_lm_kl, generate_position_ids  # noqa: E402
+from klpenalty.hf import (  # noqa: E402
+    SUPPORTED_ARCHITECTURES,
+    causal_lm_kl,
+    generate_position_ids,
+    scored_positions,
+)
 from klpenalty.ops.reference import (  # noqa: E402
     entropy_reference,
     full_kl_reference,
@@ -148,6 +156,19 @@ def check_against_plain(policy, ref, ids, attention, counted, tokens, temperatur
     return out
 
 
+def test_importing_needs_no_transformers(monkeypatch):
+    import klpenalty
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails
+    monkeypatch.delitem(sys.modules, "klpenalty.hf")
+    monkeypatch.setattr(klpenalty, "hf", hf)  # restored after the re-import rebinds it
+    with pytest.raises(ImportError):
+        import transformers  # noqa: F401
+    fresh = importlib.import_module("klpenalty.hf")
+    assert fresh is not hf and fresh.SUPPORTED_ARCHITECTURES == SUPPORTED_ARCHITECTURES
+    assert "hf" not in klpenalty.__all__
+
+
 def test_supported_list_is_the_tested_list():
     assert set(SUPPORTED_ARCHITECTURES) == set(ARCHS)
 
@@ -195,6 +216,7 @@ def test_labels_and_response_mask_combine(monkeypatch):
     out = causal_lm_kl(policy, ref, ids, attention, labels=labels)
     real = attention.bool()
     assert torch.equal(seen["mask"], real[:, 1:] & real[:, :-1])
+    assert torch.equal(scored_positions(ids, attention, labels=labels), seen["mask"])
     assert torch.equal(out.kl != 0, seen["mask"])
 
 
@@ -262,6 +284,7 @@ def test_lm_heads_never_called_and_only_shifted_positions_reach_linear_kl(monkey
     out = causal_lm_kl(policy, ref, ids, attention, response_mask=response)
     assert seen["policy_hidden"].shape == seen["ref_hidden"].shape == (B, T - 1, 32)
     assert torch.equal(seen["mask"], response[:, 1:])
+    assert torch.equal(scored_positions(ids, attention, response_mask=response), seen["mask"])
     assert torch.equal(seen["tokens"], ids[:, 1:])
     assert out.kl.shape == (B, T - 1)
     with pytest.raises(AssertionError, match="LM head module was called"):
@@ -288,6 +311,34 @@ def test_position_ids_default_is_generates():
     )
     torch.testing.assert_close(default.kl, explicit.kl, rtol=0, atol=0)
     assert not torch.allclose(default.kl[1:], arange.kl[1:])  # rows 1, 2 are left-padded
+
+
+def test_ppo_step_from_the_docs():
+    """The PPO step of docs/hf.md runs: finite loss, gradients to the policy only."""
+    from klpenalty import next_token_kl, shaped_rewards
+
+    policy_model, ref_model = make_model("llama", 1), make_model("llama", 2)
+    input_ids, attention_mask, response_mask = batch(left_padding=True)
+    scores, beta, temperature = torch.randn(B), 0.1, 0.9
+    # -- as in the docs --
+    ref_model.requires_grad_(False)
+    mask = scored_positions(input_ids, attention_mask, response_mask=response_mask)
+    with torch.no_grad():
+        old = causal_lm_kl(policy_model, ref_model, input_ids, attention_mask,
+                           response_mask=response_mask, temperature=temperature)
+    rewards = shaped_rewards(scores, next_token_kl(old.kl, mask), mask, beta)
+    returns = rewards.flip(-1).cumsum(-1).flip(-1)
+    out = causal_lm_kl(policy_model, ref_model, input_ids, attention_mask,
+                       response_mask=response_mask, temperature=temperature)
+    ratio = torch.exp(out.logprobs - old.logprobs)
+    pg = -torch.min(ratio * returns, ratio.clamp(0.8, 1.2) * returns)
+    loss = ((pg + beta * out.kl) * mask).sum() / mask.sum()
+    loss.backward()
+    # --
+    assert torch.isfinite(loss) and old.kl.grad_fn is None
+    torch.testing.assert_close(out.kl, old.kl, rtol=0, atol=0)  # same weights, same KL
+    assert policy_model.lm_head.weight.grad.abs().max() > 0
+    assert all(p.grad is None for p in ref_model.parameters())
 
 
 def test_entropy_only_on_request():
@@ -320,6 +371,23 @@ def test_model_without_head_or_not_a_model_raises():
         causal_lm_kl(policy, "gpt2", ids)
     with pytest.raises(TypeError, match=r"ref_model \(Linear\) has no config.model_type"):
         causal_lm_kl(policy, torch.nn.Linear(2, 2), ids)
+
+
+def test_head_that_is_not_a_plain_linear_or_elsewhere_raises():
+    class Adapted(torch.nn.Linear):  # e.g. a LoRA layer: its forward adds to weight @ h
+        def forward(self, h):
+            return super().forward(h) + 1.0
+
+    policy, ref = model_pair("llama")
+    ids = torch.randint(V, (B, T))
+    adapted = Adapted(32, V, bias=False)
+    adapted.weight = ref.lm_head.weight
+    ref.lm_head = adapted
+    with pytest.raises(ValueError, match=r"ref_model's LM head .* is Adapted, not a plain"):
+        causal_lm_kl(policy, ref, ids)
+    policy.lm_head.to("meta")
+    with pytest.raises(ValueError, match=r"policy_model's LM head is on meta and input_ids on cpu"):
+        causal_lm_kl(policy, model_pair("llama")[1], ids)
 
 
 def test_vocabulary_mismatch_raises():

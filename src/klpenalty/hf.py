@@ -25,7 +25,7 @@ from .functional import TokenStats
 from .linear import linear_kl
 from .ops.dispatch import get_backend
 
-__all__ = ["causal_lm_kl", "generate_position_ids", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["causal_lm_kl", "scored_positions", "generate_position_ids", "SUPPORTED_ARCHITECTURES"]
 
 IGNORE_INDEX = -100  # Hugging Face's label for "not scored"
 
@@ -108,7 +108,13 @@ def _model_parts(name: str, model: object) -> tuple[torch.nn.Module, _Head, str]
             "a body (getattr(model, model.base_model_prefix)) and an LM head "
             "(get_output_embeddings()), e.g. LlamaForCausalLM rather than LlamaModel"
         )
-    bias = getattr(head, "bias", None)
+    if type(head) is not torch.nn.Linear:  # e.g. a PEFT adapter or a quantised layer
+        raise ValueError(
+            f"{name}'s LM head (get_output_embeddings()) is {type(head).__name__}, not a plain "
+            "torch.nn.Linear: klpenalty.hf reads only its weight and bias, which would silently "
+            "drop what its forward adds (merge adapters into the weight first)"
+        )
+    bias = head.bias
     scale, softcap = _TRANSFORMS[model_type](config)
     return body, _Head(weight, bias, scale, softcap), model_type
 
@@ -152,6 +158,58 @@ def _last_hidden(body: torch.nn.Module, input_ids, attention_mask, position_ids)
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, T, H)
 
 
+def _scored(input_ids, attention_mask, labels, response_mask):
+    """Validate the (B, T) batch arguments; returns (scored (B, T - 1) bool, attention as bool
+    or None)."""
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must have shape (B, T) with T >= 1, got {v.describe(input_ids)}")
+    B, T = input_ids.shape
+    device = input_ids.device
+    _check_ids("input_ids", input_ids, (B, T), device)
+    scored = torch.ones(B, T - 1, dtype=torch.bool, device=device)
+    real = None
+    if attention_mask is not None:
+        real = _check_bool_or_ids("attention_mask", attention_mask, (B, T), device)
+        scored &= real[:, 1:] & real[:, :-1]  # the token and the position predicting it
+    if labels is not None:
+        _check_ids("labels", labels, (B, T), device)
+        scored &= labels[:, 1:] != IGNORE_INDEX
+    if response_mask is not None:
+        response_mask = v.check_per_token("response_mask", response_mask, (B, T), floating=False)
+        if response_mask.dtype != torch.bool:
+            raise TypeError(
+                f"response_mask must be a bool tensor (True = scored), got {v.describe(response_mask)}"
+            )
+        if response_mask.device != device:
+            raise ValueError(f"response_mask must be on {device}, got {response_mask.device}")
+        scored &= response_mask[:, 1:]
+    return scored, real
+
+
+def scored_positions(
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    labels: Optional[torch.Tensor] = None,
+    response_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The (B, T - 1) bool mask of the positions :func:`causal_lm_kl` counts, for the losses and
+    rewards built from its outputs (e.g. ``shaped_rewards``, ``next_token_kl``).
+
+    Entry ``[b, t]`` is True where ``attention_mask[b, t]`` and ``attention_mask[b, t + 1]``,
+    ``labels[b, t + 1] != -100`` and ``response_mask[b, t + 1]`` all hold (each where given).
+    Arguments (B, T) as in :func:`causal_lm_kl`; the same errors.
+
+    >>> import torch
+    >>> scored_positions(torch.tensor([[0, 5, 6, 7, 8]]), torch.tensor([[0, 1, 1, 1, 1]]),
+    ...                  response_mask=torch.tensor([[False, False, False, True, True]]))
+    tensor([[False, False,  True,  True]])
+    """
+    return _scored(input_ids, attention_mask, labels, response_mask)[0]
+
+
 def causal_lm_kl(
     policy_model: torch.nn.Module,
     ref_model: torch.nn.Module,
@@ -183,7 +241,8 @@ def causal_lm_kl(
     counts where the token it predicts and its own position are both real
     (``attention_mask[b, t + 1]`` and ``attention_mask[b, t]``), the label is not -100
     (``labels[b, t + 1] != -100``) and ``response_mask[b, t + 1]`` holds, for each argument
-    given; elsewhere every output is 0 (with zero gradient). Example, one left-padded row::
+    given (:func:`scored_positions` returns this (B, T - 1) mask); elsewhere every output is 0
+    (with zero gradient). Example, one left-padded row::
 
         input_ids       pad   p0    p1    r0    r1        (T = 5)
         attention_mask  0     1     1     1     1
@@ -226,7 +285,8 @@ def causal_lm_kl(
         ValueError: an architecture not in :data:`SUPPORTED_ARCHITECTURES` (the message names
             its ``config.model_type``), a model without a body or an LM head, vocabulary sizes
             that differ, a policy with a soft-cap and a reference without one, (B, T) arguments
-            of another shape or device, temperature ≤ 0, an unknown backend; from
+            of another shape or device, an LM head that is not a plain ``nn.Linear`` or not on
+            the device of ``input_ids``, temperature ≤ 0, an unknown backend; from
             ``linear_kl`` with ``check``: labels out of range, NaN in a counted position.
     """
     policy_body, policy_head, policy_type = _model_parts("policy_model", policy_model)
@@ -244,43 +304,22 @@ def causal_lm_kl(
             "not: linear_kl cannot yet leave the reference uncapped while capping the policy"
         )
 
-    if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
-    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must have shape (B, T) with T >= 1, got {v.describe(input_ids)}")
+    counted, real = _scored(input_ids, attention_mask, labels, response_mask)  # (B, T - 1)
     B, T = input_ids.shape
-    device = input_ids.device
-    _check_ids("input_ids", input_ids, (B, T), device)
-    real = None
-    if attention_mask is not None:
-        real = _check_bool_or_ids("attention_mask", attention_mask, (B, T), device)
-    if labels is not None:
-        _check_ids("labels", labels, (B, T), device)
-    if response_mask is not None:
-        response_mask = v.check_per_token("response_mask", response_mask, (B, T), floating=False)
-        if response_mask.dtype != torch.bool:
-            raise TypeError(
-                f"response_mask must be a bool tensor (True = scored), got {v.describe(response_mask)}"
+    for name, head in (("policy_model", policy_head), ("ref_model", ref_head)):
+        if head.weight.device != input_ids.device:
+            raise ValueError(
+                f"{name}'s LM head is on {head.weight.device} and input_ids on "
+                f"{input_ids.device}: both models' heads must be on the batch's device"
             )
-        if response_mask.device != device:
-            raise ValueError(f"response_mask must be on {device}, got {response_mask.device}")
     if position_ids is not None:
-        _check_ids("position_ids", position_ids, (B, T), device)
+        _check_ids("position_ids", position_ids, (B, T), input_ids.device)
     elif real is not None:
         position_ids = generate_position_ids(real)
     temperature = v.check_temperature(temperature)
     if not isinstance(entropy, bool):
         raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
-    get_backend(backend, device)  # an unknown backend fails before the models run
-
-    # which of the (B, T - 1) positions count
-    counted = torch.ones(B, T - 1, dtype=torch.bool, device=device)
-    if real is not None:
-        counted &= real[:, 1:] & real[:, :-1]
-    if labels is not None:
-        counted &= labels[:, 1:] != IGNORE_INDEX
-    if response_mask is not None:
-        counted &= response_mask[:, 1:]
+    get_backend(backend, input_ids.device)  # an unknown backend fails before the models run
     tokens = (input_ids if labels is None else labels)[:, 1:]  # (B, T - 1)
 
     policy_hidden = _last_hidden(policy_body, input_ids, attention_mask, position_ids)
@@ -294,7 +333,7 @@ def causal_lm_kl(
         ref_hidden[:, :-1],  # (B, T - 1, H_r)
         ref_head.weight,
         tokens=tokens,
-        mask=counted,
+        mask=counted,  # rows not counted never reach the heads
         temperature=temperature,
         policy_bias=policy_head.bias,
         ref_bias=ref_head.bias,

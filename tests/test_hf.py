@@ -186,10 +186,7 @@ def test_matches_plain_path_left_padding_and_labels(arch):
     labels = torch.where(response, (ids + 5) % V, -100)
     counted = response[:, 1:].clone()
     temperature = 0.7 if arch in ("llama", "gemma2", "gpt2") else 1.0
-    out = check_against_plain(
-        policy, ref, ids, attention, counted, labels[:, 1:], temperature, labels=labels
-    )
-    assert out.ref_logprobs.grad_fn is None  # the frozen reference ran without autograd
+    check_against_plain(policy, ref, ids, attention, counted, labels[:, 1:], temperature, labels=labels)
 
 
 def test_response_mask_right_padding():

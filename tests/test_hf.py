@@ -111,12 +111,14 @@ def plain_logits(model, ids, attention, position_ids):
     return model(input_ids=ids, attention_mask=attention, position_ids=position_ids).logits[:, :-1]
 
 
-def check_against_plain(policy, ref, ids, attention, counted, tokens, temperature, **kwargs):
+def check_against_plain(
+    policy, ref, ids, attention, counted, tokens, temperature, dtype=torch.float32, **kwargs
+):
     """causal_lm_kl(...) against the plain path: values vs float64 on the plain logits, and the
     gradients of a loss of all four outputs w.r.t. the policy's LM head and a body weight."""
     out = causal_lm_kl(policy, ref, ids, attention, temperature=temperature, entropy=True, **kwargs)
     for t in out:
-        assert t.shape == (B, T - 1) and t.dtype == torch.float32
+        assert t.shape == (B, T - 1) and t.dtype == dtype
     position_ids = generate_position_ids(attention)
     zp = plain_logits(policy, ids, attention, position_ids)
     with torch.no_grad():
@@ -129,7 +131,7 @@ def check_against_plain(policy, ref, ids, attention, counted, tokens, temperatur
     }
     for name, want in expected.items():
         got = getattr(out, name)
-        torch.testing.assert_close(got[counted].double(), want[counted], **tol(torch.float32))
+        torch.testing.assert_close(got[counted].double(), want[counted], **tol(dtype))
         assert torch.all(got[~counted] == 0), name
     assert out.kl[counted].min() > 0.05  # the two models differ
 
@@ -152,7 +154,7 @@ def check_against_plain(policy, ref, ids, attention, counted, tokens, temperatur
     # float32 rounding of the head and the engine, of the size the logit-gradient entry bounds.
     for a, b in zip(got, want):
         assert b.abs().max() > 0
-        torch.testing.assert_close(a, b, **grad_tol(torch.float32))
+        torch.testing.assert_close(a, b, **grad_tol(dtype))
     return out
 
 
@@ -186,7 +188,9 @@ def test_matches_plain_path_left_padding_and_labels(arch):
     labels = torch.where(response, (ids + 5) % V, -100)
     counted = response[:, 1:].clone()
     temperature = 0.7 if arch in ("llama", "gemma2", "gpt2") else 1.0
-    check_against_plain(policy, ref, ids, attention, counted, labels[:, 1:], temperature, labels=labels)
+    check_against_plain(
+        policy, ref, ids, attention, counted, labels[:, 1:], temperature, labels=labels
+    )
 
 
 def test_response_mask_right_padding():
@@ -215,6 +219,15 @@ def test_labels_and_response_mask_combine(monkeypatch):
     assert torch.equal(seen["mask"], real[:, 1:] & real[:, :-1])
     assert torch.equal(scored_positions(ids, attention, labels=labels), seen["mask"])
     assert torch.equal(out.kl != 0, seen["mask"])
+
+
+def test_float64_models_give_float64():
+    policy, ref = (m.double() for m in model_pair("llama"))
+    ids, attention, response = batch(left_padding=True)
+    check_against_plain(
+        policy, ref, ids, attention, response[:, 1:], ids[:, 1:], 0.8, torch.float64,
+        response_mask=response,
+    )
 
 
 def test_different_architectures_and_hidden_sizes():
@@ -404,19 +417,27 @@ def test_capped_policy_with_uncapped_reference_raises():
     "kwargs, error, match",
     [
         (dict(input_ids=torch.rand(B, T)), TypeError, r"input_ids must be an integer.*float32"),
-        (dict(input_ids=torch.zeros(T, dtype=torch.long)), ValueError, r"input_ids must have shape \(B, T\)"),
+        (dict(input_ids=torch.zeros(T, dtype=torch.long)), ValueError,
+         r"input_ids must have shape \(B, T\)"),
         (dict(input_ids=[[1, 2]]), TypeError, "input_ids must be a torch.Tensor"),
-        (dict(attention_mask=torch.ones(B, T + 1, dtype=torch.long)), ValueError, r"attention_mask must have shape \(3, 10\).*\(3, 11\)"),
-        (dict(attention_mask=torch.ones(B, T)), TypeError, r"attention_mask must be an integer.*float32"),
-        (dict(labels=torch.zeros(B, T - 1, dtype=torch.long)), ValueError, r"labels must have shape \(3, 10\)"),
+        (dict(attention_mask=torch.ones(B, T + 1, dtype=torch.long)), ValueError,
+         r"attention_mask must have shape \(3, 10\).*\(3, 11\)"),
+        (dict(attention_mask=torch.ones(B, T)), TypeError,
+         r"attention_mask must be an integer.*float32"),
+        (dict(labels=torch.zeros(B, T - 1, dtype=torch.long)), ValueError,
+         r"labels must have shape \(3, 10\)"),
         (dict(labels=torch.zeros(B, T)), TypeError, "labels must be an integer"),
-        (dict(response_mask=torch.ones(B, T, dtype=torch.long)), TypeError, r"response_mask must be a bool.*int64"),
-        (dict(response_mask=torch.ones(B, 1, dtype=torch.bool)), ValueError, r"response_mask must have shape \(3, 10\).*\(3, 1\)"),
-        (dict(position_ids=torch.arange(T)[None]), ValueError, r"position_ids must have shape \(3, 10\).*\(1, 10\)"),
+        (dict(response_mask=torch.ones(B, T, dtype=torch.long)), TypeError,
+         r"response_mask must be a bool.*int64"),
+        (dict(response_mask=torch.ones(B, 1, dtype=torch.bool)), ValueError,
+         r"response_mask must have shape \(3, 10\).*\(3, 1\)"),
+        (dict(position_ids=torch.arange(T)[None]), ValueError,
+         r"position_ids must have shape \(3, 10\).*\(1, 10\)"),
         (dict(temperature=0.0), ValueError, "temperature must be finite and > 0"),
         (dict(entropy="yes"), TypeError, "entropy must be a bool"),
         (dict(backend="fast"), ValueError, "backend must be one of"),
-        (dict(labels=torch.full((B, T), V + 3)), ValueError, rf"tokens must lie in \[0, {V}\)"),
+        (dict(labels=torch.full((B, T), V + 3)), ValueError,
+         rf"labels must lie in \[0, {V}\).*27 do not, the first {V + 3} at index \(0, 1\)"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(kwargs, error, match):
@@ -425,3 +446,14 @@ def test_bad_arguments_raise_naming_the_argument(kwargs, error, match):
     args.update(kwargs)
     with pytest.raises(error, match=match):
         causal_lm_kl(policy, ref, args.pop("input_ids"), args.pop("attention_mask"), **args)
+
+
+def test_labels_are_read_only_where_scored():
+    policy, ref = model_pair("llama")
+    ids, attention, response = batch(left_padding=False)
+    labels = torch.where(response, ids, V + 3)  # out of range, but never scored
+    got = causal_lm_kl(policy, ref, ids, attention, labels=labels, response_mask=response)
+    want = causal_lm_kl(policy, ref, ids, attention, response_mask=response)
+    for a, b in zip(got, want):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -31,7 +31,7 @@ IGNORE_INDEX = -100  # Hugging Face's label for "not scored"
 
 
 class _Head(NamedTuple):
-    """What a causal LM's forward does after its body: logits = cap·tanh(scale·(h Wᵀ + b)/cap)."""
+    """What a causal LM's forward does after its body: z = scale·(h Wᵀ + b), cap·tanh(z/cap)."""
 
     weight: torch.Tensor  # (V, H)
     bias: Optional[torch.Tensor]  # (V,) or None
@@ -94,15 +94,17 @@ def _model_parts(name: str, model: object) -> tuple[torch.nn.Module, _Head, str]
         )
     if model_type not in _TRANSFORMS:
         raise ValueError(
-            f"{name} has config.model_type={model_type!r} ({type(model).__name__}), whose LM-head "
-            f"logit transform klpenalty.hf does not know; supported: {list(SUPPORTED_ARCHITECTURES)}"
+            f"{name} has config.model_type={model_type!r} ({type(model).__name__}), whose "
+            "LM-head logit transform klpenalty.hf does not know; supported: "
+            f"{list(SUPPORTED_ARCHITECTURES)}"
         )
     prefix = getattr(model, "base_model_prefix", None)
     body = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     weight = getattr(head, "weight", None)
-    if not isinstance(body, torch.nn.Module) or body is model or not isinstance(weight, torch.Tensor):
+    has_body = isinstance(body, torch.nn.Module) and body is not model
+    if not has_body or not isinstance(weight, torch.Tensor):
         raise ValueError(
             f"{name} ({type(model).__name__}, model_type {model_type!r}) must be a causal LM with "
             "a body (getattr(model, model.base_model_prefix)) and an LM head "
@@ -140,6 +142,20 @@ def _check_bool_or_ids(name: str, t: object, shape, device) -> torch.Tensor:
     return t
 
 
+def _check_scored_range(name: str, ids: torch.Tensor, scored: torch.Tensor, vocab: int) -> None:
+    """``ids[:, 1:]`` (B, T) in [0, vocab) where ``scored`` (B, T - 1), or ValueError naming
+    ``name`` (one host read)."""
+    tokens = ids[:, 1:]
+    bad = scored & ((tokens < 0) | (tokens >= vocab))
+    if bool(bad.any()):
+        b, t = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(
+            f"{name} must lie in [0, {vocab}) (the LM heads' vocabulary) at the scored "
+            f"positions; {int(bad.sum())} do not, the first {int(tokens[b, t])} at index "
+            f"{(b, t + 1)} ({v.describe(ids)})"
+        )
+
+
 def generate_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids (B, T) from a (B, T) attention mask as ``generate`` makes them: the count of
     real tokens before each position (0 at the first real token, so left padding does not shift
@@ -164,7 +180,9 @@ def _scored(input_ids, attention_mask, labels, response_mask):
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must have shape (B, T) with T >= 1, got {v.describe(input_ids)}")
+        raise ValueError(
+            f"input_ids must have shape (B, T) with T >= 1, got {v.describe(input_ids)}"
+        )
     B, T = input_ids.shape
     device = input_ids.device
     _check_ids("input_ids", input_ids, (B, T), device)
@@ -180,7 +198,8 @@ def _scored(input_ids, attention_mask, labels, response_mask):
         response_mask = v.check_per_token("response_mask", response_mask, (B, T), floating=False)
         if response_mask.dtype != torch.bool:
             raise TypeError(
-                f"response_mask must be a bool tensor (True = scored), got {v.describe(response_mask)}"
+                "response_mask must be a bool tensor (True = scored), "
+                f"got {v.describe(response_mask)}"
             )
         if response_mask.device != device:
             raise ValueError(f"response_mask must be on {device}, got {response_mask.device}")
@@ -225,8 +244,8 @@ def causal_lm_kl(
     backend: str = "auto",
     check: bool = True,
 ) -> TokenStats:
-    """Exact per-token KL(π‖ρ), log π(token), log ρ(token) (and H(π)) of two Hugging Face causal
-    LMs on one batch, without computing either model's (B, T, V) logits.
+    """Exact per-token KL(π‖ρ), log π(token), log ρ(token) (and H(π)) of two Hugging Face
+    causal LMs on one batch, without computing either model's (B, T, V) logits.
 
     Runs each model's body, takes its last hidden states (final norm applied) and its output
     embedding (weight, bias; a tied embedding is the same tensor), applies the architecture's
@@ -287,7 +306,8 @@ def causal_lm_kl(
             that differ, a policy with a soft-cap and a reference without one, (B, T) arguments
             of another shape or device, an LM head that is not a plain ``nn.Linear`` or not on
             the device of ``input_ids``, temperature ≤ 0, an unknown backend; from
-            ``linear_kl`` with ``check``: labels out of range, NaN in a counted position.
+            ``check``: scored labels (or input_ids) outside [0, V), NaN in a counted position
+            (from ``linear_kl``).
     """
     policy_body, policy_head, policy_type = _model_parts("policy_model", policy_model)
     ref_body, ref_head, ref_type = _model_parts("ref_model", ref_model)
@@ -321,6 +341,9 @@ def causal_lm_kl(
         raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
     get_backend(backend, input_ids.device)  # an unknown backend fails before the models run
     tokens = (input_ids if labels is None else labels)[:, 1:]  # (B, T - 1)
+    if check:  # names the caller's argument (linear_kl's check would say "tokens")
+        name, ids = ("input_ids", input_ids) if labels is None else ("labels", labels)
+        _check_scored_range(name, ids, counted, vocab)
 
     policy_hidden = _last_hidden(policy_body, input_ids, attention_mask, position_ids)
     ref_grad = any(p.requires_grad for p in ref_model.parameters())

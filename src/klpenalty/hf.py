@@ -305,9 +305,9 @@ def causal_lm_kl(
             its ``config.model_type``), a model without a body or an LM head, vocabulary sizes
             that differ, a policy with a soft-cap and a reference without one, (B, T) arguments
             of another shape or device, an LM head that is not a plain ``nn.Linear`` or not on
-            the device of ``input_ids``, temperature ≤ 0, an unknown backend; from
-            ``check``: scored labels (or input_ids) outside [0, V), NaN in a counted position
-            (from ``linear_kl``).
+            the device of ``input_ids``, temperature ≤ 0, an unknown backend; with ``check``:
+            scored labels (or input_ids) outside [0, V), and (from ``linear_kl``) NaN in a
+            counted position.
     """
     policy_body, policy_head, policy_type = _model_parts("policy_model", policy_model)
     ref_body, ref_head, ref_type = _model_parts("ref_model", ref_model)

@@ -11,7 +11,7 @@ STAMP := $(VENV)/.klpenalty-installed
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e '.[dev,demo,triton]'  # triton: no dependencies, keeps the CPU torch
+	$(PY) -m pip install --quiet -e '.[dev,demo,triton,hf]'  # triton and transformers: no torch dependency, keep the CPU torch
 	touch $(STAMP)
 
 install: $(STAMP)

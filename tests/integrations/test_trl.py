@@ -33,6 +33,9 @@ import trl
 
 from klpenalty.integrations.trl import GRPOTrainer
 
+# TRL 1.16 calls transformers' gradient_checkpointing_* names, deprecated in transformers 5
+pytestmark = pytest.mark.filterwarnings("ignore:`.*gradient_checkpointing.*:FutureWarning")
+
 WORDS = ["<pad>", "<eos>", "<unk>", *"abcdefgh"]
 BETA = 0.1
 STEPS = 3

@@ -10,13 +10,17 @@ datasets and accelerate). Use it where you use ``trl.GRPOTrainer``::
 ``kl_estimator`` (with ``args.beta`` = β > 0; β = 0 trains without a KL term, as TRL does):
 
 - ``"trl"``: TRL's own term, unchanged: β·k3 per token, k3 = ρ/π − 1 − log(ρ/π), in the loss,
-  reduced like the policy loss. Its expected gradient at each state is that of the *forward*
-  KL(ρ‖π) (logit gradient π − ρ), summed over the states the policy visits: the gradient of
-  neither sequence KL (:func:`klpenalty.k3_loss`).
+  reduced like the policy loss. With ``use_bias_correction_kl=True`` (TRL 1.16's default) TRL
+  multiplies it by its importance ratio π/π_old, which makes its gradient k3_ratio_loss's (the
+  per-state reverse-KL gradient, below); with ``False`` (GRPO as published) it is plain k3,
+  whose expected gradient at each state is that of the *forward* KL(ρ‖π) (logit gradient
+  π − ρ): the gradient of neither sequence KL (:func:`klpenalty.k3_loss`).
 - ``"k3_ratio"``: β·:func:`klpenalty.k3_ratio_loss` per token in the same place and with the
   same reduction as TRL's term (the importance weight π/π_old uses TRL's ``old_per_token_logps``).
   Same value as TRL's on-policy; its expected gradient at each state is ∇KL(π(·|s)‖ρ(·|s)):
-  the *pathwise* part of ∇KL_seq(π‖ρ) only (the states are held fixed).
+  the *pathwise* part of ∇KL_seq(π‖ρ) only (the states are held fixed). It equals TRL's
+  bias-corrected term except that its weight is per token whatever TRL's
+  ``importance_sampling_level``, and its gradient stays finite where k3 overflows.
 - ``"exact"`` (default): the exact KL over the whole vocabulary from both models
   (:func:`klpenalty.hf.causal_lm_kl`, which also gives the policy's token log-probs and
   entropies that TRL's loss uses, so the policy runs once), with the gradient of

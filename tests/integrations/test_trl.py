@@ -89,6 +89,7 @@ class Recording(GRPOTrainer):
 
 
 def train(tmp_path, kl_estimator: str, steps: int = STEPS, **config) -> Recording:
+    config = {"loss_type": "dapo", **config}
     torch.manual_seed(0)
     ref_dir = tmp_path / "ref"
     transformers.LlamaForCausalLM(llama_config()).save_pretrained(ref_dir)
@@ -101,7 +102,7 @@ def train(tmp_path, kl_estimator: str, steps: int = STEPS, **config) -> Recordin
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=6, max_steps=steps, learning_rate=1e-2, beta=BETA,
         logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
-        disable_tqdm=True, loss_type="dapo", bf16=False,  # TRL turns bf16 autocast on by default
+        disable_tqdm=True, bf16=False,  # TRL turns bf16 autocast on by default
         **config,
     )
     trainer = Recording(
@@ -253,6 +254,29 @@ def test_which_runs_share_a_gradient(tmp_path_factory):
     assert gap("exact", "k3_ratio") > 1e-3
     assert gap("exact", "trl-plain") > 1e-3
     assert gap("k3_ratio", "trl-plain") > 1e-3
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"loss_type": "grpo"},
+        {"loss_type": "bnpo"},
+        {"loss_type": "dr_grpo"},
+        {"loss_type": "luspo"},
+        {"loss_type": "dapo", "gradient_accumulation_steps": 2},
+    ],
+    ids=["grpo", "bnpo", "dr_grpo", "luspo", "dapo-accumulate2"],
+)
+def test_k3_ratio_is_reduced_like_trls_term(tmp_path, config):
+    # TRL's default term has k3_ratio_loss's value and gradient on-policy, so a first step
+    # with either estimator has the same gradient only if k3_ratio is reduced as TRL reduces
+    # its own term for that loss_type (and gradient accumulation)
+    ours = train(tmp_path / "ours", "k3_ratio", steps=1, **config).records[0]["grads"]
+    theirs = train(tmp_path / "theirs", "trl", steps=1, **config).records[0]["grads"]
+    scale = max(float(g.abs().max()) for g in theirs.values())
+    rel = GRAD_REL_TOL[torch.float32]
+    for param, g in theirs.items():
+        torch.testing.assert_close(ours[param], g, rtol=rel, atol=rel * scale)
 
 
 @pytest.mark.parametrize("name", ["k3_ratio", "trl"])

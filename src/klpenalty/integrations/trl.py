@@ -129,7 +129,6 @@ class GRPOTrainer(_TRLGRPOTrainer):
             # frozen, causal_lm_kl runs it without building a graph
             self.ref_model.requires_grad_(False)
 
-    # the loss's log-prob pass: TRL's own, or the exact KL's pass that also gives the log-probs
     def _get_per_token_logps_and_entropies(
         self,
         model,
@@ -141,6 +140,15 @@ class GRPOTrainer(_TRLGRPOTrainer):
         compute_aux_loss=False,
         **multimodal,
     ):
+        """TRL's log-prob pass; inside the loss with ``"exact"``, causal_lm_kl's pass instead.
+
+        Outside :meth:`_compute_loss` (the old and reference log-probs at generation) and for
+        the other estimators this is TRL's own pass (the loss's log-probs are kept for the KL
+        term). Inside the loss with ``"exact"``, one :func:`klpenalty.hf.causal_lm_kl` call over
+        the policy and the reference gives the (B, L) log-probs and entropies TRL's loss uses,
+        and keeps the (B, L) exact KL for :meth:`_compute_loss`. ``input_ids`` and
+        ``attention_mask`` are (B, T); L = ``logits_to_keep``.
+        """
         capture = self._kl_capture
         if capture is None or self.kl_estimator != "exact":
             out = super()._get_per_token_logps_and_entropies(
@@ -183,6 +191,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         return capture.logprobs, entropies, None
 
     def _compute_loss(self, model, inputs):
+        """TRL's policy loss (its KL term off) plus this trainer's KL term, and the metrics."""
         if self.kl_estimator == "trl" or self.beta == 0.0:
             return super()._compute_loss(model, inputs)
         capture = self._kl_capture = _Capture()

@@ -81,9 +81,13 @@ class Recording(GRPOTrainer):
         return super()._compute_loss(model, inputs)
 
     def training_step(self, model, inputs, num_items_in_batch):
+        # this micro-batch's own gradient, also when gradient accumulation sums several
+        before = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                  if p.grad is not None}
         out = super().training_step(model, inputs, num_items_in_batch)
         self.records[-1]["grads"] = {
-            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+            n: p.grad.detach() - before.get(n, 0.0)
+            for n, p in model.named_parameters() if p.grad is not None
         }
         return out
 
@@ -122,6 +126,7 @@ RUN_SPECS = {
     "k3_ratio": ("k3_ratio", {}),
     "trl": ("trl", {}),
     "trl-plain": ("trl", {"use_bias_correction_kl": False}),
+    "exact-accumulate2": ("exact", {"gradient_accumulation_steps": 2}),
 }
 
 
@@ -197,14 +202,16 @@ def _approx():
     return {"abs": atol, "rel": rtol}
 
 
-def kl_objective(name, lp, ref_lp, kl, mask, ratio, tokens):
+def kl_objective(name, lp, ref_lp, kl, mask, ratio, tokens, accumulation):
     """The documented KL term of each run, in plain PyTorch (before β)."""
     zero = torch.zeros(())
-    if name == "exact":
-        # mean over completions of Σ_t KL_t + Σ_t (w_t − sg w_t)·R_t, R_t = Σ_{u>t} KL_u
+    if name.startswith("exact"):
+        # mean over completions of Σ_t KL_t + Σ_t (w_t − sg w_t)·R_t, R_t = Σ_{u>t} KL_u,
+        # divided by the accumulation steps as TRL divides its loss
         kl_m = torch.where(mask, kl, zero)
         to_go = (kl_m.sum(-1, keepdim=True) - kl_m.cumsum(-1)).detach()
-        return (kl_m + torch.where(mask, (ratio - ratio.detach()) * to_go, zero)).sum(-1).mean()
+        per_seq = (kl_m + torch.where(mask, (ratio - ratio.detach()) * to_go, zero)).sum(-1)
+        return per_seq.mean() / accumulation
     d = ref_lp - lp
     per_token = torch.exp(d) - 1 - d  # TRL's k3 as GRPO has it ("trl-plain")
     if name in ("k3_ratio", "trl"):
@@ -221,12 +228,15 @@ def test_step_gradient_is_the_documented_objectives(name, tmp_path_factory):
         inputs = record["inputs"]
         policy, _, _, lp, ref_lp, kl, mask = independent(record, ref_dir)
         # TRL's GRPO policy loss, loss_type="dapo", on-policy (ratio 1 in value: no clipping),
-        # one process, no accumulation: −Σ A·ratio over completion tokens / token count
+        # one process: −Σ A·ratio over completion tokens / the generation batch's token count
+        # (× accumulation steps / steps per generation, which are equal here)
         ratio = torch.exp(lp - lp.detach())
         advantages = inputs["advantages"].reshape(-1, 1)
-        tokens = inputs["num_items_in_batch"].clamp(min=1.0)
+        accumulation = trainer.args.gradient_accumulation_steps
+        tokens = inputs["num_items_in_batch"].clamp(min=1.0) * accumulation
+        tokens = tokens / trainer.args.steps_per_generation
         policy_loss = -torch.where(mask, advantages * ratio, torch.zeros(())).sum() / tokens
-        kl_term = kl_objective(name, lp, ref_lp, kl, mask, ratio, tokens)
+        kl_term = kl_objective(name, lp, ref_lp, kl, mask, ratio, tokens, accumulation)
         (policy_loss + BETA * kl_term).backward()
         expected = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
         assert expected.keys() == record["grads"].keys()
@@ -238,7 +248,8 @@ def test_step_gradient_is_the_documented_objectives(name, tmp_path_factory):
 
 def test_which_runs_share_a_gradient(tmp_path_factory):
     # the same seed and data: the first step's batch and weights agree in every run
-    first = {name: run_of(name, tmp_path_factory).records[0] for name in RUN_SPECS}
+    names = ["exact", "k3_ratio", "trl", "trl-plain"]
+    first = {name: run_of(name, tmp_path_factory).records[0] for name in names}
     ids = {n: torch.cat([r["inputs"]["prompt_ids"], r["inputs"]["completion_ids"]], 1)
            for n, r in first.items()}
     assert all(torch.equal(ids["exact"], other) for other in ids.values())

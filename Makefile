@@ -5,8 +5,12 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.klpenalty-installed
+INTEGRATIONS_STAMP := $(VENV)/.klpenalty-integrations-installed
+# verl's and OpenRLHF's source, installed without dependencies (importing either needs Ray,
+# DeepSpeed, ...): tests/integrations/test_stack_sources.py reads their KL functions from it
+STACK_SOURCES ?= verl==0.9.1 openrlhf==0.11.2
 
-.PHONY: test install demo clean
+.PHONY: test install demo clean test-integrations
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +22,20 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+# the `trl` extra into the same venv; the constraint keeps the CPU torch that is there, and
+# pip list checks it afterwards
+$(INTEGRATIONS_STAMP): $(STAMP)
+	echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install --quiet -c $(VENV)/torch-constraint.txt -e '.[dev,demo,triton,hf,trl]'
+	$(PY) -m pip install --quiet --no-deps $(STACK_SOURCES)
+	$(PY) -m pip list --format=freeze 2>/dev/null | grep -q '^$(TORCH_SPEC)' \
+		|| { echo "torch changed: expected $(TORCH_SPEC), have:"; \
+		     $(PY) -m pip list 2>/dev/null | grep -i '^torch '; exit 1; }
+	touch $@
+
+test-integrations: $(INTEGRATIONS_STAMP)
+	KLPENALTY_INTEGRATIONS=1 $(PY) -m pytest tests/integrations
 
 # `make demo DEMO_ARGS="--sweep"` passes options through to `klpenalty demo`
 demo: $(STAMP)

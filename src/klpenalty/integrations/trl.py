@@ -1,0 +1,257 @@
+"""TRL's ``GRPOTrainer`` with its KL term chosen by one argument, ``kl_estimator``.
+
+Needs the optional extra: ``pip install 'klpenalty[trl]'`` (a pinned TRL, with transformers,
+datasets and accelerate). Use it where you use ``trl.GRPOTrainer``::
+
+    from klpenalty.integrations.trl import GRPOTrainer      # instead of: from trl import ...
+    trainer = GRPOTrainer(model, reward_funcs, args=GRPOConfig(beta=0.01, ...),
+                          train_dataset=dataset, kl_estimator="exact")
+
+``kl_estimator`` (with ``args.beta`` = β > 0; β = 0 trains without a KL term, as TRL does):
+
+- ``"trl"``: TRL's own term, unchanged: β·k3 per token, k3 = ρ/π − 1 − log(ρ/π), in the loss,
+  reduced like the policy loss. With ``use_bias_correction_kl=True`` (TRL 1.16's default) TRL
+  multiplies it by its importance ratio π/π_old, which makes its gradient k3_ratio_loss's (the
+  per-state reverse-KL gradient, below); with ``False`` (GRPO as published) it is plain k3,
+  whose expected gradient at each state is that of the *forward* KL(ρ‖π) (logit gradient
+  π − ρ): the gradient of neither sequence KL (:func:`klpenalty.k3_loss`).
+- ``"k3_ratio"``: β·:func:`klpenalty.k3_ratio_loss` per token in the same place and with the
+  same reduction as TRL's term (the importance weight π/π_old uses TRL's ``old_per_token_logps``).
+  Same value as TRL's on-policy; its expected gradient at each state is ∇KL(π(·|s)‖ρ(·|s)):
+  the *pathwise* part of ∇KL_seq(π‖ρ) only (the states are held fixed). It equals TRL's
+  bias-corrected term except that its weight is per token whatever TRL's
+  ``importance_sampling_level``, and its gradient stays finite where k3 overflows.
+- ``"exact"`` (default): the exact KL over the whole vocabulary from both models
+  (:func:`klpenalty.hf.causal_lm_kl`, which also gives the policy's token log-probs and
+  entropies that TRL's loss uses, so the policy runs once), with the gradient of
+  β·KL_seq(π‖ρ), KL_seq = E_π[Σ_t KL_t(s_t)] summed over a completion's tokens.
+
+**The exact objective.** With KL_t the exact KL at completion position t, m_t TRL's completion
+mask, w_t = exp(log π(a_t|s_t) − log π_old(a_t|s_t)) (1 in value; π_old is the policy that
+sampled the batch, TRL's ``old_per_token_logps``) and R_t = Σ_{u>t} m_u·KL_u (detached: the KL
+of every later position, the return of :func:`klpenalty.next_token_kl` rewards), the term added
+to TRL's policy loss is::
+
+    β · mean over the micro-batch's completions of  Σ_t m_t·KL_t  +  Σ_t m_t·(w_t − sg(w_t))·R_t
+
+(divided by the gradient-accumulation steps, as TRL divides its loss). Its value is β times
+the mean exact sequence KL (the second sum is 0 in value). Its gradient is β times the mean of
+Σ_t ∇KL_t (the pathwise part, exact: no sampling noise at a given state) plus
+Σ_t w_t·R_t·∇log π(a_t|s_t) (the future part: a token answers for the KL of the states it leads
+to). On-policy (TRL's default ``num_iterations=1``) its expectation is exactly
+β·∇KL_seq(π‖ρ), as :func:`klpenalty.full_kl_reward_and_loss` gives in a PPO loss: the future
+part goes straight into the loss as a score-function term instead of through the group-
+normalised, clipped advantages, which would rescale it by the group's reward spread. Off-policy
+(``num_iterations > 1``) w_t corrects each token to the current policy, not the distribution of
+the prefixes, as in PPO. Note the reduction: the exact term is a sum over a completion's tokens
+(the sequence KL), not TRL's per-token average, so β here weighs a whole completion; TRL's k3
+term under its default ``loss_type="dapo"`` averages over tokens (β_trl ≈ β_exact × the mean
+completion length gives a similar pull).
+
+**Metrics** (``kl_estimator != "trl"``; ``"trl"`` logs TRL's own): ``kl``, TRL's per-token
+k3 averaged over completion tokens, as TRL logs it; with ``"exact"`` also ``kl_exact``, the
+exact KL averaged the same way, ``kl_seq/exact``, the exact KL per completion (Σ_t KL_t,
+averaged over completions) and ``kl_seq/k3``, TRL's k3 estimate of the same per-completion KL.
+
+**Limits of "exact".** Text-only models of the architectures :func:`klpenalty.hf.causal_lm_kl`
+supports, a separate reference model (not PEFT's disabled adapter), no MoE auxiliary loss;
+positions are numbered 0..T−1 as TRL's own log-prob pass numbers them. The other two
+estimators run wherever TRL's trainer runs.
+
+Shape letters: B completions in a micro-batch, T prompt + completion length, L completion
+length (TRL's ``logits_to_keep``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from trl import GRPOTrainer as _TRLGRPOTrainer
+
+from .. import _validation as v
+from ..hf import causal_lm_kl
+from ..rlhf.estimators import sampled_kl
+from ..rlhf.gradients import k3_ratio_loss
+from ._common import exact_kl_term
+
+__all__ = ["GRPOTrainer", "KL_ESTIMATORS"]
+
+KL_ESTIMATORS = ("exact", "k3_ratio", "trl")
+
+# the keyword arguments of TRL's log-prob pass that only multimodal models use
+_MULTIMODAL_ARGS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+@dataclass
+class _Capture:
+    """What the loss's log-prob pass leaves for the KL term, (B, L) each."""
+
+    logprobs: torch.Tensor | None = None
+    kl: torch.Tensor | None = None
+
+
+class GRPOTrainer(_TRLGRPOTrainer):
+    """``trl.GRPOTrainer`` whose KL term is ``kl_estimator`` (see the module docstring).
+
+    Args:
+        *args, **kwargs: those of ``trl.GRPOTrainer`` (model, reward_funcs, args=GRPOConfig,
+            train_dataset, processing_class, ...), unchanged.
+        kl_estimator: ``"exact"`` (default), ``"k3_ratio"`` or ``"trl"``.
+
+    Raises:
+        ValueError: an unknown ``kl_estimator``, or ``"exact"`` with β > 0 and no separate
+            reference model (PEFT).
+    """
+
+    def __init__(self, *args, kl_estimator: str = "exact", **kwargs) -> None:
+        self.kl_estimator = v.check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+        self._kl_capture: _Capture | None = None
+        super().__init__(*args, **kwargs)
+        if self.kl_estimator == "exact" and self.beta != 0.0 and self.ref_model is None:
+            raise ValueError(
+                'kl_estimator="exact" needs a separate reference model; with PEFT TRL uses the '
+                'policy with its adapter disabled instead: use kl_estimator="k3_ratio" there'
+            )
+        if self.ref_model is not None:
+            # TRL leaves the reference's parameters requiring grad (it runs it under no_grad);
+            # frozen, causal_lm_kl runs it without building a graph
+            self.ref_model.requires_grad_(False)
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        """TRL's log-prob pass; inside the loss with ``"exact"``, causal_lm_kl's pass instead.
+
+        Outside :meth:`_compute_loss` (the old and reference log-probs at generation) and for
+        the other estimators this is TRL's own pass (the loss's log-probs are kept for the KL
+        term). Inside the loss with ``"exact"``, one :func:`klpenalty.hf.causal_lm_kl` call over
+        the policy and the reference gives the (B, L) log-probs and entropies TRL's loss uses,
+        and keeps the (B, L) exact KL for :meth:`_compute_loss`. ``input_ids`` and
+        ``attention_mask`` are (B, T); L = ``logits_to_keep``.
+        """
+        capture = self._kl_capture
+        if capture is None or self.kl_estimator != "exact":
+            out = super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **multimodal,
+            )
+            if capture is not None:
+                capture.logprobs = out[0]
+            return out
+        used = [k for k in _MULTIMODAL_ARGS if multimodal.get(k) is not None]
+        if compute_aux_loss or used:
+            raise NotImplementedError(
+                'kl_estimator="exact" supports text-only models without an MoE auxiliary loss; '
+                f"got {used or ['compute_aux_loss=True']}"
+            )
+        b, t = input_ids.shape
+        response = torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
+        response[:, t - logits_to_keep :] = True
+        # positions 0..T-1, as TRL's own log-prob pass (and so its old and ref log-probs) has them
+        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        stats = causal_lm_kl(
+            model,
+            self.ref_model,
+            input_ids,
+            attention_mask,
+            response_mask=response,
+            temperature=self.temperature,
+            entropy=compute_entropy,
+            position_ids=positions,
+        )
+        keep = slice(t - 1 - logits_to_keep, t - 1)  # entry j scores token j + 1
+        capture.logprobs, capture.kl = stats.logprobs[:, keep], stats.kl[:, keep]
+        entropies = stats.entropy[:, keep] if compute_entropy else None
+        return capture.logprobs, entropies, None
+
+    def _compute_loss(self, model, inputs):
+        """TRL's policy loss (its KL term off) plus this trainer's KL term, and the metrics."""
+        if self.kl_estimator == "trl" or self.beta == 0.0:
+            return super()._compute_loss(model, inputs)
+        capture = self._kl_capture = _Capture()
+        beta, self.beta = self.beta, 0.0  # TRL's policy loss, without its KL term
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self.beta, self._kl_capture = beta, None
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        mask = mask.bool()
+        logprobs = capture.logprobs
+        old = inputs.get("old_per_token_logps")
+        old = logprobs.detach() if old is None else old
+        ref = inputs["ref_per_token_logps"]
+        mode = "train" if self.model.training else "eval"
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+        if self.kl_estimator == "k3_ratio":
+            per_token = k3_ratio_loss(logprobs, ref, old_logprobs=old, mask=mask)
+            loss = loss + beta * self._reduce_like_trl(per_token, mask, inputs, accumulation)
+        else:
+            per_sequence = exact_kl_term(capture.kl, logprobs, old, mask)
+            loss = loss + beta * per_sequence.mean() / accumulation
+        self._log_kl(mode, capture, logprobs.detach(), ref, mask)
+        return loss
+
+    def _reduce_like_trl(self, per_token, mask, inputs, accumulation):
+        """Σ over tokens normalised as TRL normalises its per-token loss for ``loss_type``."""
+        masked = per_token * mask
+        lengths = mask.sum(-1).clamp(min=1.0)
+        kind = self.loss_type
+        if kind in ("grpo", "sapo"):
+            return (masked.sum(-1) / lengths).mean() / accumulation
+        if kind == "bnpo":
+            return masked.sum() / mask.sum().clamp(min=1.0) / accumulation
+        if kind == "dr_grpo":
+            return masked.sum() / (per_token.size(0) * self.max_completion_length) / accumulation
+        if kind in ("cispo", "dapo", "vespo"):
+            tokens = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if self.model.training:
+                tokens = tokens * accumulation / self.args.steps_per_generation
+            return masked.sum() / tokens
+        if kind == "luspo":
+            return masked.sum(-1).mean() / accumulation
+        raise ValueError(f"kl_estimator={self.kl_estimator!r} does not know loss_type={kind!r}")
+
+    def _log_kl(self, mode, capture, logprobs, ref, mask):
+        """TRL's k3 metric ``kl``, and with the exact KL its per-token and per-sequence means."""
+        k3 = torch.where(mask, sampled_kl(logprobs, ref, "k3", check=False), 0.0)
+        sums = [k3.sum(), mask.sum().float()]
+        if capture.kl is not None:
+            exact = torch.where(mask, capture.kl.detach(), 0.0)
+            sums += [exact.sum(), torch.tensor(float(mask.size(0)), device=mask.device)]
+        totals = self.accelerator.reduce(torch.stack(sums), reduction="sum")
+        tokens = totals[1].clamp(min=1.0)
+        metrics = self._metrics[mode]
+        metrics["kl"].append((totals[0] / tokens).item())
+        if capture.kl is not None:
+            sequences = totals[3].clamp(min=1.0)
+            metrics["kl_exact"].append((totals[2] / tokens).item())
+            metrics["kl_seq/exact"].append((totals[2] / sequences).item())
+            metrics["kl_seq/k3"].append((totals[0] / sequences).item())

@@ -1,0 +1,303 @@
+"""klpenalty.integrations.trl.GRPOTrainer, run for a few steps on CPU with TRL itself.
+
+Needs the ``trl`` extra: ``make test-integrations`` installs it and runs this file (``make
+test`` does not collect it; see tests/integrations/conftest.py). Nothing is downloaded: a
+word-level tokenizer built here, a randomly initialised one-layer Llama (seeded), a toy reward
+(the share of the letter "a" in a completion), eight prompts.
+
+The policy starts away from the reference (its LM head perturbed; the reference is the saved
+initial checkpoint, which TRL loads itself from ``config._name_or_path``), so the KL and its
+gradient are not 0. Each loss call is recorded (the prepared inputs and the weights before the
+step, and the gradient after the backward), and checked against an independent computation
+with plain PyTorch on the same weights and batch: the logged exact KL per completion equals
+``full_kl`` of the two models' logits, TRL's k3 per completion equals k3 from log_softmax, and
+the step's gradient equals the gradient of the documented objective (TRL's policy loss for
+``loss_type="dapo"`` on-policy, plus β·mean over completions of Σ_t KL_t + Σ_t (w_t − sg w_t)·R_t).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from klpenalty import full_kl
+
+from ..tolerances import GRAD_REL_TOL, tol
+
+import datasets
+import tokenizers
+import transformers
+import trl
+
+from klpenalty.integrations.trl import GRPOTrainer
+
+# TRL 1.16 calls transformers' gradient_checkpointing_* names, deprecated in transformers 5
+pytestmark = pytest.mark.filterwarnings("ignore:`.*gradient_checkpointing.*:FutureWarning")
+
+WORDS = ["<pad>", "<eos>", "<unk>", *"abcdefgh"]
+BETA = 0.1
+STEPS = 3
+
+
+def make_tokenizer():
+    """A word-level tokenizer over WORDS, wrapped for transformers; built here, no download."""
+    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>")
+    tok = tokenizers.Tokenizer(model)
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    tok.decoder = tokenizers.decoders.WordPiece()  # joins the words with spaces
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def llama_config():
+    return transformers.LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        pad_token_id=0, eos_token_id=1, bos_token_id=None,
+    )
+
+
+def share_of_a(completions, **kwargs):
+    """The toy reward: the fraction of a completion's words that are "a"."""
+    return [c.split().count("a") / max(len(c.split()), 1) for c in completions]
+
+
+class Recording(GRPOTrainer):
+    """Keeps, for every loss call, the inputs, the weights before the step and the gradient."""
+
+    records: list
+
+    def _compute_loss(self, model, inputs):
+        self.records.append(
+            {
+                "inputs": {k: (t.detach().clone() if torch.is_tensor(t) else t)
+                           for k, t in inputs.items()},
+                "weights": copy.deepcopy(model.state_dict()),
+            }
+        )
+        return super()._compute_loss(model, inputs)
+
+    def training_step(self, model, inputs, num_items_in_batch):
+        # this micro-batch's own gradient, also when gradient accumulation sums several
+        before = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                  if p.grad is not None}
+        out = super().training_step(model, inputs, num_items_in_batch)
+        self.records[-1]["grads"] = {
+            n: p.grad.detach() - before.get(n, 0.0)
+            for n, p in model.named_parameters() if p.grad is not None
+        }
+        return out
+
+
+def train(tmp_path, kl_estimator: str, steps: int = STEPS, **config) -> Recording:
+    config = {"loss_type": "dapo", **config}
+    torch.manual_seed(0)
+    ref_dir = tmp_path / "ref"
+    transformers.LlamaForCausalLM(llama_config()).save_pretrained(ref_dir)
+    policy = transformers.LlamaForCausalLM.from_pretrained(ref_dir)  # _name_or_path = ref_dir
+    with torch.no_grad():
+        policy.lm_head.weight.add_(0.5 * torch.randn_like(policy.lm_head.weight))
+        policy.lm_head.weight[1] += 0.6 * policy.lm_head.weight[1].abs()  # some early EOS
+    dataset = datasets.Dataset.from_dict({"prompt": ["a b", "c d e", "f", "g h a"] * 2})
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=6, max_steps=steps, learning_rate=1e-2, beta=BETA,
+        logging_steps=1, report_to="none", use_cpu=True, save_strategy="no", seed=0,
+        disable_tqdm=True, bf16=False,  # TRL turns bf16 autocast on by default
+        **config,
+    )
+    trainer = Recording(
+        policy, share_of_a, args=args, train_dataset=dataset, processing_class=make_tokenizer(),
+        kl_estimator=kl_estimator,
+    )
+    trainer.records = []
+    trainer.train()
+    return trainer
+
+
+_RUNS: dict[str, Recording] = {}
+# run name -> (kl_estimator, GRPOConfig overrides); "trl" is TRL's default, which multiplies its
+# k3 by the importance ratio (use_bias_correction_kl=True); "trl-plain" is GRPO's original k3
+RUN_SPECS = {
+    "exact": ("exact", {}),
+    "k3_ratio": ("k3_ratio", {}),
+    "trl": ("trl", {}),
+    "trl-plain": ("trl", {"use_bias_correction_kl": False}),
+    "exact-accumulate2": ("exact", {"gradient_accumulation_steps": 2}),
+}
+
+
+def run_of(name: str, tmp_path_factory) -> Recording:
+    """One training run per RUN_SPECS entry, shared by the tests of this module."""
+    if name not in _RUNS:
+        kl_estimator, config = RUN_SPECS[name]
+        _RUNS[name] = train(tmp_path_factory.mktemp(name), kl_estimator, **config)
+    return _RUNS[name]
+
+
+@pytest.fixture(scope="module")
+def exact_run(tmp_path_factory):
+    return run_of("exact", tmp_path_factory)
+
+
+def independent(record, ref_dir):
+    """Plain-PyTorch per-completion quantities on the recorded batch and weights."""
+    inputs = record["inputs"]
+    policy = transformers.LlamaForCausalLM(llama_config())
+    policy.load_state_dict(record["weights"])
+    ref = transformers.LlamaForCausalLM.from_pretrained(ref_dir)
+    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    b, t = ids.shape
+    n = inputs["completion_ids"].shape[1]
+    positions = torch.arange(t).expand(b, t)  # as TRL's own log-prob pass numbers them
+    keep = slice(t - 1 - n, t - 1)  # logits at j predict token j + 1: the completion's
+    x = policy(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, keep]
+    with torch.no_grad():
+        y = ref(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, keep]
+    mask = inputs["completion_mask"].bool()
+    tokens = inputs["completion_ids"].unsqueeze(-1)
+    lp = torch.log_softmax(x, -1).gather(-1, tokens).squeeze(-1)
+    ref_lp = torch.log_softmax(y, -1).gather(-1, tokens).squeeze(-1)
+    pa, qa = torch.log_softmax(x, -1), torch.log_softmax(y, -1)
+    kl = (pa.exp() * (pa - qa)).sum(-1)
+    return policy, x, y, lp, ref_lp, kl, mask
+
+
+def logged(trainer, key):
+    return [h[key] for h in trainer.state.log_history if key in h]
+
+
+def test_run_completes_and_logs_both_kls(exact_run):
+    assert exact_run.state.global_step == STEPS
+    assert len(exact_run.records) == STEPS and all("grads" in r for r in exact_run.records)
+    for key in ("kl", "kl_exact", "kl_seq/exact", "kl_seq/k3", "loss"):
+        assert len(logged(exact_run, key)) == STEPS, key
+    assert all(v > 0 for v in logged(exact_run, "kl_seq/exact"))
+    # padding is exercised: some completion ended early
+    assert any(bool((~r["inputs"]["completion_mask"].bool()).any()) for r in exact_run.records)
+
+
+def test_logged_exact_kl_equals_full_kl_on_the_same_batch(exact_run, tmp_path_factory):
+    ref_dir = exact_run.model.config._name_or_path
+    for record, kl_seq, k3_seq in zip(
+        exact_run.records, logged(exact_run, "kl_seq/exact"), logged(exact_run, "kl_seq/k3")
+    ):
+        _, x, y, lp, ref_lp, _, mask = independent(record, ref_dir)
+        kl = full_kl(x.detach(), y, mask=mask)
+        expected = float(kl.sum(-1).mean())
+        assert kl_seq == pytest.approx(expected, **_approx())
+        d = ref_lp - lp.detach()
+        k3 = torch.where(mask, torch.exp(d) - 1 - d, torch.zeros(()))
+        assert k3_seq == pytest.approx(float(k3.sum(-1).mean()), **_approx())
+        # and the exact KL differs from TRL's estimate on this batch
+        assert abs(kl_seq - k3_seq) > 1e-3
+
+
+def _approx():
+    atol, rtol = tol(torch.float32)["atol"], tol(torch.float32)["rtol"]
+    return {"abs": atol, "rel": rtol}
+
+
+def kl_objective(name, lp, ref_lp, kl, mask, ratio, tokens, accumulation):
+    """The documented KL term of each run, in plain PyTorch (before β)."""
+    zero = torch.zeros(())
+    if name.startswith("exact"):
+        # mean over completions of Σ_t KL_t + Σ_t (w_t − sg w_t)·R_t, R_t = Σ_{u>t} KL_u,
+        # divided by the accumulation steps as TRL divides its loss
+        kl_m = torch.where(mask, kl, zero)
+        to_go = (kl_m.sum(-1, keepdim=True) - kl_m.cumsum(-1)).detach()
+        per_seq = (kl_m + torch.where(mask, (ratio - ratio.detach()) * to_go, zero)).sum(-1)
+        return per_seq.mean() / accumulation
+    d = ref_lp - lp
+    per_token = torch.exp(d) - 1 - d  # TRL's k3 as GRPO has it ("trl-plain")
+    if name in ("k3_ratio", "trl"):
+        # w·k3, w = π/sg π: gradient w·k1·∇log π (TRL's default multiplies by its ratio too)
+        per_token = ratio * per_token
+    return torch.where(mask, per_token, zero).sum() / tokens
+
+
+@pytest.mark.parametrize("name", list(RUN_SPECS))
+def test_step_gradient_is_the_documented_objectives(name, tmp_path_factory):
+    trainer = run_of(name, tmp_path_factory)
+    ref_dir = trainer.model.config._name_or_path
+    for record in trainer.records:
+        inputs = record["inputs"]
+        policy, _, _, lp, ref_lp, kl, mask = independent(record, ref_dir)
+        # TRL's GRPO policy loss, loss_type="dapo", on-policy (ratio 1 in value: no clipping),
+        # one process: −Σ A·ratio over completion tokens / the generation batch's token count
+        # (× accumulation steps / steps per generation, which are equal here)
+        ratio = torch.exp(lp - lp.detach())
+        advantages = inputs["advantages"].reshape(-1, 1)
+        accumulation = trainer.args.gradient_accumulation_steps
+        tokens = inputs["num_items_in_batch"].clamp(min=1.0) * accumulation
+        tokens = tokens / trainer.args.steps_per_generation
+        policy_loss = -torch.where(mask, advantages * ratio, torch.zeros(())).sum() / tokens
+        kl_term = kl_objective(name, lp, ref_lp, kl, mask, ratio, tokens, accumulation)
+        (policy_loss + BETA * kl_term).backward()
+        expected = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
+        assert expected.keys() == record["grads"].keys()
+        scale = max(float(g.abs().max()) for g in expected.values())
+        rel = GRAD_REL_TOL[torch.float32]
+        for param, g in expected.items():
+            torch.testing.assert_close(record["grads"][param], g, rtol=rel, atol=rel * scale)
+
+
+def test_which_runs_share_a_gradient(tmp_path_factory):
+    # the same seed and data: the first step's batch and weights agree in every run
+    names = ["exact", "k3_ratio", "trl", "trl-plain"]
+    first = {name: run_of(name, tmp_path_factory).records[0] for name in names}
+    ids = {n: torch.cat([r["inputs"]["prompt_ids"], r["inputs"]["completion_ids"]], 1)
+           for n, r in first.items()}
+    assert all(torch.equal(ids["exact"], other) for other in ids.values())
+    head = {n: r["grads"]["lm_head.weight"] for n, r in first.items()}
+    scale = float(head["exact"].abs().max())
+
+    def gap(a, b):
+        return float((head[a] - head[b]).abs().max()) / scale
+
+    # TRL's default k3 term (ratio-weighted) has k3_ratio_loss's gradient on-policy
+    assert gap("k3_ratio", "trl") < GRAD_REL_TOL[torch.float32]
+    # the exact sequence KL, per-state reverse KL and GRPO's plain k3 all differ
+    assert gap("exact", "k3_ratio") > 1e-3
+    assert gap("exact", "trl-plain") > 1e-3
+    assert gap("k3_ratio", "trl-plain") > 1e-3
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"loss_type": "grpo"},
+        {"loss_type": "bnpo"},
+        {"loss_type": "dr_grpo"},
+        {"loss_type": "luspo"},
+        {"loss_type": "dapo", "gradient_accumulation_steps": 2},
+    ],
+    ids=["grpo", "bnpo", "dr_grpo", "luspo", "dapo-accumulate2"],
+)
+def test_k3_ratio_is_reduced_like_trls_term(tmp_path, config):
+    # TRL's default term has k3_ratio_loss's value and gradient on-policy, so a first step
+    # with either estimator has the same gradient only if k3_ratio is reduced as TRL reduces
+    # its own term for that loss_type (and gradient accumulation)
+    ours = train(tmp_path / "ours", "k3_ratio", steps=1, **config).records[0]["grads"]
+    theirs = train(tmp_path / "theirs", "trl", steps=1, **config).records[0]["grads"]
+    scale = max(float(g.abs().max()) for g in theirs.values())
+    rel = GRAD_REL_TOL[torch.float32]
+    for param, g in theirs.items():
+        torch.testing.assert_close(ours[param], g, rtol=rel, atol=rel * scale)
+
+
+@pytest.mark.parametrize("name", ["k3_ratio", "trl"])
+def test_other_estimators_log_trls_kl_only(name, tmp_path_factory):
+    trainer = run_of(name, tmp_path_factory)
+    assert trainer.state.global_step == STEPS
+    assert len(logged(trainer, "kl")) == STEPS
+    assert not logged(trainer, "kl_seq/exact")
+
+
+def test_unknown_estimator_is_refused():
+    with pytest.raises(ValueError, match="kl_estimator must be one of"):
+        GRPOTrainer("unused", share_of_a, kl_estimator="k3")

@@ -245,6 +245,32 @@ def test_gradient_from_each_output_alone(output):
             close_grad(a, b, torch.float64, n)
 
 
+@pytest.mark.parametrize("kl_in_loss", [False, True])
+def test_reference_logits_are_recomputed_only_when_a_gradient_needs_them(monkeypatch, kl_in_loss):
+    """A frozen reference and no KL gradient (the KL detached into the reward, log-probs in the
+    loss): the backward multiplies the policy's head only; with the KL in the loss, both."""
+    import klpenalty.linear as lin
+
+    leading = (7,)
+    t = make_heads(leading, dtype=torch.float64, seed=8)
+    for k in ("hp", "wp", "bp"):
+        t[k].requires_grad_()
+    tokens = make_tokens(leading, 37, seed=2)
+    got = call(t, tokens=tokens, entropy=True, temperature=0.9, chunk_rows=3)
+    calls = []
+    original = lin._logits
+    monkeypatch.setattr(lin, "_logits", lambda h, w, *a: calls.append(w) or original(h, w, *a))
+    loss = got.logprobs.sum() - 0.1 * got.entropy.sum() + (got.kl.sum() if kl_in_loss else 0)
+    grads = torch.autograd.grad(loss, [t["hp"], t["wp"], t["bp"]])
+    ref_calls = sum(w is t["wr"] for w in calls)
+    assert ref_calls == (3 if kl_in_loss else 0) and len(calls) - ref_calls == 3  # 3 chunks
+    want, leaves = reference(t, tokens=tokens, entropy=True, temperature=0.9)
+    wloss = want[1].sum() - 0.1 * want[3].sum() + (want[0].sum() if kl_in_loss else 0)
+    want_g = torch.autograd.grad(wloss, [leaves["hp"], leaves["wp"], leaves["bp"]])
+    for n, a, b in zip(("hp", "wp", "bp"), grads, want_g):
+        close_grad(a, b, torch.float64, n)
+
+
 def test_reference_side_gets_gradients_only_where_asked():
     leading = (3, 4)
     t = make_heads(leading, dtype=torch.float32, seed=6)

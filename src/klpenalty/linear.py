@@ -113,7 +113,7 @@ def _chunk_forward(
 def _chunk_backward(
     grad_out: Tensor,
     zp: Tensor,
-    zr: Tensor,
+    zr: Optional[Tensor],
     tokens: Optional[Tensor],
     mask: Optional[Tensor],
     stats: Tensor,
@@ -128,7 +128,8 @@ def _chunk_backward(
     Args:
         grad_out: (R, 4) upstream gradients of the columns of ``out`` (0 where unused, and in
             the entropy column when it was not requested).
-        zp, zr, tokens, mask, temperature, impl: as given to :func:`_chunk_forward`.
+        zp, zr, tokens, mask, temperature, impl: as given to :func:`_chunk_forward`; ``zr``
+            None when no gradient needs the reference (then ``need_r`` is False).
         stats: (R, k) from :func:`_chunk_forward`.
         need_p, need_r: which gradients to compute.
 
@@ -136,13 +137,18 @@ def _chunk_backward(
         (dzp, dzr): (R, V) in the logits' dtypes, or None where not needed.
     """
     want = _want(tokens, True)  # an entropy column not requested carries a zero gradient
+    if zr is None:  # no gradient needs the reference (see _LinearKL.backward)
+        want &= ~(ag.WANT_KL | ag.WANT_REF_LOGP)
     if _host_checks(zp.device):  # on CPU, drop the terms whose upstream gradient is all zero
         live = grad_out.ne(0).any(0).tolist()
         for col, bit in enumerate((ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY)):
             if not live[col]:
                 want &= ~bit
     if not want:
-        return (torch.zeros_like(zp) if need_p else None, torch.zeros_like(zr) if need_r else None)
+        return (
+            torch.zeros_like(zp) if need_p else None,
+            torch.zeros_like(zr) if need_r else None,
+        )
     gx, gy = _op(impl, "token_stats_backward")(
         grad_out, zp, zr, tokens, stats, mask, None, None, temperature, IGNORE, want,
         need_p, need_r, 0, 0,
@@ -295,6 +301,13 @@ class _LinearKL(torch.autograd.Function):
         grad_wr = _accumulator(wr) if need[4] else None
         grad_br = _accumulator(br) if need[5] else None
         live = [g is not None for g in grads]
+        # the reference's logits are recomputed only when a gradient needs them: its own, or
+        # the KL's (∂KL/∂zp holds log ρ). Log-probs/entropy alone (e.g. the KL detached into
+        # the reward) cost the policy's matmuls only.
+        kl_grad = grads[0] is not None and (
+            not _host_checks(hp.device) or bool(grads[0].ne(0).any())
+        )
+        use_ref = need_r or kl_grad
         if m and any(live) and (need_p or need_r):
             dtype = stats.dtype
             # (N, 4) upstream gradients, 0 for outputs that did not reach the loss
@@ -307,7 +320,7 @@ class _LinearKL(torch.autograd.Function):
                 sel = slice(r0, r1) if rows is None else rows[r0:r1]
                 hpc, hrc = hp[sel], hr[sel]  # (R, H_p), (R, H_r)
                 zp = _logits(hpc, wp, bp, scale_p, cap_p)  # (R, V), recomputed
-                zr = _logits(hrc, wr, br, scale_r, cap_r)  # (R, V), recomputed
+                zr = _logits(hrc, wr, br, scale_r, cap_r) if use_ref else None  # (R, V)
                 tok = None if tokens is None else tokens[sel]
                 dzp, dzr = _chunk_backward(
                     g_all[sel].to(dtype), zp, zr, tok, None, stats[r0:r1], temperature,
@@ -459,7 +472,8 @@ def linear_kl(
         Differentiable once with respect to the hidden states, weights and biases, from any
         combination of the outputs (the backward recomputes each chunk's logits, takes ∂/∂z from
         the engine and chains it through soft-cap and scale: grad_h = dz W, grad_W = dzᵀ h,
-        grad_b = Σ dz). Gradients come back in each tensor's dtype; for bf16/fp16 weights and
+        grad_b = Σ dz; a frozen reference's logits are recomputed only when the KL's gradient
+        is needed). Gradients come back in each tensor's dtype; for bf16/fp16 weights and
         biases they are accumulated over chunks in float32 and cast once at the end. A second
         derivative (``create_graph=True``) raises.
 

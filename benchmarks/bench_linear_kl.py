@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import klpenalty
+from klpenalty import bench
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -88,28 +89,6 @@ def timings(args) -> dict[tuple[str, str], list[float]]:
     return times
 
 
-def _alloc_peak(fn) -> int:
-    """Peak live bytes of the CPU allocations made inside fn: the profiler's allocation and
-    free events, each at its own timestamp."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-
-    def walk(nodes):
-        for node in nodes:
-            yield node
-            yield from walk(node.children)
-
-    tree = prof.profiler.kineto_results.experimental_event_tree()
-    live = peak = 0
-    for _, size in sorted((n.start_time_ns, n.extra_fields.alloc_size)
-                          for n in walk(tree) if n.tag == _EventType.Allocation):
-        live += size
-        peak = max(peak, live)
-    return peak
-
 
 def _rss_peak_growth(fn) -> int:
     """Peak growth of the resident set during fn, sampled from /proc/self/statm every ~1 ms."""
@@ -143,7 +122,7 @@ def memory_child(args) -> dict:
     fn = variant(args.variants[0], args.chunk_rows)
     run_once(fn, inputs, "fwdbwd")  # warm-up: native kernel load, allocator
     rss = _rss_peak_growth(lambda: run_once(fn, inputs, "fwdbwd"))
-    peak = _alloc_peak(lambda: run_once(fn, inputs, "fwdbwd"))
+    peak, _ = bench.alloc_profile(lambda: run_once(fn, inputs, "fwdbwd"))
     return {"rss_growth": rss, "profiler_peak": peak}
 
 

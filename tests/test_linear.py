@@ -20,10 +20,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 
 import klpenalty
+from klpenalty.bench import alloc_profile
 from klpenalty import (
     TokenStats,
     full_kl_reward_and_loss,
@@ -436,33 +435,6 @@ def test_loss_forms_match_materialised_logits():
 
 
 # --------------------------------------------------------------------------- memory
-def _alloc_profile(fn):
-    """(peak live bytes, largest single allocation) of the CPU allocations made inside fn.
-
-    Walks the profiler's allocation events in time order: each allocation and each free at its
-    own timestamp (an op's aggregated "self" memory would apply the frees done inside a
-    backward node at the node's start, hiding the chunk buffers of the backward).
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-
-    def walk(nodes):
-        for node in nodes:
-            yield node
-            yield from walk(node.children)
-
-    tree = prof.profiler.kineto_results.experimental_event_tree()
-    sizes = sorted(
-        (n.start_time_ns, n.extra_fields.alloc_size)
-        for n in walk(tree) if n.tag == _EventType.Allocation
-    )
-    assert sizes, "the profiler recorded no allocation"
-    live = peak = 0
-    for _, size in sizes:
-        live += size
-        peak = max(peak, live)
-    return peak, max(size for _, size in sizes)
-
 
 def test_forward_and_backward_never_allocate_rows_by_vocab():
     # backend "auto" (native): the chunking is the backends' common structure; the streaming
@@ -486,14 +458,14 @@ def test_forward_and_backward_never_allocate_rows_by_vocab():
         klpenalty.full_kl(zp, zr, backend=backend).sum().backward()
 
     fused()  # warm-up (native build, op registration)
-    peak, largest = _alloc_profile(fused)
+    peak, largest = alloc_profile(fused)
     # a few chunk-sized buffers (16 × 2048 × 4 B = 128 KiB each: both models' logits and
     # their gradients), the gradients of the hidden states (32 KiB each) and weights
     # (V·H·4 = 128 KiB each) and O(N) statistics: far below one (N, V) tensor (4 MiB)
     assert largest <= chunk * vocab * 4
     assert peak < logits_bytes / 2
     # sanity check of the probe: the unfused path is caught
-    peak_u, largest_u = _alloc_profile(unfused)
+    peak_u, largest_u = alloc_profile(unfused)
     assert largest_u >= logits_bytes and peak_u >= 2 * logits_bytes
 
 

@@ -13,7 +13,7 @@ from klpenalty import sampling
 from klpenalty.sampling import resolve_support, sampling_threshold, support_from_ids
 
 from .conftest import make_logits
-from .ops.test_streaming import _alloc_profile
+from klpenalty.bench import alloc_profile
 
 
 # ------------------------------------------------------------------ the float64 reference
@@ -133,7 +133,7 @@ def test_row_chunks_give_the_same_thresholds_and_o_chunk_memory():
     x, _ = make_logits((32, 1024), seed=4)
     full = sampling_threshold(x, top_k=50, top_p=0.9, min_p=0.01)
     assert torch.equal(sampling_threshold(x, top_k=50, top_p=0.9, min_p=0.01, chunk_rows=3), full)
-    peak, largest = _alloc_profile(
+    peak, largest = alloc_profile(
         lambda: sampling_threshold(x, top_k=50, top_p=0.9, min_p=0.01, chunk_rows=2)
     )
     one_input = 32 * 1024 * 4

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import klpenalty
+from klpenalty.bench import alloc_profile
 from klpenalty.ops import dispatch, native, streaming
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
 from tests.conftest import tol
@@ -300,19 +300,6 @@ def test_temperature_equals_scaled_logits():
 
 
 # --------------------------------------------------------------------------- memory
-def _alloc_profile(fn):
-    """(peak live bytes, largest single allocation) of the CPU allocations made inside fn."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    live = peak = largest = 0
-    for e in events:
-        delta = e.self_cpu_memory_usage
-        live += delta
-        peak = max(peak, live)
-        largest = max(largest, delta)
-    return peak, largest
-
 
 def test_forward_allocates_nothing_of_size_rows_by_vocab():
     n, v = 64, 4096  # one input = 1 MiB of float32
@@ -322,7 +309,7 @@ def test_forward_allocates_nothing_of_size_rows_by_vocab():
     tile = 1 << 12  # 16 KiB of float32 per buffer
     with torch.no_grad():
         for a, b in ((x, y), (xb, yb)):
-            peak, largest = _alloc_profile(
+            peak, largest = alloc_profile(
                 lambda: streaming.full_kl(a, b, None, 0.7, tile_elements=tile)
             )
             # three tile buffers + O(N) row statistics, far below one (N, V) tensor
@@ -330,7 +317,7 @@ def test_forward_allocates_nothing_of_size_rows_by_vocab():
             assert peak <= 3 * tile * 4 + 64 * n * 8
             assert peak < one_input / 16
     # sanity check of the probe itself: the materialising formula is caught
-    peak, largest = _alloc_profile(lambda: full_kl_reference(x, y))
+    peak, largest = alloc_profile(lambda: full_kl_reference(x, y))
     assert largest >= one_input
 
 

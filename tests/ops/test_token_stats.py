@@ -13,7 +13,7 @@ from klpenalty.ops.reference import token_stats_reference
 from tests.conftest import DTYPES, make_logits, tol
 from tests.ops.cases import check_token_stats, token_stats_case
 from tests.ops.test_engine import _CountSyncs
-from tests.ops.test_streaming import _alloc_profile
+from klpenalty.bench import alloc_profile
 
 
 def _run(**tiles):
@@ -215,7 +215,7 @@ def test_forward_with_a_support_allocates_nothing_of_size_rows_by_vocab():
     tokens = x.argmax(-1)
     tile = 1 << 12  # 16 KiB of float32 per buffer
     with torch.no_grad():
-        peak, largest = _alloc_profile(
+        peak, largest = alloc_profile(
             lambda: streaming.token_stats(
                 x, y, tokens, None, keep, tau, 0.7, want=15, tile_elements=tile
             )
@@ -223,7 +223,7 @@ def test_forward_with_a_support_allocates_nothing_of_size_rows_by_vocab():
     # a handful of tile buffers (d, e, w, h, the kept tile, bool tiles) + O(N) statistics
     assert largest <= tile * 4
     assert peak <= 8 * tile * 4 + 64 * n * 16
-    assert peak < n * v / 4
+    assert peak < n * v / 2  # below half of the smallest (N, V) tensor there is, a bool mask
 
 
 def test_every_backend_has_the_token_stats_entry_with_the_streaming_signature():

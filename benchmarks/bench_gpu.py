@@ -247,10 +247,11 @@ def main(argv=None) -> int:
 
     rows = []
     device = torch.device("cuda")
-    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
-    for shape, dname in _cases(args):
-        dtype = dtypes[dname]
-        g = torch.Generator(device=device).manual_seed(0)
+
+    def prepare(shape, dtype, g):
+        """Inputs (x, y) of ``shape``/``dtype`` from generator ``g``, the float64 KL of their
+        first rows (error check), the read floors of one fwd / fwd+bwd pass and the bytes each
+        moves (both inputs read; for fwd+bwd read twice and one gradient written)."""
         x = (torch.randn(shape, generator=g, device=device) * 2).to(dtype)
         y = (x.float() + 0.3 * torch.randn(shape, generator=g, device=device)).to(dtype)
         v = shape[-1]
@@ -267,6 +268,13 @@ def main(argv=None) -> int:
             ),
         }
         moved = {"fwd": in_bytes, "fwd+bwd": 2 * in_bytes + x.numel() * x.element_size()}
+        return x, y, sub, want, floors, moved
+
+    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
+    for shape, dname in _cases(args):
+        dtype = dtypes[dname]
+        g = torch.Generator(device=device).manual_seed(0)
+        x, y, sub, want, floors, moved = prepare(shape, dtype, g)
         for mode in ("fwd", "fwd+bwd"):
             print(f"{shape} {dname} {mode}: floor {floors[mode]:.3f} ms")
             for name, fn in table.items():
@@ -307,23 +315,8 @@ def main(argv=None) -> int:
     for text in args.one_pass_shapes:  # one pass vs three calls
         shape, dname = tuple(int(n) for n in text.lower().split("x")), "bf16"
         g = torch.Generator(device=device).manual_seed(0)
-        x = (torch.randn(shape, generator=g, device=device) * 2).to(torch.bfloat16)
-        y = (x.float() + 0.3 * torch.randn(shape, generator=g, device=device)).to(torch.bfloat16)
+        x, y, sub, want, floors, moved = prepare(shape, torch.bfloat16, g)
         tokens = torch.randint(0, shape[-1], shape[:-1], generator=g, device=device)
-        v = shape[-1]
-        sub = (x.reshape(-1, v)[:ERROR_ROWS], y.reshape(-1, v)[:ERROR_ROWS])
-        want = full_kl_reference(*sub)
-        in_bytes = 2 * x.numel() * x.element_size()
-        floors = {
-            "fwd": timed(lambda: (x.sum(dtype=torch.float32), y.sum(dtype=torch.float32)), args.repeats),
-            "fwd+bwd": timed(
-                lambda: (x.sum(dtype=torch.float32), y.sum(dtype=torch.float32),
-                         x.sum(dtype=torch.float32), y.sum(dtype=torch.float32),
-                         torch.empty_like(x).fill_(1)),
-                args.repeats,
-            ),
-        }
-        moved = {"fwd": in_bytes, "fwd+bwd": 2 * in_bytes + x.numel() * x.element_size()}
         one_pass = one_pass_providers(tokens)
         sub_one_pass = one_pass_providers(tokens.reshape(-1)[:ERROR_ROWS])
         for mode in ("fwd", "fwd+bwd"):

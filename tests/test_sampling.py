@@ -97,7 +97,8 @@ def test_top_p_boundaries():
     x = torch.tensor([[2.0, 0.5, 1.25, -1.0, 0.0, 0.9]], dtype=torch.float64)
     t = 0.8
     vals = x.sort(-1, descending=True).values
-    probs = torch.softmax(vals / t, -1)
+    # the masses as sampling.py forms them: exp(x/T − log Z), log Z the float64 log-sum-exp
+    probs = torch.exp(vals / t - torch.logsumexp(x / t, -1, keepdim=True))
     before = torch.cat([torch.zeros(1, 1, dtype=torch.float64), torch.cumsum(probs, -1)[:, :-1]], -1)
     j = 3
     p = before[0, j].item()  # the mass before the 4th largest logit

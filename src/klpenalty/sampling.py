@@ -25,12 +25,13 @@ the logits; keeping all tied tokens is the only rule that can be, and it is Hugg
 for top-k (``TopKLogitsWarper`` removes only logits < the k-th). When an engine breaks ties
 its own way, pass its kept set (``support=(ids, offsets)``): that is exact whatever its rule.
 
-The masses of top-p and min-p are computed in float64 from the sorted logits of a chunk of
-rows; a sampler working in float32 can decide differently for a token whose mass-before is
+The masses of top-p and min-p are computed in float64 (top-p: exp(x/T − log Z) with log Z the
+log-sum-exp of the live logits, summed in decreasing order over the largest logits only); a sampler working in float32 can decide differently for a token whose mass-before is
 within float32 rounding of p (again: its own kept set is then the exact answer).
 
-**Memory.** Rows are processed in chunks of about :data:`CHUNK_ELEMENTS` elements (a float64
-sort of the chunk): O(chunk), never a sort of the whole (N, V) batch.
+**Memory and time.** Rows are processed in chunks of about :data:`CHUNK_ELEMENTS` elements:
+O(chunk), and no full sort at all (``topk`` of the k-th logit; top-p sorts the largest k' logits
+of a row, k' growing fourfold from 64 until the kept prefix ends inside them).
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ __all__ = [
     "CHUNK_ELEMENTS",
 ]
 
-# Elements of one row chunk: a float64 sort of 2**21 elements is 16 MiB (+ the same in int64
-# indices), a few of a large vocabulary's rows at a time.
+# Elements of one row chunk: a float64 copy of 2**21 elements is 16 MiB (+ the top-k values
+# and int64 indices), a few of a large vocabulary's rows at a time.
 CHUNK_ELEMENTS = 1 << 21
 
 
@@ -84,13 +85,6 @@ def check_min_p(min_p: object) -> float:
     if not (0.0 <= p <= 1.0):
         raise ValueError(f"min_p must lie in [0, 1], got {p}")
     return p
-
-
-def _last_kept(vals: Tensor, kept: Tensor) -> Tensor:
-    """The smallest kept value of rows sorted in decreasing order, ``kept`` a prefix (R, V);
-    at least the first entry."""
-    last = kept.sum(-1, keepdim=True).clamp_min(1) - 1  # (R, 1)
-    return vals.gather(-1, last).squeeze(-1)
 
 
 @torch.no_grad()
@@ -149,24 +143,41 @@ def sampling_threshold(
 def _chunk_threshold(
     x: Tensor, top_k: int | None, top_p: float | None, min_p: float | None, temperature: float
 ) -> Tensor:
-    """τ (R,) float64 of a chunk of rows (R, V): one float64 sort, then the three steps."""
-    vals = x.double().sort(-1, descending=True).values  # (R, V)
-    r = vals.shape[0]
+    """τ (R,) float64 of a chunk of rows x (R, V): the smallest logit kept by the three steps.
+
+    No full sort: top-k reads the k-th largest logit (``topk``); top-p sorts only the largest
+    k' logits of each row, growing k' fourfold until every row's kept prefix ends inside them (the
+    masses are exp(x/T − log Z) with log Z the float64 log-sum-exp of the live logits); min-p is
+    an elementwise test against the row's maximum.
+    """
+    xd = x.double()  # (R, V)
+    r, vocab = xd.shape
     tau = torch.full((r,), -math.inf, dtype=torch.float64, device=x.device)
     if top_k is not None:
-        tau = vals[:, top_k - 1]  # ties with the k-th are kept: x ≥ τ
+        tau = xd.topk(top_k, -1).values[:, -1]  # ties with the k-th are kept: x ≥ τ
     if top_p is not None:
-        live = vals >= tau.unsqueeze(-1)
-        probs = torch.softmax(torch.where(live, vals / temperature, -math.inf), -1)  # renormalised
-        # the mass strictly before each position (an exclusive cumulative sum)
-        before = torch.cat([torch.zeros_like(probs[:, :1]), torch.cumsum(probs, -1)[:, :-1]], -1)
-        tau = torch.maximum(tau, _last_kept(vals, live & (before < top_p)))
+        scaled = torch.where(xd >= tau.unsqueeze(-1), xd / temperature, -math.inf)  # (R, V)
+        log_z = torch.logsumexp(scaled, -1, keepdim=True)  # (R, 1): renormalised over live
+        k = min(vocab, 64 if top_k is None else top_k)
+        while True:
+            vals, idx = scaled.topk(k, -1)  # (R, k), decreasing; −inf past the live ones
+            mass = torch.exp(vals - log_z).cumsum(-1)  # (R, k)
+            # the mass strictly before each position (an exclusive cumulative sum)
+            before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], -1)
+            kept = (before < top_p) & (vals > -math.inf)
+            if k == vocab or bool((~kept[:, -1]).all()):  # every row's prefix ends inside
+                break
+            k = 4 * k if 16 * k <= vocab else vocab  # past a quarter of V: one full sort
+        last = kept.sum(-1, keepdim=True).clamp_min(1) - 1  # (R, 1): at least the first
+        tau = torch.maximum(tau, xd.gather(-1, idx.gather(-1, last)).squeeze(-1))
     if min_p is not None:
         # π_v ≥ min_p·π_max ⟺ exp((x_v − x_max)/T) ≥ min_p
-        ratio = torch.exp((vals - vals[:, :1]) / temperature)
-        tau = torch.maximum(tau, _last_kept(vals, ratio >= min_p))
+        ratio = torch.exp((xd - xd.amax(-1, keepdim=True)) / temperature)
+        kept_min = ratio >= min_p
+        smallest = torch.where(kept_min, xd, math.inf).amin(-1)  # (R,); +inf if none kept
+        tau = torch.maximum(tau, torch.minimum(smallest, xd.amax(-1)))  # the max always is
     # a row holding NaN keeps nothing, so that the NaN is reported, never silently cut away
-    return tau.masked_fill(torch.isnan(vals).any(-1), math.nan)
+    return tau.masked_fill(torch.isnan(xd).any(-1), math.nan)
 
 
 @torch.no_grad()

@@ -511,9 +511,17 @@ def _token_stats_backward_op(
         gy = gy.contiguous()
     if n and (need_x or (need_y and use_y)):
         ws = Workspace(rows, cols, dtype, x.device)
-        careful = None if _host_checks(x.device) else True
+        # Which tiles need the careful arithmetic (zeroing 0·inf): on the host, decided per
+        # tile from O(N) row facts instead of a scan of every gradient tile: rows the forward
+        # flagged (−inf entries in a moment, KL = +inf), rows with non-finite stats (no
+        # distribution), rows without any gradient (masked: they may hold garbage), and every
+        # row of a truncated policy. On accelerators: always (no host read).
+        suspect = None
+        if _host_checks(x.device) and keepf is None and tauf is None:
+            suspect = (st[:, ag.ST_CAREFUL] != 0) | (g == 0).all(-1) | ~torch.isfinite(st).all(-1)
         with _cpu_threads(x.device):
             for r0, r1, col_ranges in _tiles(n, vocab, rows, cols):
+                careful = True if suspect is None else bool(suspect[r0:r1].any())
                 for c0, c1 in col_ranges:
                     xt = support_tile(
                         xf[r0:r1, c0:c1], _slice(keepf, r0, r1, c0, c1), _slice(tauf, r0, r1), ws

@@ -78,7 +78,9 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(args.n, args.vocab, generator=g) * 2).to(DTYPES[args.dtype])
+    # scale 4: a few nats of entropy, like a language model's next-token distribution (top-p
+    # keeps tens to hundreds of tokens)
+    x = (torch.randn(args.n, args.vocab, generator=g) * 4).to(DTYPES[args.dtype])
     y = (x.float() + 0.3 * torch.randn(args.n, args.vocab, generator=g)).to(x.dtype)
     # sampled from π (top-1 is always inside every support)
     tokens = x.float().argmax(-1)

@@ -74,6 +74,22 @@ def test_thresholds_match_the_reference(dtype):
         assert torch.equal(got, want), kw
 
 
+def test_top_p_rows_needing_different_numbers_of_candidates():
+    """top-p looks at the largest k' logits of a row, k' growing for the rows still open: a
+    peaked row (a few tokens), flat rows (hundreds to thousands) and a row between, one chunk."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(4, 3000, generator=g, dtype=torch.float64)
+    x[0] *= 8.0  # peaked: few tokens reach p
+    x[1] *= 0.2  # nearly flat: most of the vocabulary
+    x[2] *= 1.5
+    for kw in (dict(top_p=0.9), dict(top_p=0.5, temperature=0.7)):
+        got = _kept_by_tau(x, sampling_threshold(x, **kw))
+        want = torch.stack([ref_kept(r, **kw) for r in x])
+        assert torch.equal(got, want), kw
+    counts = _kept_by_tau(x, sampling_threshold(x, top_p=0.9)).sum(-1)
+    assert counts[0] < 256 < 1024 < counts[1]  # rows that finish in different rounds
+
+
 def test_temperature_is_applied_first():
     x, _ = make_logits((6, 40), seed=2, scale=2.0)
     cold = _kept_by_tau(x, sampling_threshold(x, top_p=0.8, temperature=0.5)).sum(-1)
@@ -97,8 +113,10 @@ def test_top_p_boundaries():
     x = torch.tensor([[2.0, 0.5, 1.25, -1.0, 0.0, 0.9]], dtype=torch.float64)
     t = 0.8
     vals = x.sort(-1, descending=True).values
-    # the masses as sampling.py forms them: exp(x/T − log Z), log Z the float64 log-sum-exp
-    probs = torch.exp(vals / t - torch.logsumexp(x / t, -1, keepdim=True))
+    # the masses as sampling.py forms them: exp(x/T − log Z), log Z = max + log Σ exp(x/T − max)
+    scaled = x / t
+    m = scaled.amax(-1, keepdim=True)
+    probs = torch.exp(vals / t - (m + torch.exp(scaled - m).sum(-1, keepdim=True).log()))
     before = torch.cat([torch.zeros(1, 1, dtype=torch.float64), torch.cumsum(probs, -1)[:, :-1]], -1)
     j = 3
     p = before[0, j].item()  # the mass before the 4th largest logit

@@ -25,8 +25,9 @@ the logits; keeping all tied tokens is the only rule that can be, and it is Hugg
 for top-k (``TopKLogitsWarper`` removes only logits < the k-th). When an engine breaks ties
 its own way, pass its kept set (``support=(ids, offsets)``): that is exact whatever its rule.
 
-The masses of top-p and min-p are computed in float64 (top-p: exp(x/T − log Z) with log Z the
-log-sum-exp of the live logits, summed in decreasing order over the largest logits only); a sampler working in float32 can decide differently for a token whose mass-before is
+The masses of top-p and min-p are computed from the logits in the compute dtype (float32, or
+float64 for float64 logits; top-p: exp(x/T − log Z) in float64 with log Z a float64-accumulated
+log-sum-exp, summed in decreasing order over the largest logits only); a sampler working in float32 can decide differently for a token whose mass-before is
 within float32 rounding of p (again: its own kept set is then the exact answer).
 
 **Memory and time.** Rows are processed in chunks of about :data:`CHUNK_ELEMENTS` elements:
@@ -43,6 +44,7 @@ import torch
 from torch import Tensor
 
 from . import _validation as v
+from .ops.engine import finite_or_zero
 
 __all__ = [
     "sampling_threshold",
@@ -145,39 +147,47 @@ def _chunk_threshold(
 ) -> Tensor:
     """τ (R,) float64 of a chunk of rows x (R, V): the smallest logit kept by the three steps.
 
-    No full sort: top-k reads the k-th largest logit (``topk``); top-p sorts only the largest
-    k' logits of each row, growing k' fourfold until every row's kept prefix ends inside them (the
-    masses are exp(x/T − log Z) with log Z the float64 log-sum-exp of the live logits); min-p is
-    an elementwise test against the row's maximum.
+    No full sort, and passes over the whole chunk only in the compute dtype (float32; float64
+    for float64 logits): top-k reads the k-th largest logit (``topk``); top-p takes the largest
+    k' logits of each row, k' growing until every row's kept prefix ends inside them, with the
+    masses exp(x/T − log Z) in float64 (log Z: the max plus the log of a float64-accumulated sum
+    of exp over the live logits); min-p is an elementwise test against the row's maximum.
     """
-    xd = x.double()  # (R, V)
-    r, vocab = xd.shape
+    xc = x.to(v.compute_dtype(x))  # (R, V), no copy for float32/float64 logits
+    r, vocab = xc.shape
     tau = torch.full((r,), -math.inf, dtype=torch.float64, device=x.device)
     if top_k is not None:
-        tau = xd.topk(top_k, -1).values[:, -1]  # ties with the k-th are kept: x ≥ τ
+        tau = xc.topk(top_k, -1).values[:, -1].double()  # ties with the k-th kept: x ≥ τ
     if top_p is not None:
-        scaled = torch.where(xd >= tau.unsqueeze(-1), xd / temperature, -math.inf)  # (R, V)
-        log_z = torch.logsumexp(scaled, -1, keepdim=True)  # (R, 1): renormalised over live
-        k = min(vocab, 64 if top_k is None else top_k)
-        while True:
-            vals, idx = scaled.topk(k, -1)  # (R, k), decreasing; −inf past the live ones
-            mass = torch.exp(vals - log_z).cumsum(-1)  # (R, k)
+        scaled = xc / temperature  # (R, V)
+        if top_k is not None:
+            scaled = scaled.masked_fill_(xc < tau.to(xc.dtype).unsqueeze(-1), -math.inf)
+        m = finite_or_zero(scaled.amax(-1, keepdim=True))  # (R, 1)
+        log_z = m.double() + torch.exp(scaled - m).sum(-1, keepdim=True, dtype=torch.float64).log()
+        k = min(vocab, 256 if top_k is None else top_k)
+        tau_p = torch.empty(r, dtype=xc.dtype, device=x.device)
+        active = torch.arange(r, device=x.device)  # rows whose kept prefix is not found yet
+        while active.numel():
+            vals, idx = scaled[active].topk(k, -1)  # (A, k), decreasing; −inf past the live
+            mass = torch.exp(vals.double() - log_z[active]).cumsum(-1)  # (A, k)
             # the mass strictly before each position (an exclusive cumulative sum)
             before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], -1)
-            kept = (before < top_p) & (vals > -math.inf)
-            if k == vocab or bool((~kept[:, -1]).all()):  # every row's prefix ends inside
-                break
+            kept = (before < top_p) & (vals > -math.inf)  # a prefix of each row
+            done = ~kept[:, -1] if k < vocab else torch.ones_like(kept[:, -1])
+            last = kept[done].sum(-1, keepdim=True).clamp_min(1) - 1  # at least the first
+            rows = active[done]
+            tau_p[rows] = xc[rows].gather(-1, idx[done].gather(-1, last)).squeeze(-1)
+            active = active[~done]
             k = 4 * k if 16 * k <= vocab else vocab  # past a quarter of V: one full sort
-        last = kept.sum(-1, keepdim=True).clamp_min(1) - 1  # (R, 1): at least the first
-        tau = torch.maximum(tau, xd.gather(-1, idx.gather(-1, last)).squeeze(-1))
+        tau = torch.maximum(tau, tau_p.double())
     if min_p is not None:
         # π_v ≥ min_p·π_max ⟺ exp((x_v − x_max)/T) ≥ min_p
-        ratio = torch.exp((xd - xd.amax(-1, keepdim=True)) / temperature)
-        kept_min = ratio >= min_p
-        smallest = torch.where(kept_min, xd, math.inf).amin(-1)  # (R,); +inf if none kept
-        tau = torch.maximum(tau, torch.minimum(smallest, xd.amax(-1)))  # the max always is
+        top = xc.amax(-1, keepdim=True)  # (R, 1)
+        kept_min = torch.exp((xc - top) / temperature) >= min_p
+        smallest = torch.where(kept_min, xc, math.inf).amin(-1)  # (R,); +inf if none kept
+        tau = torch.maximum(tau, torch.minimum(smallest, top.squeeze(-1)).double())
     # a row holding NaN keeps nothing, so that the NaN is reported, never silently cut away
-    return tau.masked_fill(torch.isnan(xd).any(-1), math.nan)
+    return tau.masked_fill(torch.isnan(xc).any(-1), math.nan)
 
 
 @torch.no_grad()

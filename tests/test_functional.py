@@ -390,3 +390,31 @@ def test_token_stats_fields_backends_and_errors():
     xn[0, 0, x[0, 0].argmin()] = float("nan")
     with pytest.raises(ValueError, match="policy_logits contains NaN"):
         full_kl(xn, y, top_k=2)
+
+
+def test_reward_and_loss_forms_take_the_sampling_support():
+    """kl_penalized_reward and full_kl_reward_and_loss penalise KL(π̃‖ρ) of the policy that
+    sampled, against the float64 reference on the truncated logits; gradients too."""
+    from klpenalty import full_kl_reward_and_loss
+    from klpenalty.ops.autograd import kept_logits
+    from klpenalty.ops.reference import full_kl_reference
+
+    x, y = make_logits((2, 6, 40), torch.float32, seed=12, scale=2.0)
+    reward = torch.linspace(-1.0, 1.0, 12).reshape(2, 6)
+    tau = sampling_threshold(x, top_p=0.8, temperature=0.9)
+    want_kl = full_kl_reference(kept_logits(x.double(), None, tau.double()), y, 0.9)
+    got = kl_penalized_reward(x, y, reward, 0.2, temperature=0.9, top_p=0.8)
+    torch.testing.assert_close(got.double(), reward.double() - 0.2 * want_kl, **tol(torch.float32))
+    assert not torch.allclose(want_kl, full_kl_reference(x, y, 0.9))  # the support matters
+    xg = x.clone().requires_grad_()
+    reward_kl, loss_kl = full_kl_reward_and_loss(xg, y, temperature=0.9, top_p=0.8)
+    torch.testing.assert_close(loss_kl.double(), want_kl, **tol(torch.float32))
+    torch.testing.assert_close(reward_kl[:, :-1], loss_kl.detach()[:, 1:])
+    (g,) = torch.autograd.grad(loss_kl.sum(), xg)
+    xr = x.double().requires_grad_()
+    kept = torch.isfinite(kept_logits(x.double(), None, tau.double()))
+    (gr,) = torch.autograd.grad(
+        full_kl_reference(torch.where(kept, xr, -1e6), y, 0.9).sum(), xr
+    )
+    torch.testing.assert_close(g.double(), gr, **grad_tol(torch.float32))
+    assert torch.all(g[~kept] == 0)

@@ -123,6 +123,10 @@ def kl_penalized_reward(
     temperature: float = 1.0,
     backend: str = "auto",
     check: bool = True,
+    support: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """The shaped reward ``reward − beta · KL(π‖ρ)`` with the exact full-vocabulary KL.
 
@@ -149,18 +153,23 @@ def kl_penalized_reward(
         mask: optional (...) bool, True = counts; where False the reward comes back unchanged.
         temperature: > 0; divides both models' logits before the softmax.
         backend, check: as in :func:`full_kl`.
+        support, top_k, top_p, min_p: the policy that sampled, as in :func:`full_kl`: the
+            penalty is then KL(π̃‖ρ) of the truncated policy.
 
     Returns:
         (...) tensor, the dtype of ``reward`` promoted with float32 (float64 if any input is
         float64). Differentiable with respect to the logits (and reward).
     """
-    mask, temperature, impl = check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
+    check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
     v.check_per_token("reward", reward, policy_logits.shape[:-1])
     beta = v.check_beta(beta)
     if beta == 0.0:  # no penalty; also avoids 0·inf = NaN where the KL is infinite
         dtype = torch.promote_types(reward.dtype, v.compute_dtype(policy_logits, ref_logits))
         return reward.to(dtype).clone()
-    kl = impl.full_kl(policy_logits, ref_logits, mask, temperature, check=check)
+    kl = full_kl(
+        policy_logits, ref_logits, mask=mask, temperature=temperature, backend=backend,
+        check=check, support=support, top_k=top_k, top_p=top_p, min_p=min_p,
+    )
     return reward - beta * kl
 
 

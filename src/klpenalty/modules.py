@@ -14,6 +14,7 @@ from torch import nn
 from . import _validation as v
 from .functional import full_kl, kl_penalized_reward
 from .ops.dispatch import available_backends
+from .sampling import check_min_p, check_top_k, check_top_p
 
 __all__ = ["FullKL", "KLPenalty"]
 
@@ -23,6 +24,19 @@ def _check_settings(temperature: object, backend: object) -> float:
     return v.check_temperature(temperature)
 
 
+def _sampler(top_k: object, top_p: object, min_p: object) -> dict[str, Any]:
+    """The sampler's truncation settings, validated now (None = not used)."""
+    return {
+        "top_k": None if top_k is None else check_top_k(top_k),
+        "top_p": None if top_p is None else check_top_p(top_p),
+        "min_p": None if min_p is None else check_min_p(min_p),
+    }
+
+
+def _sampler_repr(sampler: dict[str, Any]) -> str:
+    return "".join(f", {k}={val}" for k, val in sampler.items() if val is not None)
+
+
 class FullKL(nn.Module):
     """Exact per-token KL(π‖ρ) from logits, as a module.
 
@@ -30,22 +44,37 @@ class FullKL(nn.Module):
         temperature: > 0, divides both models' logits (use the sampling temperature).
         backend: as in :func:`klpenalty.full_kl`.
         check: as in :func:`klpenalty.full_kl`.
+        top_k, top_p, min_p: the sampler's truncation (as in :func:`klpenalty.full_kl`): the KL
+            is then that of the truncated policy π̃; ``forward(..., support=)`` passes a kept
+            set per call instead.
 
     Shapes: ``forward(policy_logits (..., V), ref_logits (..., V), mask (...) or None)`` →
     (...) float32 (float64 for float64 inputs).
     """
 
-    def __init__(self, temperature: float = 1.0, backend: str = "auto", check: bool = True):
+    def __init__(
+        self,
+        temperature: float = 1.0,
+        backend: str = "auto",
+        check: bool = True,
+        *,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+    ):
         super().__init__()
         self.temperature = _check_settings(temperature, backend)
         self.backend = backend
         self.check = bool(check)
+        self.sampler = _sampler(top_k, top_p, min_p)
 
     def forward(
         self,
         policy_logits: torch.Tensor,
         ref_logits: torch.Tensor,
         mask: torch.Tensor | None = None,
+        *,
+        support: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         return full_kl(
             policy_logits,
@@ -54,10 +83,15 @@ class FullKL(nn.Module):
             temperature=self.temperature,
             backend=self.backend,
             check=self.check,
+            support=support,
+            **self.sampler,
         )
 
     def extra_repr(self) -> str:
-        return f"temperature={self.temperature}, backend={self.backend!r}, check={self.check}"
+        return (
+            f"temperature={self.temperature}, backend={self.backend!r}, check={self.check}"
+            + _sampler_repr(self.sampler)
+        )
 
 
 class KLPenalty(nn.Module):
@@ -68,6 +102,7 @@ class KLPenalty(nn.Module):
             :class:`klpenalty.AdaptiveKLController`), read at every call so that
             ``controller.update(...)`` takes effect at the next batch.
         temperature, backend, check: as in :func:`klpenalty.kl_penalized_reward`.
+        top_k, top_p, min_p: the sampler's truncation, as in :class:`FullKL`.
 
     Shapes: ``forward(policy_logits (..., V), ref_logits (..., V), reward (...), mask (...) or
     None)`` → (...), the dtype of ``reward`` promoted with float32.
@@ -79,6 +114,10 @@ class KLPenalty(nn.Module):
         temperature: float = 1.0,
         backend: str = "auto",
         check: bool = True,
+        *,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
     ):
         super().__init__()
         if hasattr(beta, "value"):
@@ -90,6 +129,7 @@ class KLPenalty(nn.Module):
         self.temperature = _check_settings(temperature, backend)
         self.backend = backend
         self.check = bool(check)
+        self.sampler = _sampler(top_k, top_p, min_p)
 
     @property
     def beta(self) -> float:
@@ -102,6 +142,8 @@ class KLPenalty(nn.Module):
         ref_logits: torch.Tensor,
         reward: torch.Tensor,
         mask: torch.Tensor | None = None,
+        *,
+        support: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         return kl_penalized_reward(
             policy_logits,
@@ -112,8 +154,13 @@ class KLPenalty(nn.Module):
             temperature=self.temperature,
             backend=self.backend,
             check=self.check,
+            support=support,
+            **self.sampler,
         )
 
     def extra_repr(self) -> str:
         beta = repr(self.controller) if self.controller is not None else self._beta
-        return f"beta={beta}, temperature={self.temperature}, backend={self.backend!r}"
+        return (
+            f"beta={beta}, temperature={self.temperature}, backend={self.backend!r}"
+            + _sampler_repr(self.sampler)
+        )

@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 
 from .. import _validation as v
-from ..functional import check_kl_args
+from ..functional import check_kl_args, full_kl
 
 __all__ = [
     "k2_loss",
@@ -352,6 +352,10 @@ def full_kl_reward_and_loss(
     temperature: float = 1.0,
     backend: str = "auto",
     check: bool = True,
+    support: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> KLRewardAndLoss:
     """The exact full-vocabulary KL split so that its RL gradient is the sequence-KL gradient.
 
@@ -393,16 +397,21 @@ def full_kl_reward_and_loss(
             reward 0 (no state follows it).
         temperature: > 0, divides both models' logits (use the sampling temperature).
         backend, check: as in :func:`klpenalty.full_kl`.
+        support, top_k, top_p, min_p: the policy that sampled (:func:`klpenalty.full_kl`):
+            both terms are then those of KL_seq(π̃‖ρ), the truncated policy's.
 
     Returns:
         ``KLRewardAndLoss(reward_kl, loss_kl)``, both (..., T) float32 (float64 for float64
         inputs); ``reward_kl`` detached, ``loss_kl`` differentiable with respect to the logits.
     """
-    mask, temperature, impl = check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
+    mask, temperature, _ = check_kl_args(policy_logits, ref_logits, mask, temperature, backend)
     if policy_logits.dim() < 2:
         raise ValueError(
             f"policy_logits must have shape (..., T, V) with a sequence dim, "
             f"got {v.describe(policy_logits)}"
         )
-    kl = impl.full_kl(policy_logits, ref_logits, mask, temperature, check=check)
+    kl = full_kl(
+        policy_logits, ref_logits, mask=mask, temperature=temperature, backend=backend,
+        check=check, support=support, top_k=top_k, top_p=top_p, min_p=min_p,
+    )
     return KLRewardAndLoss(_next_token_kl(kl, mask), kl)

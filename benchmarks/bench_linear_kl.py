@@ -5,13 +5,15 @@
 
 Variants (the policy's hidden states and weight require grad, the reference is frozen, no bias):
 
-- ``unfused``: ``F.linear`` of both models (the (N, V) logits of both), ``klpenalty.full_kl`` on
-  them, and for fwd+bwd ``kl.sum().backward()`` (autograd through the logits and ``F.linear``);
-- ``linear_kl``: ``klpenalty.linear_kl`` on the hidden states and weights, same loss.
+- ``unfused``: ``F.linear`` of both models (the (N, V) logits of both) and the one-pass
+  ``klpenalty.token_stats`` on them (KL and both log-probs of N sampled tokens), autograd
+  through the logits and ``F.linear``;
+- ``linear_kl``: ``klpenalty.linear_kl`` on the hidden states and weights, same outputs.
 
 Times: both variants in this process, interleaved rounds after a warm-up, medians of
 ``--repeats`` (≥ 5 by default). Modes: ``fwd`` (forward with grad-requiring inputs, graph
-dropped) and ``fwdbwd`` (forward + backward). Memory: a fresh subprocess per variant runs one
+dropped), ``fwdbwd`` (forward + backward of the KL: the KL in the loss) and ``fwdbwd-logp``
+(forward + backward of the log-probs, the KL detached: the KL in the reward, as in PPO). Memory: a fresh subprocess per variant runs one
 forward+backward under the torch profiler (peak of the live CPU allocations made inside it) and
 reports it whole and beyond the returned gradients (hidden (N, H) and weight (V, H)) and the
 outputs, against one model's (N, V) float32 logits; the peak growth of the resident set
@@ -57,26 +59,40 @@ def make_inputs(n: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int =
     )
 
 
-def variant(name: str, chunk_rows):
-    """fn(hp, wp, hr, wr) -> (N,) KL."""
+def variant(name: str, chunk_rows, tokens: torch.Tensor):
+    """fn(hp, wp, hr, wr) -> TokenStats (kl, logprobs, ref_logprobs) of the N tokens: the
+    unfused path materialises both models' logits and takes the one-pass ``token_stats``."""
     if name == "unfused":
-        return lambda hp, wp, hr, wr: klpenalty.full_kl(F.linear(hp, wp), F.linear(hr, wr))
+        return lambda hp, wp, hr, wr: klpenalty.token_stats(
+            F.linear(hp, wp), F.linear(hr, wr), tokens
+        )
     if name == "linear_kl":
-        return lambda hp, wp, hr, wr: klpenalty.linear_kl(hp, wp, hr, wr, chunk_rows=chunk_rows).kl
+        return lambda hp, wp, hr, wr: klpenalty.linear_kl(
+            hp, wp, hr, wr, tokens=tokens, chunk_rows=chunk_rows
+        )
     raise ValueError(name)
 
 
+def make_tokens(n: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(1))
+
+
 def run_once(fn, inputs, mode: str) -> None:
+    """``fwd``; ``fwdbwd``: the KL in the loss; ``fwdbwd-logp``: the log-probs in the loss and
+    the KL detached (a KL-in-the-reward PPO step: no gradient needs the reference's logits)."""
     hp, wp = inputs[0], inputs[1]
-    kl = fn(*inputs)
+    out = fn(*inputs)
     if mode == "fwdbwd":
-        kl.sum().backward()
-        hp.grad = wp.grad = None
+        out.kl.sum().backward()
+    elif mode == "fwdbwd-logp":
+        out.logprobs.sum().backward()
+    hp.grad = wp.grad = None
 
 
 def timings(args) -> dict[tuple[str, str], list[float]]:
     inputs = make_inputs(args.n, args.hidden, args.vocab, DTYPES[args.dtype])
-    fns = {name: variant(name, args.chunk_rows) for name in args.variants}
+    tokens = make_tokens(args.n, args.vocab)
+    fns = {name: variant(name, args.chunk_rows, tokens) for name in args.variants}
     times: dict[tuple[str, str], list[float]] = {}
     for mode in args.modes:
         for fn in fns.values():  # warm-up (native kernel load, first-touch of the allocator)
@@ -119,7 +135,7 @@ def memory_child(args) -> dict:
     """In a fresh process: RSS growth of a forward+backward (after a warm-up one), then the
     profiler's peak of another."""
     inputs = make_inputs(args.n, args.hidden, args.vocab, DTYPES[args.dtype])
-    fn = variant(args.variants[0], args.chunk_rows)
+    fn = variant(args.variants[0], args.chunk_rows, make_tokens(args.n, args.vocab))
     run_once(fn, inputs, "fwdbwd")  # warm-up: native kernel load, allocator
     rss = _rss_peak_growth(lambda: run_once(fn, inputs, "fwdbwd"))
     peak, _ = bench.alloc_profile(lambda: run_once(fn, inputs, "fwdbwd"))
@@ -145,7 +161,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--chunk-rows", type=int, default=None, help="linear_kl's chunk_rows")
-    p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd"], choices=["fwd", "fwdbwd"])
+    p.add_argument("--modes", nargs="+", default=["fwd", "fwdbwd", "fwdbwd-logp"],
+                   choices=["fwd", "fwdbwd", "fwdbwd-logp"])
     p.add_argument("--variants", nargs="+", default=["unfused", "linear_kl"])
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--out", default=os.path.join(HERE, "results", "bench_linear_kl"))

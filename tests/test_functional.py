@@ -224,6 +224,8 @@ def test_kl_penalized_reward_dtypes_and_beta_zero():
         (dict(mask=torch.ones(3, dtype=torch.bool)), ["mask", "(2, 5)"]),
         (dict(temperature=-1.0), ["temperature"]),
         (dict(backend="fastest"), ["backend", "'streaming'"]),
+        (dict(top_p=0.0), ["top_p"]),
+        (dict(top_k=0), ["top_k"]),
     ],
 )
 def test_beta_zero_still_validates_every_argument(kwargs, words):

@@ -14,7 +14,7 @@ from . import _validation as v
 from .ops import autograd as ag
 from .ops import views
 from .ops.dispatch import get_backend
-from .sampling import resolve_support
+from .sampling import check_sampler, resolve_support
 
 __all__ = [
     "full_kl",
@@ -164,6 +164,7 @@ def kl_penalized_reward(
     v.check_per_token("reward", reward, policy_logits.shape[:-1])
     beta = v.check_beta(beta)
     if beta == 0.0:  # no penalty; also avoids 0·inf = NaN where the KL is infinite
+        check_sampler(top_k, top_p, min_p)  # the support itself is not built
         dtype = torch.promote_types(reward.dtype, v.compute_dtype(policy_logits, ref_logits))
         return reward.to(dtype).clone()
     kl = full_kl(

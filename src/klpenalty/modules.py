@@ -14,7 +14,7 @@ from torch import nn
 from . import _validation as v
 from .functional import full_kl, kl_penalized_reward
 from .ops.dispatch import available_backends
-from .sampling import check_min_p, check_top_k, check_top_p
+from .sampling import check_sampler
 
 __all__ = ["FullKL", "KLPenalty"]
 
@@ -22,15 +22,6 @@ __all__ = ["FullKL", "KLPenalty"]
 def _check_settings(temperature: object, backend: object) -> float:
     v.check_choice("backend", backend, ["auto", *available_backends()])
     return v.check_temperature(temperature)
-
-
-def _sampler(top_k: object, top_p: object, min_p: object) -> dict[str, Any]:
-    """The sampler's truncation settings, validated now (None = not used)."""
-    return {
-        "top_k": None if top_k is None else check_top_k(top_k),
-        "top_p": None if top_p is None else check_top_p(top_p),
-        "min_p": None if min_p is None else check_min_p(min_p),
-    }
 
 
 def _sampler_repr(sampler: dict[str, Any]) -> str:
@@ -66,7 +57,7 @@ class FullKL(nn.Module):
         self.temperature = _check_settings(temperature, backend)
         self.backend = backend
         self.check = bool(check)
-        self.sampler = _sampler(top_k, top_p, min_p)
+        self.sampler = check_sampler(top_k, top_p, min_p)
 
     def forward(
         self,
@@ -129,7 +120,7 @@ class KLPenalty(nn.Module):
         self.temperature = _check_settings(temperature, backend)
         self.backend = backend
         self.check = bool(check)
-        self.sampler = _sampler(top_k, top_p, min_p)
+        self.sampler = check_sampler(top_k, top_p, min_p)
 
     @property
     def beta(self) -> float:

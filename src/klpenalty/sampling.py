@@ -50,6 +50,7 @@ __all__ = [
     "sampling_threshold",
     "support_from_ids",
     "resolve_support",
+    "check_sampler",
     "CHUNK_ELEMENTS",
 ]
 
@@ -89,6 +90,15 @@ def check_min_p(min_p: object) -> float:
     return p
 
 
+def check_sampler(top_k: object, top_p: object, min_p: object) -> dict:
+    """The sampler settings validated (None = not used), as a dict of keyword arguments."""
+    return {
+        "top_k": None if top_k is None else check_top_k(top_k),
+        "top_p": None if top_p is None else check_top_p(top_p),
+        "min_p": None if min_p is None else check_min_p(min_p),
+    }
+
+
 @torch.no_grad()
 def sampling_threshold(
     logits: Tensor,
@@ -124,9 +134,7 @@ def sampling_threshold(
     """
     v.check_logits("logits", logits)
     temperature = v.check_temperature(temperature)
-    top_k = None if top_k is None else check_top_k(top_k)
-    top_p = None if top_p is None else check_top_p(top_p)
-    min_p = None if min_p is None else check_min_p(min_p)
+    top_k, top_p, min_p = check_sampler(top_k, top_p, min_p).values()
     vocab = logits.shape[-1]
     xf = logits.detach().reshape(-1, vocab)  # (N, V)
     n = xf.shape[0]
@@ -318,10 +326,11 @@ def resolve_support(
     if not given:
         return None, None
     vocab = logits.shape[-1]
+    top_k, top_p, min_p = check_sampler(top_k, top_p, min_p).values()
     cuts = (
-        top_k is not None and check_top_k(top_k) < vocab,
-        top_p is not None and check_top_p(top_p) < 1.0,
-        min_p is not None and check_min_p(min_p) > 0.0,
+        top_k is not None and top_k < vocab,
+        top_p is not None and top_p < 1.0,
+        min_p is not None and min_p > 0.0,
     )
     if not any(cuts):  # nothing cut: the untruncated policy (NaN logits still reported)
         return None, None

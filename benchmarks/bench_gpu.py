@@ -82,18 +82,15 @@ def one_pass_providers(tokens):
     public functions on the Triton backend, or one call of its one-pass ``token_stats``.
     Runs wherever the Triton backend runs (CPU tensors under TRITON_INTERPRET=1 too)."""
     import klpenalty
-    from klpenalty.ops import autograd as ag
-    from klpenalty.ops import triton_kernels as tk
 
     def three_calls(x, y):
         return (klpenalty.full_kl(x, y, backend="triton"),
                 klpenalty.token_logprobs(x, tokens, backend="triton"),
                 klpenalty.entropy(x, backend="triton"))
 
-    def one_call(x, y):
-        out = tk.token_stats(x, y, tokens, None, 1.0,
-                             want=ag.WANT_KL | ag.WANT_LOGP | ag.WANT_ENTROPY)
-        return out[..., ag.OUT_KL], out[..., ag.OUT_LOGP], out[..., ag.OUT_ENTROPY]
+    def one_call(x, y):  # (log ρ(token) comes with it: a gather of N entries)
+        out = klpenalty.token_stats(x, y, tokens, entropy=True, backend="triton")
+        return out.kl, out.logprobs, out.entropy
 
     return {"kl+logp+H 3 calls": three_calls, "kl+logp+H token_stats": one_call}
 
@@ -270,6 +267,34 @@ def main(argv=None) -> int:
         moved = {"fwd": in_bytes, "fwd+bwd": 2 * in_bytes + x.numel() * x.element_size()}
         return x, y, sub, want, floors, moved
 
+    def measure(rows, call, kl_of_sub, want, shape, dname, mode, name, floors, moved):
+        """Time ``call`` (warm-up, medians), its peak extra CUDA memory and the max error of
+        ``kl_of_sub()`` against the float64 ``want``; append and print one row (NaN and the
+        exception's name where it failed, e.g. out of memory: the run goes on)."""
+        try:
+            for _ in range(args.warmup):
+                call()
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            ms = timed(call, args.repeats)
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+            with torch.no_grad():
+                err = (kl_of_sub().double() - want).abs().max().item()
+            note = ""
+        except Exception as exc:  # recorded, the run goes on
+            ms, peak, err, note = float("nan"), float("nan"), float("nan"), type(exc).__name__
+            torch.cuda.empty_cache()
+        row = {
+            "shape": "x".join(map(str, shape)), "dtype": dname, "mode": mode,
+            "provider": name, "ms": ms, "GB/s": moved[mode] / ms / 1e6,
+            "x_floor": ms / floors[mode], "peak_extra_MiB": peak, "max_err": err,
+            "note": note,
+        }
+        rows.append(row)
+        print("  " + "  ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else
+                                f"{k}={row[k]}" for k in row))
+
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}")
     for shape, dname in _cases(args):
         dtype = dtypes[dname]
@@ -287,29 +312,8 @@ def main(argv=None) -> int:
                         xg.grad = None
                     return kl
 
-                try:
-                    for _ in range(args.warmup):
-                        call()
-                    torch.cuda.synchronize()
-                    base = torch.cuda.memory_allocated()
-                    torch.cuda.reset_peak_memory_stats()
-                    ms = timed(call, args.repeats)
-                    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-                    with torch.no_grad():
-                        err = (fn(*sub).double() - want).abs().max().item()
-                    note = ""
-                except Exception as exc:  # e.g. out of memory: recorded, the run goes on
-                    ms, peak, err, note = float("nan"), float("nan"), float("nan"), type(exc).__name__
-                    torch.cuda.empty_cache()
-                row = {
-                    "shape": "x".join(map(str, shape)), "dtype": dname, "mode": mode,
-                    "provider": name, "ms": ms, "GB/s": moved[mode] / ms / 1e6,
-                    "x_floor": ms / floors[mode], "peak_extra_MiB": peak, "max_err": err,
-                    "note": note,
-                }
-                rows.append(row)
-                print("  " + "  ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else
-                                        f"{k}={row[k]}" for k in row))
+                measure(rows, call, lambda: fn(*sub), want, shape, dname, mode, name,
+                        floors, moved)
         del x, y
         torch.cuda.empty_cache()
     for text in args.one_pass_shapes:  # one pass vs three calls
@@ -331,29 +335,8 @@ def main(argv=None) -> int:
                         xg.grad = None
                     return kl
 
-                try:
-                    for _ in range(args.warmup):
-                        call()
-                    torch.cuda.synchronize()
-                    base = torch.cuda.memory_allocated()
-                    torch.cuda.reset_peak_memory_stats()
-                    ms = timed(call, args.repeats)
-                    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-                    with torch.no_grad():
-                        err = (sub_one_pass[name](*sub)[0].double() - want).abs().max().item()
-                    note = ""
-                except Exception as exc:  # recorded, the run goes on
-                    ms, peak, err, note = float("nan"), float("nan"), float("nan"), type(exc).__name__
-                    torch.cuda.empty_cache()
-                row = {
-                    "shape": "x".join(map(str, shape)), "dtype": dname, "mode": mode,
-                    "provider": name, "ms": ms, "GB/s": moved[mode] / ms / 1e6,
-                    "x_floor": ms / floors[mode], "peak_extra_MiB": peak, "max_err": err,
-                    "note": note,
-                }
-                rows.append(row)
-                print("  " + "  ".join(f"{k}={row[k]:.4g}" if isinstance(row[k], float) else
-                                        f"{k}={row[k]}" for k in row))
+                measure(rows, call, lambda: sub_one_pass[name](*sub)[0], want, shape, dname,
+                        mode, name, floors, moved)
         del x, y
         torch.cuda.empty_cache()
     _write(rows, args.out, "bench_gpu",

@@ -433,9 +433,7 @@ def _token_stats_op(
     wanted outputs; the support (``keep``, ``tau``) applied per tile.
     """
     v.check_want(want, y is not None, tokens is not None)
-    leading, vocab = x.shape[:-1], x.shape[-1]
     xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
-    n = xf.shape[0]
     dtype = compute_dtype(x) if y is None else compute_dtype(x, y)
     use_y = y is not None and bool(want & (ag.WANT_KL | ag.WANT_REF_LOGP))
     yf = y.reshape(xf.shape) if use_y else None  # (N, V)
@@ -446,30 +444,69 @@ def _token_stats_op(
             kl=bool(want & ag.WANT_KL), entropy=bool(want & ag.WANT_ENTROPY),
         )
         kl, h, stats = stats_finalize(state, careful)
+    return token_stats_finish(
+        x, y, xf, yf, tokens, mask, keep, tau, keepf, tauf, state, kl, h, stats, temperature,
+        ignore_index, want, check,
+    )
+
+
+def token_stats_finish(
+    x: Tensor,
+    y: Optional[Tensor],
+    xf: Tensor,
+    yf: Optional[Tensor],
+    tokens: Optional[Tensor],
+    mask: Optional[Tensor],
+    keep: Optional[Tensor],
+    tau: Optional[Tensor],
+    keep_rows: Optional[Tensor],
+    tau_rows: Optional[Tensor],
+    state: StatsState,
+    kl: Optional[Tensor],
+    h: Optional[Tensor],
+    stats: Tensor,
+    temperature: float,
+    ignore_index: int,
+    want: int,
+    check: bool,
+) -> tuple[Tensor, Tensor]:
+    """out (..., 4) and stats (..., 9) of the token_stats op from a backend's merged row state:
+    the KL and entropy columns, the sampled tokens' log-probs (a gather of N logits), masked
+    rows zeroed, and every check with one host read. Shared by the backends whose ops compute
+    the state in their own loop.
+
+    Args:
+        x, y: the op's (..., V) inputs; xf, yf: their (N, V) rows (yf None when not read).
+        tokens, mask, keep, tau: the op's inputs; keep_rows (N, V) bool, tau_rows (N,): the
+            support as rows (None where not given).
+        state: the merged :class:`StatsState` (N,); kl, h, stats: :func:`stats_finalize`'s.
+    """
+    leading, vocab = x.shape[:-1], x.shape[-1]
+    n = xf.shape[0]
     out = stats.new_zeros(n, 4)
     if kl is not None:
         out[:, ag.OUT_KL] = kl
     if h is not None:
         out[:, ag.OUT_ENTROPY] = h
     range_bad = outside = None
-    if tokens is not None and want & (ag.WANT_LOGP | ag.WANT_REF_LOGP):
+    logp, ref_logp = bool(want & ag.WANT_LOGP), bool(want & ag.WANT_REF_LOGP)
+    if tokens is not None and (logp or ref_logp):
         tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)  # (N,)
         if check:  # gather safely; the range error is raised below, with the other checks
             range_bad = (tok < 0) | (tok >= vocab)
             tok = tok.masked_fill(range_bad, 0)
-        lp = _token_logp(_token_logits(xf, tok, keepf, tauf, dtype), state.m_x, state.s_x, temperature)
-        stats[:, ag.ST_LOGP] = lp.masked_fill(ignored, 0.0)
-        if want & ag.WANT_LOGP:
-            out[:, ag.OUT_LOGP] = stats[:, ag.ST_LOGP]
-        if want & ag.WANT_REF_LOGP:
-            y_t = yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(dtype)
+        if logp:
+            x_t = _token_logits(xf, tok, keep_rows, tau_rows, stats.dtype)
+            lp = _token_logp(x_t, state.m_x, state.s_x, temperature).masked_fill(ignored, 0.0)
+            out[:, ag.OUT_LOGP] = stats[:, ag.ST_LOGP] = lp
+        if ref_logp:
+            y_t = yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(stats.dtype)
             lq = _token_logp(y_t, state.m_y, state.s_y, temperature).masked_fill(ignored, 0.0)
-            stats[:, ag.ST_REF_LOGP] = lq
-            out[:, ag.OUT_REF_LOGP] = lq
+            out[:, ag.OUT_REF_LOGP] = stats[:, ag.ST_REF_LOGP] = lq
     if mask is not None:
         out.masked_fill_(~mask.reshape(-1, 1), 0.0)
-    if check:
-        if (keep is not None or tau is not None) and tokens is not None and want & ag.WANT_LOGP:
+    if check:  # one host read for all the checks
+        if (keep is not None or tau is not None) and logp:
             outside = torch.isneginf(out[:, ag.OUT_LOGP])  # counted, non-ignored, off the support
         _check_token_stats(out, x, y, tokens, range_bad, outside, want, ignore_index)
     return out.reshape(*leading, 4), stats.reshape(*leading, ag.STATS_COLS)

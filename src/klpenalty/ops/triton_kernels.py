@@ -286,40 +286,17 @@ def _token_stats_op(
         )
     v.check_want(want, y is not None, tokens is not None)
     flags = kl, logp, ref_logp, ent = _wanted(want)
-    leading, vocab = x.shape[:-1], x.shape[-1]
     xf = _rows(x)  # (N, V)
     n = xf.shape[0]
     yf = _rows(y) if kl or ref_logp else None  # (N, V)
     keepf, stride_keep, tauf = _support_args(keep, tau, n)
     state = _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature, tile_cols)
     kl_val, h, stats = stats_finalize(state, None)  # (N,), (N,), (N, 9)
-    out = stats.new_zeros(n, 4)
-    if kl_val is not None:
-        out[:, ag.OUT_KL] = kl_val
-    if h is not None:
-        out[:, ag.OUT_ENTROPY] = h
-    range_bad = outside = None
-    if logp or ref_logp:
-        tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)  # (N,)
-        if check:  # gather safely; the range error is raised below, with the other checks
-            range_bad = (tok < 0) | (tok >= vocab)
-            tok = tok.masked_fill(range_bad, 0)
-        if logp:
-            keep_rows = None if keepf is None else keepf.view(torch.bool)
-            x_t = streaming._token_logits(xf, tok, keep_rows, tauf, stats.dtype)
-            lp = streaming._token_logp(x_t, state.m_x, state.s_x, temperature)
-            out[:, ag.OUT_LOGP] = stats[:, ag.ST_LOGP] = lp.masked_fill(ignored, 0.0)
-        if ref_logp:
-            y_t = yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(stats.dtype)
-            lq = streaming._token_logp(y_t, state.m_y, state.s_y, temperature)
-            out[:, ag.OUT_REF_LOGP] = stats[:, ag.ST_REF_LOGP] = lq.masked_fill(ignored, 0.0)
-    if mask is not None:
-        out.masked_fill_(~mask.reshape(-1, 1), 0.0)
-    if check:  # one host read for all the checks
-        if (keep is not None or tau is not None) and logp:
-            outside = torch.isneginf(out[:, ag.OUT_LOGP])  # counted, non-ignored, off the support
-        streaming._check_token_stats(out, x, y, tokens, range_bad, outside, want, ignore_index)
-    return out.reshape(*leading, 4), stats.reshape(*leading, ag.STATS_COLS)
+    keep_rows = None if keepf is None else keepf.view(torch.bool)
+    return streaming.token_stats_finish(
+        x, y, xf, yf, tokens, mask, keep, tau, keep_rows, tauf, state, kl_val, h, stats,
+        temperature, ignore_index, want, check,
+    )
 
 
 @torch.library.custom_op("klpenalty::triton_token_stats_backward", mutates_args=())

@@ -3,8 +3,9 @@
 references, PEFT (adapter-disabled reference, gradient checkpointing, LoRA on the head,
 ``modules_to_save``), tied embeddings, packed rows and top-k/top-p.
 
-One process group per wrapper (``tests/integrations/wrapped_worker.py``, one subprocess per
-rank, a FileStore rendezvous) runs all of its checks; each check is reported as its own test.
+Two process groups (``tests/integrations/wrapped_worker.py``: torch's wrappers and PEFT, then
+DeepSpeed; one subprocess per rank, a FileStore rendezvous) run all the checks; each check is
+reported as its own test.
 A hang cannot block CI: collectives time out after 60 s and the ranks are killed after
 :data:`RUN_TIMEOUT_S`.
 """

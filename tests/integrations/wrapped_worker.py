@@ -3,7 +3,8 @@
 Run from the repository root as ``python -m tests.integrations.wrapped_worker RANK WORLD
 STORE_FILE OUT_DIR GROUP``: the rank joins a gloo group through a FileStore (no ports), runs
 every check of GROUP (``torch``: DDP, FSDP2, FSDP1, PEFT; ``deepspeed``: ZeRO-3) in order and writes
-``OUT_DIR/rank{RANK}.json``: for each check ``{"ok": bool, "error": traceback}``.
+``OUT_DIR/rank{RANK}.json``: ``{"results": {check: {"ok": bool, "error": traceback,
+"seconds": float}}}``.
 
 Each check builds tiny random Llamas from a config (the same seed on every rank), gives each
 rank its own batch, and compares :func:`klpenalty.hf.causal_lm_kl` on the models as a user
@@ -187,20 +188,32 @@ def run(policy_w, ref_w, b: Batch, sampler: dict, backward=None):
 
 
 # ---------------------------------------------------------------------- the wrappers' checks
-def _plain_grads(model) -> dict:
-    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-
-
-def check_ddp(rank, *, tied=False, packed=False, sampler=None, gc=False):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+def check_wrapped(rank, wrap, full_grads, *, sharded_ref=False, tied=False, packed=False,
+                  sampler=None):
+    """The plain models against ``wrap(copy of the policy)`` (and of the reference, with
+    ``sharded_ref``): values and ``full_grads(wrapped)``, every parameter's full gradient."""
     sampler = sampler or {}
     policy, ref = tiny_llama(1, tied=tied), tiny_llama(2, tied=tied).requires_grad_(False)
     b = Batch(rank, packed).greedy(policy) if sampler else Batch(rank, packed)
     values, want = expected(policy, ref, b, sampler)
-    wrapped = DDP(copy.deepcopy(policy))
-    out = run(wrapped, ref, b, sampler)
-    compare(out, values, _plain_grads(wrapped.module), want)
+    wrapped = wrap(copy.deepcopy(policy))
+    ref_w = wrap(copy.deepcopy(ref)) if sharded_ref else ref
+    out = run(wrapped, ref_w, b, sampler)
+    compare(out, values, full_grads(wrapped), want)
+
+
+def _plain_grads(model) -> dict:
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _ddp(model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model)
+
+
+def check_ddp(rank, **kw):
+    check_wrapped(rank, _ddp, lambda w: _plain_grads(w.module), **kw)
 
 
 def check_ddp_module_forward_is_one_call(rank):
@@ -236,15 +249,8 @@ def _dtensor_grads(model) -> dict:
     }
 
 
-def check_fsdp2(rank, *, tied=False, packed=False, sampler=None, sharded_ref=False):
-    sampler = sampler or {}
-    policy, ref = tiny_llama(1, tied=tied), tiny_llama(2, tied=tied).requires_grad_(False)
-    b = Batch(rank, packed).greedy(policy) if sampler else Batch(rank, packed)
-    values, want = expected(policy, ref, b, sampler)
-    wrapped = _fsdp2(copy.deepcopy(policy))
-    ref_w = _fsdp2(copy.deepcopy(ref)) if sharded_ref else ref
-    out = run(wrapped, ref_w, b, sampler)
-    compare(out, values, _dtensor_grads(wrapped), want)
+def check_fsdp2(rank, **kw):
+    check_wrapped(rank, _fsdp2, _dtensor_grads, **kw)
 
 
 def _fsdp1(model, use_orig_params: bool):
@@ -256,7 +262,7 @@ def _fsdp1(model, use_orig_params: bool):
                 use_orig_params=use_orig_params, device_id=torch.device("cpu"))
 
 
-def _fsdp1_grads(wrapped, use_orig_params: bool) -> dict:
+def _fsdp1_grads(wrapped) -> dict:
     """Every parameter's full gradient: the sharded flat gradients written into the flat
     parameters' shards, then gathered by summon_full_params (the model is not used again)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -272,14 +278,8 @@ def _fsdp1_grads(wrapped, use_orig_params: bool) -> dict:
         return {n: p.detach().clone() for n, p in wrapped.named_parameters()}
 
 
-def check_fsdp1(rank, *, use_orig_params, sharded_ref=False, tied=False):
-    policy, ref = tiny_llama(1, tied=tied), tiny_llama(2, tied=tied).requires_grad_(False)
-    b = Batch(rank)
-    values, want = expected(policy, ref, b, {})
-    wrapped = _fsdp1(copy.deepcopy(policy), use_orig_params)
-    ref_w = _fsdp1(copy.deepcopy(ref), use_orig_params) if sharded_ref else ref
-    out = run(wrapped, ref_w, b, {})
-    compare(out, values, _fsdp1_grads(wrapped, use_orig_params), want)
+def check_fsdp1(rank, *, use_orig_params, **kw):
+    check_wrapped(rank, lambda m: _fsdp1(m, use_orig_params), _fsdp1_grads, **kw)
 
 
 def _zero3(model, *, train: bool):
@@ -437,7 +437,7 @@ def main() -> None:
         dist.barrier()
         results[name]["seconds"] = round(time.perf_counter() - start, 1)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+        json.dump({"results": results}, f)
     dist.destroy_process_group()
 
 

@@ -217,18 +217,17 @@ def check_ddp(rank, **kw):
 
 
 def check_ddp_module_forward_is_one_call(rank):
-    """The head's forward is restored after the call: a second call and the plain forward give
-    the model's own logits again."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    """The head's forward is restored after the call: the wrapped model's own forward gives
+    its logits again, those of the plain model (DDP does not change the weights)."""
     policy, ref = tiny_llama(1), tiny_llama(2).requires_grad_(False)
     b = Batch(rank)
-    wrapped = DDP(copy.deepcopy(policy))
+    wrapped = _ddp(copy.deepcopy(policy))
     run(wrapped, ref, b, {})
     assert "forward" not in wrapped.module.lm_head.__dict__
     with torch.no_grad():
         z = wrapped(input_ids=b.ids, attention_mask=b.attention).logits
-        assert z.shape == (*b.ids.shape, V)
+        want = policy(input_ids=b.ids, attention_mask=b.attention).logits
+    assert z.shape == (*b.ids.shape, V) and torch.equal(z, want)
 
 
 def _fsdp2(model):

@@ -9,6 +9,10 @@ INTEGRATIONS_STAMP := $(VENV)/.klpenalty-integrations-installed
 # verl's and OpenRLHF's source, installed without dependencies (importing either needs Ray,
 # DeepSpeed, ...): tests/integrations/test_stack_sources.py reads their KL functions from it
 STACK_SOURCES ?= verl==0.9.1 openrlhf==0.11.2
+# the wrappers a user trains under (tests/integrations/test_trl_torchrun.py): PEFT, and DeepSpeed
+# built against the torch that is there (--no-build-isolation; DS_ACCELERATOR=cpu runs it on CPU)
+PEFT_SPEC ?= peft==0.21.2
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
 
 .PHONY: test install demo clean test-integrations
 
@@ -29,6 +33,9 @@ $(INTEGRATIONS_STAMP): $(STAMP)
 	echo "$(TORCH_SPEC)" > $(VENV)/torch-constraint.txt
 	$(PY) -m pip install --quiet -c $(VENV)/torch-constraint.txt -e '.[dev,demo,triton,hf,trl]'
 	$(PY) -m pip install --quiet --no-deps $(STACK_SOURCES)
+	$(PY) -m pip install --quiet -c $(VENV)/torch-constraint.txt "$(PEFT_SPEC)"
+	DS_ACCELERATOR=cpu $(PY) -m pip install --quiet --no-build-isolation \
+		-c $(VENV)/torch-constraint.txt "$(DEEPSPEED_SPEC)"
 	$(PY) -m pip list --format=freeze 2>/dev/null | grep -q '^$(TORCH_SPEC)' \
 		|| { echo "torch changed: expected $(TORCH_SPEC), have:"; \
 		     $(PY) -m pip list 2>/dev/null | grep -i '^torch '; exit 1; }

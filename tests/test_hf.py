@@ -366,9 +366,9 @@ def test_unsupported_architecture_raises():
     other = transformers.GPTNeoXForCausalLM(config).eval()
     policy, _ = model_pair("llama")
     ids = torch.randint(V, (B, T))
-    with pytest.raises(ValueError, match=r"ref_model has config.model_type='gpt_neox'.*'llama'"):
+    with pytest.raises(ValueError, match=r"ref_model \(GPTNeoXForCausalLM\) has config.model_type=.gpt_neox.*.llama."):
         causal_lm_kl(policy, other, ids)
-    with pytest.raises(ValueError, match=r"policy_model has config.model_type='gpt_neox'"):
+    with pytest.raises(ValueError, match=r"policy_model \(GPTNeoXForCausalLM\) has config.model_type='gpt_neox'"):
         causal_lm_kl(other, policy, ids)
 
 
@@ -393,17 +393,17 @@ def test_head_that_is_not_a_plain_linear_or_elsewhere_raises():
     adapted = Adapted(32, V, bias=False)
     adapted.weight = ref.lm_head.weight
     ref.lm_head = adapted
-    with pytest.raises(ValueError, match=r"ref_model's LM head .* is Adapted, not a plain"):
+    with pytest.raises(ValueError, match=r"ref_model \(LlamaForCausalLM\)'s LM head .* is Adapted, not an nn.Linear"):
         causal_lm_kl(policy, ref, ids)
     policy.lm_head.to("meta")
-    with pytest.raises(ValueError, match=r"policy_model's LM head is on meta and input_ids on cpu"):
+    with pytest.raises(ValueError, match=r"policy_model's LM head is on meta and the hidden states it receives on cpu"):
         causal_lm_kl(policy, model_pair("llama")[1], ids)
 
 
 def test_vocabulary_mismatch_raises():
     policy = make_model("llama", 1)
     ref = make_model("qwen2", 2, vocab_size=V + 1)
-    with pytest.raises(ValueError, match=r"same vocabulary size.*\(96, 32\).*\(97, 32\)"):
+    with pytest.raises(ValueError, match=r"same vocabulary size.*out_features=96.*out_features=97"):
         causal_lm_kl(policy, ref, torch.randint(V, (B, T)))
 
 
@@ -457,3 +457,134 @@ def test_labels_are_read_only_where_scored():
     for a, b in zip(got, want):
         if b is not None:
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- packed rows
+def test_packed_rows_equal_each_sequence_run_alone():
+    """One packed row (position_ids restarting, no attention mask) against each sequence run
+    alone: the same values where scored, the boundary positions not scored, the same
+    gradients as the sum over the sequences."""
+    policy, ref = model_pair("llama")
+    lengths = [4, 3, 5]
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(3, V, (1, sum(lengths)), generator=g)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None]
+    out = causal_lm_kl(policy, ref, ids, position_ids=position_ids, entropy=True)
+    counted = scored_positions(ids, position_ids=position_ids)
+    ends = torch.tensor(lengths).cumsum(0)[:-1] - 1  # the last position of each sequence
+    assert not counted[0, ends].any() and int(counted.sum()) == sum(lengths) - len(lengths)
+    for field in out:
+        assert torch.all(field[~counted] == 0)
+    w = torch.rand(1, sum(lengths) - 1, generator=g)
+    loss = ((out.kl + out.logprobs + out.entropy) * w).sum()
+    got = torch.autograd.grad(loss, list(policy.parameters()))
+    start, alone = 0, 0.0
+    for n in lengths:
+        seq = ids[:, start : start + n]
+        one = causal_lm_kl(policy, ref, seq, entropy=True)
+        for field, part in zip(out, one):
+            torch.testing.assert_close(field[:, start : start + n - 1], part, **tol(torch.float32))
+        zp = policy(input_ids=seq).logits[:, :-1]
+        with torch.no_grad():
+            zr = ref(input_ids=seq).logits[:, :-1]
+        torch.testing.assert_close(
+            one.kl.double(), full_kl_reference(zp.detach(), zr), **tol(torch.float32)
+        )
+        ws = w[:, start : start + n - 1]
+        alone = alone + ((full_kl(zp, zr) + token_logprobs(zp, seq[:, 1:]) + entropy(zp)) * ws).sum()
+        start += n
+    want = torch.autograd.grad(alone, list(policy.parameters()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, **grad_tol(torch.float32))
+
+
+def test_packed_position_ids_with_an_attention_mask_raise():
+    policy, ref = model_pair("llama")
+    ids = torch.randint(3, V, (1, 7))
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])
+    with pytest.raises(ValueError, match=r"position_ids restart between two real tokens.*"
+                                         r"index \(0, 3\).*from 2 to 0"):
+        causal_lm_kl(policy, ref, ids, torch.ones(1, 7, dtype=torch.long),
+                     position_ids=position_ids)
+    # padding next to a restart is fine: the pad and its neighbour are not both real
+    attention = torch.tensor([[1, 1, 1, 0, 0, 0, 0]])
+    out = causal_lm_kl(policy, ref, ids, attention, position_ids=position_ids)
+    assert torch.all(out.kl[0, 2:] == 0) and torch.all(out.kl[0, :2] > 0)
+
+
+# --------------------------------------------------------------------------- sampler support
+def test_top_k_top_p_match_the_logits_functions():
+    """causal_lm_kl with the sampler's settings equals token_stats with them on the model's
+    own logits (tokens: the policy's argmax, inside every support)."""
+    from klpenalty import token_stats
+
+    policy, ref = model_pair("gemma2")  # a soft-capped head: the thresholds see capped logits
+    ids, attention, response = batch(left_padding=True)
+    position_ids = generate_position_ids(attention)
+    with torch.no_grad():  # the responses decoded greedily, one token at a time
+        for t in range(1, T):
+            greedy = plain_logits(policy, ids, attention, position_ids)[:, t - 1].argmax(-1)
+            ids[:, t] = torch.where(response[:, t], greedy, ids[:, t])
+    for sampler in (dict(top_k=5), dict(top_p=0.8, min_p=0.05)):
+        out = causal_lm_kl(policy, ref, ids, attention, response_mask=response, entropy=True,
+                           temperature=0.9, **sampler)
+        zp = plain_logits(policy, ids, attention, position_ids)
+        with torch.no_grad():
+            zr = plain_logits(ref, ids, attention, position_ids)
+        want = token_stats(zp.double(), zr.double(), ids[:, 1:], mask=response[:, 1:],
+                           entropy=True, temperature=0.9, **sampler)
+        for got, w in zip(out, want):
+            torch.testing.assert_close(got.double(), w, **tol(torch.float32))
+        full = causal_lm_kl(policy, ref, ids, attention, response_mask=response, temperature=0.9)
+        assert not torch.allclose(full.logprobs, out.logprobs)  # the support cuts
+        with pytest.raises(ValueError, match="outside the support"):
+            causal_lm_kl(policy, ref, ids, attention, top_k=1)  # prompt tokens are random
+
+
+# --------------------------------------------------------------------------- wrappers
+def test_reference_none_needs_a_peft_policy():
+    policy, _ = model_pair("llama")
+    with pytest.raises(ValueError, match=r"ref_model=None .* PeftModel policy; policy_model is "
+                                         r"LlamaForCausalLM"):
+        causal_lm_kl(policy, None, torch.randint(V, (B, T)))
+
+
+def test_unhandled_wrappers_are_named():
+    policy, ref = model_pair("llama")
+    ids = torch.randint(V, (B, T))
+
+    class Holder(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    with pytest.raises(TypeError, match=r"policy_model \(Holder\) is a wrapper klpenalty.hf "
+                                        r"does not know .*LlamaForCausalLM"):
+        causal_lm_kl(Holder(policy), ref, ids)
+    with pytest.raises(ValueError, match=r"ref_model is a torch.nn.DataParallel"):
+        causal_lm_kl(policy, torch.nn.DataParallel(ref), ids)
+
+
+def test_head_forward_is_restored_even_after_an_error():
+    policy, ref = model_pair("cohere")  # the model's own logit scale is switched off, then back
+    ids = torch.randint(3, V, (B, T))
+    want = policy(input_ids=ids).logits
+    with pytest.raises(ValueError, match="outside the support"):
+        causal_lm_kl(policy, ref, ids, top_k=1)
+    for model in (policy, ref):
+        assert "forward" not in model.lm_head.__dict__
+        assert model.logit_scale == 0.5
+    torch.testing.assert_close(policy(input_ids=ids).logits, want, rtol=0, atol=0)
+
+
+def test_head_receiving_other_than_hidden_states_raises():
+    policy, ref = model_pair("llama")
+    ids = torch.randint(3, V, (B, T))
+    inner = policy.forward
+
+    def last_position_only(**kw):  # as generate's logits_to_keep=1 would
+        return inner(**kw, logits_to_keep=1)
+
+    policy.forward = last_position_only
+    with pytest.raises(ValueError, match=r"policy_model's LM head received shape=\(3, 1, 32\)"):
+        causal_lm_kl(policy, ref, ids)

@@ -542,3 +542,112 @@ def test_validation_errors(over, exc, match):
     tensors = {k: over.pop(k, t[k]) for k in NAMES}
     with pytest.raises(exc, match=match):
         call(tensors, **over)
+
+
+# --------------------------------------------------------------------------- sampler support
+def _greedy_tokens(t, scale=1.0, cap=None):
+    """The policy's argmax per row: inside every top-k/top-p/min-p support."""
+    return transformed(t["hp"], t["wp"], t["bp"], scale, cap).argmax(-1)
+
+
+def _support_cases(z):
+    """(name, kwargs) of every way to give the support, for policy logits z (..., V)."""
+    keep = z >= z.topk(9, -1).values[..., -1:]  # a threshold set: the compact form → τ
+    irregular = keep.clone()
+    irregular[..., 0] = ~irregular[..., 0]  # not a threshold set: the compact form → a mask
+    irregular |= torch.nn.functional.one_hot(z.argmax(-1), z.shape[-1]).bool()
+    flat = irregular.reshape(-1, z.shape[-1])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), flat.sum(-1).cumsum(0)])
+    return [
+        ("top_k", dict(top_k=5)),
+        ("top_p", dict(top_p=0.8)),
+        ("min_p", dict(min_p=0.2)),
+        ("top_k_top_p_min_p", dict(top_k=12, top_p=0.9, min_p=0.05)),
+        ("mask", dict(support=keep)),
+        ("ids_irregular", dict(support=(flat.nonzero()[:, 1], offsets))),
+    ]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", range(6))
+def test_support_matches_the_logits_functions(backend, case):
+    """linear_kl with a support equals token_stats with that support on the materialised
+    (transformed) logits: values and the gradients of every input, chunked and masked."""
+    leading = (3, 5)
+    t = make_heads(leading, dtype=torch.float64)
+    transform = dict(logit_scale=1.3, softcap=4.0, temperature=0.8)
+    zp = transformed(t["hp"], t["wp"], t["bp"], 1.3, 4.0)
+    zr = transformed(t["hr"], t["wr"], t["br"], 1.3, 4.0)
+    name, support = _support_cases(zp)[case]
+    tokens = zp.argmax(-1)
+    mask = make_mask(leading)
+    for k in NAMES:
+        t[k].requires_grad_()
+    got = call(t, tokens=tokens, mask=mask, entropy=True, chunk_rows=4, backend=backend,
+               **transform, **support)
+    zp = transformed(t["hp"], t["wp"], t["bp"], 1.3, 4.0)
+    zr = transformed(t["hr"], t["wr"], t["br"], 1.3, 4.0)
+    want = klpenalty.token_stats(zp, zr, tokens, mask=mask, entropy=True, temperature=0.8,
+                                 **support)
+    close_values(got, [w.detach() for w in want], torch.float64)
+    grads = upstream(want)
+    got_g = torch.autograd.grad(loss_of(got, grads), [t[k] for k in NAMES])
+    want_g = torch.autograd.grad(loss_of(want, grads), [t[k] for k in NAMES])
+    for k, a, b in zip(NAMES, got_g, want_g):
+        close_grad(a, b, torch.float64, f"{name} {k}")
+    if "top_k" in support and "top_p" not in support:  # the support really cuts
+        assert float(got.entropy.detach()[mask].max()) < math.log(support["top_k"]) + 1e-9
+
+
+def test_support_float32_against_the_float64_reference():
+    """float32 hidden states with top-k: the fused result against the float64 truncated
+    policy on the same logits (π̃ = softmax of the logits ≥ the k-th, ρ untruncated)."""
+    leading = (2, 6)
+    t = make_heads(leading, dtype=torch.float32)
+    tokens = _greedy_tokens(t)
+    got = call(t, tokens=tokens, entropy=True, top_k=4, chunk_rows=5)
+    z = transformed(t["hp"], t["wp"], t["bp"], 1.0, None).double()
+    zr = transformed(t["hr"], t["wr"], t["br"], 1.0, None).double()
+    kept = torch.where(z >= z.topk(4, -1).values[..., -1:], z, -math.inf)
+    lp = torch.log_softmax(kept, -1)
+    p = lp.exp()
+    want_kl = (p * (lp.nan_to_num(neginf=0.0) - torch.log_softmax(zr, -1))).sum(-1)
+    want_lp = lp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(got.kl.double(), want_kl, **tol(torch.float32))
+    torch.testing.assert_close(got.logprobs.double(), want_lp, **tol(torch.float32))
+
+
+def test_sampled_token_outside_the_support_is_named():
+    leading = (2, 4)
+    t = make_heads(leading)
+    tokens = _greedy_tokens(t)
+    z = transformed(t["hp"], t["wp"], t["bp"], 1.0, None)
+    tokens[1, 2] = z[1, 2].argmin()  # never in a top-3
+    with pytest.raises(ValueError, match=r"sampled token \d+ at position \(1, 2\) is outside"):
+        call(t, tokens=tokens, top_k=3)
+    out = call(t, tokens=tokens, top_k=3, check=False)
+    assert torch.isneginf(out.logprobs[1, 2]) and torch.isfinite(out.kl).all()
+    mask = torch.ones(leading, dtype=torch.bool)
+    mask[1, 2] = False  # not counted: not checked
+    assert torch.isfinite(call(t, tokens=tokens, top_k=3, mask=mask).logprobs).all()
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(support=torch.ones(2, 4, 37, dtype=torch.bool), top_k=3), ValueError,
+         r"support and top_k both given"),
+        (dict(support=torch.ones(2, 4, 36, dtype=torch.bool)), ValueError,
+         r"support must have the shape of the policy logits \(2, 4, 37\)"),
+        (dict(support=torch.ones(2, 4, 37)), TypeError, r"support must be a bool tensor"),
+        (dict(support=(torch.tensor([0]), torch.tensor([0, 1]))), ValueError,
+         r"support offsets must have N \+ 1 = 9 entries"),
+        (dict(top_k=0), ValueError, r"top_k must be >= 1"),
+        (dict(top_p=1.5), ValueError, r"top_p must lie in \(0, 1\]"),
+        (dict(min_p=-0.1), ValueError, r"min_p must lie in \[0, 1\]"),
+    ],
+)
+def test_support_validation(kw, exc, match):
+    t = make_heads((2, 4))
+    with pytest.raises(exc, match=match):
+        call(t, **kw)

@@ -23,20 +23,12 @@ import torch
 from . import _validation as v
 from .functional import TokenStats
 from .linear import linear_kl
+from .sampling import parse_support
 from .ops.dispatch import get_backend
 
 __all__ = ["causal_lm_kl", "scored_positions", "generate_position_ids", "SUPPORTED_ARCHITECTURES"]
 
 IGNORE_INDEX = -100  # Hugging Face's label for "not scored"
-
-
-class _Head(NamedTuple):
-    """What a causal LM's forward does after its body: z = scale·(h Wᵀ + b), cap·tanh(z/cap)."""
-
-    weight: torch.Tensor  # (V, H)
-    bias: Optional[torch.Tensor]  # (V,) or None
-    scale: float
-    softcap: Optional[float]
 
 
 def _plain(config) -> tuple[float, Optional[float]]:
@@ -78,47 +70,220 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_TRANSFORMS))
 """The ``config.model_type`` values :func:`causal_lm_kl` accepts."""
 
 
-def _model_parts(name: str, model: object) -> tuple[torch.nn.Module, _Head, str]:
-    """(body, head, model_type) of a causal LM, or a clear error naming ``name``."""
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"{name} must be a Hugging Face causal LM (a torch.nn.Module such as "
-            f"LlamaForCausalLM), got {type(model).__name__}"
-        )
-    config = getattr(model, "config", None)
+# ------------------------------------------------------------------------------ the wrappers
+def _fsdp1_type():
+    """``FullyShardedDataParallel`` (FSDP1), or None where torch.distributed is missing."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel
+
+
+def _fsdp2_type():
+    """``FSDPModule`` (the class ``fully_shard`` mixes in), or None."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def _class_names(module: object) -> set[str]:
+    return {c.__name__ for c in type(module).__mro__}
+
+
+def _is_peft(module: object) -> bool:
+    return "PeftModel" in _class_names(module) and callable(getattr(module, "get_base_model", None))
+
+
+class _Parts(NamedTuple):
+    """A causal LM as the user holds it, and what :func:`causal_lm_kl` needs of it."""
+
+    outer: torch.nn.Module  # what the user passed: its forward is the one called
+    lm: torch.nn.Module  # the Hugging Face *ForCausalLM inside
+    peft: Optional[torch.nn.Module]  # the PeftModel in between, if any
+    heads: tuple[torch.nn.Module, ...]  # the head's modules whose forward is replaced
+    sharded: bool  # parameters gathered only inside forward (FSDP1, FSDP2, ZeRO-3)
+    zero3: bool
+    model_type: str
+    scale: float
+    softcap: Optional[float]
+    vocab: Optional[int]  # the head's out_features (None if it does not say)
+
+
+_WRAPPERS = "DistributedDataParallel, FullyShardedDataParallel (FSDP1), fully_shard (FSDP2), " \
+    "a DeepSpeed engine, an accelerate-prepared model, a PeftModel"
+
+
+def _model_parts(name: str, model: object) -> _Parts:
+    """The causal LM inside ``model``'s wrappers, or a clear error naming ``name`` and the
+    wrapper. Reads no parameter value (only modules, configs and parameter attributes)."""
+    chain: list[str] = []
+    m, peft = model, None
+    ddp, fsdp1 = torch.nn.parallel.DistributedDataParallel, _fsdp1_type()
+    for _ in range(16):  # wrappers nest a few levels at most
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(
+                f"{name} must be a Hugging Face causal LM (a torch.nn.Module such as "
+                f"LlamaForCausalLM, or one in {_WRAPPERS}), got {type(m).__name__}"
+                + (f" inside {' > '.join(chain)}" if chain else "")
+            )
+        names = _class_names(m)
+        if isinstance(m, torch.nn.DataParallel):
+            raise ValueError(
+                f"{name} is a torch.nn.DataParallel, which klpenalty.hf cannot run (it "
+                "replicates the model in threads at every call): use DistributedDataParallel"
+            )
+        if isinstance(m, ddp) or (fsdp1 is not None and isinstance(m, fsdp1)) \
+                or "DeepSpeedEngine" in names:
+            chain.append(type(m).__name__)
+            m = m.module
+            continue
+        if _is_peft(m):
+            chain.append(type(m).__name__)
+            peft = m
+            m = m.get_base_model()
+            continue
+        if "OptimizedModule" in names and isinstance(getattr(m, "_orig_mod", None),
+                                                     torch.nn.Module):
+            raise ValueError(
+                f"{name} is a torch.compile'd module (OptimizedModule): pass the module before "
+                "torch.compile (klpenalty.hf replaces its LM head's forward for one call)"
+            )
+        break
+    where = f"{name} ({' > '.join([*chain, type(m).__name__])})"
+    config = getattr(m, "config", None)
     model_type = getattr(config, "model_type", None)
-    if not isinstance(model_type, str):
+    get_head = getattr(m, "get_output_embeddings", None)
+    if not isinstance(model_type, str) or not callable(get_head):
+        inner = getattr(m, "module", None)
+        if isinstance(inner, torch.nn.Module):
+            raise TypeError(
+                f"{where} is a wrapper klpenalty.hf does not know (it holds .module = "
+                f"{type(inner).__name__}); supported: {_WRAPPERS}"
+            )
         raise TypeError(
-            f"{name} ({type(model).__name__}) has no config.model_type: pass a Hugging Face "
-            "causal LM such as LlamaForCausalLM"
+            f"{where} has no config.model_type or get_output_embeddings(): pass a Hugging "
+            f"Face causal LM such as LlamaForCausalLM (plain or in {_WRAPPERS})"
         )
     if model_type not in _TRANSFORMS:
         raise ValueError(
-            f"{name} has config.model_type={model_type!r} ({type(model).__name__}), whose "
-            "LM-head logit transform klpenalty.hf does not know; supported: "
-            f"{list(SUPPORTED_ARCHITECTURES)}"
+            f"{where} has config.model_type={model_type!r}, whose LM-head logit transform "
+            f"klpenalty.hf does not know; supported: {list(SUPPORTED_ARCHITECTURES)}"
         )
-    prefix = getattr(model, "base_model_prefix", None)
-    body = getattr(model, prefix, None) if isinstance(prefix, str) and prefix else None
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    weight = getattr(head, "weight", None)
-    has_body = isinstance(body, torch.nn.Module) and body is not model
-    if not has_body or not isinstance(weight, torch.Tensor):
+    head = get_head()
+    if not isinstance(head, torch.nn.Module):
         raise ValueError(
-            f"{name} ({type(model).__name__}, model_type {model_type!r}) must be a causal LM with "
-            "a body (getattr(model, model.base_model_prefix)) and an LM head "
+            f"{where}, model_type {model_type!r}, must be a causal LM with an LM head "
             "(get_output_embeddings()), e.g. LlamaForCausalLM rather than LlamaModel"
         )
-    if type(head) is not torch.nn.Linear:  # e.g. a PEFT adapter or a quantised layer
-        raise ValueError(
-            f"{name}'s LM head (get_output_embeddings()) is {type(head).__name__}, not a plain "
-            "torch.nn.Linear: klpenalty.hf reads only its weight and bias, which would silently "
-            "drop what its forward adds (merge adapters into the weight first)"
-        )
-    bias = head.bias
+    fsdp2 = _fsdp2_type()
+    sharded = any(
+        (fsdp1 is not None and isinstance(x, fsdp1)) or (fsdp2 is not None and isinstance(x, fsdp2))
+        for x in (model, *m.modules())
+    )
+    zero3 = any(hasattr(p, "ds_id") for p in head.parameters())
+    heads = _head_modules(where, head, zero3)
     scale, softcap = _TRANSFORMS[model_type](config)
-    return body, _Head(weight, bias, scale, softcap), model_type
+    vocab = getattr(heads[0], "out_features", None)
+    return _Parts(model, m, peft, heads, sharded or zero3, zero3, model_type, scale, softcap,
+                  vocab if isinstance(vocab, int) else None)
+
+
+def _is_lora(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, a) for a in ("base_layer", "lora_A", "lora_B", "scaling"))
+
+
+def _head_modules(where: str, head: torch.nn.Module, zero3: bool) -> tuple[torch.nn.Module, ...]:
+    """The modules of the LM head whose forward computes its logits: the head itself (an
+    ``nn.Linear`` or a PEFT LoRA layer), the module an FSDP1 unit wraps, or every copy a PEFT
+    ``modules_to_save`` wrapper may call."""
+    fsdp1 = _fsdp1_type()
+    while fsdp1 is not None and isinstance(head, fsdp1):
+        head = head.module
+    if type(head) is torch.nn.Linear or _is_lora(head):
+        if _is_lora(head) and zero3:
+            raise ValueError(
+                f"{where}'s LM head is a PEFT LoRA layer ({type(head).__name__}) under DeepSpeed "
+                "ZeRO-3: its base weight is gathered only inside the base layer's own forward, "
+                "which the fused KL does not call; leave lm_head out of target_modules, or "
+                "merge the adapter (merge_and_unload)"
+            )
+        return (head,)
+    if "ModulesToSaveWrapper" in _class_names(head):
+        linears = tuple(x for x in head.modules() if type(x) is torch.nn.Linear or _is_lora(x))
+        if linears and not any(_is_lora(x) for x in linears):
+            return linears
+    raise ValueError(
+        f"{where}'s LM head (get_output_embeddings()) is {type(head).__name__}, not an "
+        "nn.Linear, a PEFT LoRA layer or modules_to_save copy of one: klpenalty.hf computes "
+        "the head's logits itself and would silently drop what this module's forward adds"
+    )
+
+
+def _head_weight(module: torch.nn.Module) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(weight (V, H), bias (V,) or None) of a head module, read inside its forward: a LoRA
+    layer's effective weight W + Σ scaling·B A of its active adapters (a (V, H) temporary),
+    or its base weight where adapters are disabled or merged."""
+    if not _is_lora(module):
+        return module.weight, module.bias
+    base = module.base_layer
+    weight = base.weight
+    if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
+        return weight, base.bias
+    for a in module.active_adapters:
+        if a not in module.lora_A:
+            continue
+        if getattr(module, "use_dora", {}).get(a) or getattr(module, "lora_bias", {}).get(a):
+            raise ValueError(
+                f"the LM head's LoRA adapter {a!r} uses DoRA or a LoRA bias, which "
+                "klpenalty.hf does not fold into the head weight: merge it (merge_and_unload)"
+            )
+        drop = module.lora_dropout[a]
+        if isinstance(drop, torch.nn.Dropout) and drop.p > 0 and drop.training:
+            raise ValueError(
+                f"the LM head's LoRA adapter {a!r} has lora_dropout={drop.p} in training mode: "
+                "its output is not a function of one effective weight; use lora_dropout=0"
+            )
+        delta = module.lora_B[a].weight @ module.lora_A[a].weight  # (V, r) @ (r, H)
+        weight = weight + (module.scaling[a] * delta).to(weight.dtype)
+    return weight, base.bias
+
+
+# model_type -> the attributes set for one call so that the model's forward returns the
+# head's output as is (klpenalty applies these transforms itself, from _TRANSFORMS):
+# (on the config?, attribute, neutral value)
+_NEUTRAL = {
+    "gemma2": ((True, "final_logit_softcapping", None),),
+    "cohere": ((False, "logit_scale", 1.0),),
+    "granite": ((True, "logits_scaling", 1.0),),
+}
+
+
+@contextlib.contextmanager
+def _head_forward(parts: _Parts, forward_of):
+    """Within: each head module's forward is ``forward_of(module)``, and the model's own
+    post-head transforms are neutral; both restored on exit, whatever happens."""
+    saved = []
+    try:
+        for on_config, attr, neutral in _NEUTRAL.get(parts.model_type, ()):
+            owner = parts.lm.config if on_config else parts.lm
+            saved.append((owner, attr, getattr(owner, attr)))
+            setattr(owner, attr, neutral)
+        for module in parts.heads:
+            saved.append((module, "forward", module.__dict__.get("forward", _ABSENT)))
+            module.forward = forward_of(module)
+        yield
+    finally:
+        for owner, attr, old in reversed(saved):
+            if old is _ABSENT:
+                del owner.__dict__[attr]
+            else:
+                setattr(owner, attr, old)
+
+
+_ABSENT = object()
 
 
 def _check_ids(name: str, t: object, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -164,17 +329,7 @@ def generate_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
 
 
-def _last_hidden(body: torch.nn.Module, input_ids, attention_mask, position_ids) -> torch.Tensor:
-    out = body(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-    )
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, T, H)
-
-
-def _scored(input_ids, attention_mask, labels, response_mask):
+def _scored(input_ids, attention_mask, labels, response_mask, position_ids=None):
     """Validate the (B, T) batch arguments; returns (scored (B, T - 1) bool, attention as bool
     or None)."""
     if not isinstance(input_ids, torch.Tensor):
@@ -204,6 +359,23 @@ def _scored(input_ids, attention_mask, labels, response_mask):
         if response_mask.device != device:
             raise ValueError(f"response_mask must be on {device}, got {response_mask.device}")
         scored &= response_mask[:, 1:]
+    if position_ids is not None:
+        _check_ids("position_ids", position_ids, (B, T), device)
+        # a new sequence starts at t + 1 (packed rows): position t would predict another
+        # sequence's first token, so it is never scored
+        starts = position_ids[:, 1:] != position_ids[:, :-1] + 1  # (B, T - 1)
+        if real is not None:
+            across = starts & real[:, 1:] & real[:, :-1]
+            if bool(across.any()):
+                b, t = (int(i) for i in across.nonzero()[0])
+                raise ValueError(
+                    "position_ids restart between two real tokens of attention_mask (packed "
+                    f"rows): at index {(b, t + 1)} they go from {int(position_ids[b, t])} to "
+                    f"{int(position_ids[b, t + 1])}, and a model given an attention_mask "
+                    "attends across the packed sequences; pass packed rows without "
+                    f"attention_mask ({v.describe(position_ids)})"
+                )
+        scored &= ~starts
     return scored, real
 
 
@@ -213,33 +385,110 @@ def scored_positions(
     *,
     labels: Optional[torch.Tensor] = None,
     response_mask: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The (B, T - 1) bool mask of the positions :func:`causal_lm_kl` counts, for the losses and
     rewards built from its outputs (e.g. ``shaped_rewards``, ``next_token_kl``).
 
     Entry ``[b, t]`` is True where ``attention_mask[b, t]`` and ``attention_mask[b, t + 1]``,
-    ``labels[b, t + 1] != -100`` and ``response_mask[b, t + 1]`` all hold (each where given).
-    Arguments (B, T) as in :func:`causal_lm_kl`; the same errors.
+    ``labels[b, t + 1] != -100``, ``response_mask[b, t + 1]`` and
+    ``position_ids[b, t + 1] == position_ids[b, t] + 1`` (no new packed sequence starts at
+    ``t + 1``) all hold (each where given). Arguments (B, T) as in :func:`causal_lm_kl`; the
+    same errors.
 
     >>> import torch
     >>> scored_positions(torch.tensor([[0, 5, 6, 7, 8]]), torch.tensor([[0, 1, 1, 1, 1]]),
     ...                  response_mask=torch.tensor([[False, False, False, True, True]]))
     tensor([[False, False,  True,  True]])
+    >>> scored_positions(torch.tensor([[4, 5, 6, 7, 8]]),
+    ...                  position_ids=torch.tensor([[0, 1, 2, 0, 1]]))  # two packed sequences
+    tensor([[ True,  True, False,  True]])
     """
-    return _scored(input_ids, attention_mask, labels, response_mask)[0]
+    return _scored(input_ids, attention_mask, labels, response_mask, position_ids)[0]
+
+
+def _check_head_input(where: str, hidden: object, batch: tuple[int, int],
+                      weight: torch.Tensor) -> None:
+    """What the LM head received: hidden states (B, T, H) with H its in_features, on the
+    device of its weight."""
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() \
+            or hidden.dim() != 3 or tuple(hidden.shape[:2]) != batch \
+            or hidden.shape[-1] != weight.shape[-1]:
+        got = v.describe(hidden) if isinstance(hidden, torch.Tensor) else type(hidden).__name__
+        raise ValueError(
+            f"{where}'s LM head received {got}, not hidden states (B, T, H) = "
+            f"({batch[0]}, {batch[1]}, {weight.shape[-1]}) matching its weight "
+            f"{v.describe(weight)}: the model's forward does not call its head on the last "
+            "hidden states of every position"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(
+            f"{where}'s LM head is on {weight.device} and the hidden states it receives on "
+            f"{hidden.device}: a head must be on its model's device"
+        )
+
+
+class _RefHead(NamedTuple):
+    hidden: torch.Tensor  # (B, T, H_r)
+    weight: torch.Tensor  # (V, H_r)
+    bias: Optional[torch.Tensor]  # (V,)
+
+
+def _reference_head(ref: _Parts, name: str, kwargs: dict, batch, disabled: bool) -> _RefHead:
+    """Run the reference through its own (wrapped) forward with its LM head replaced by a
+    capture of what the head receives and of its weight and bias, taken inside the head's
+    forward. Under no_grad (unless it has trainable parameters, and is not sharded); a sharded
+    weight (FSDP, ZeRO-3) is gathered only there, so it is copied: a (V, H_r) tensor."""
+    trainable = not disabled and any(p.requires_grad for p in ref.outer.parameters())
+    if trainable and ref.sharded:
+        raise ValueError(
+            f"{name} is sharded ({type(ref.outer).__name__}) and has parameters that require "
+            "grad: klpenalty.hf runs a sharded reference frozen; call "
+            f"{name}.requires_grad_(False)"
+        )
+    captured: list[_RefHead] = []
+
+    def forward_of(module):
+        def capture(hidden, *args, **kw):
+            weight, bias = _head_weight(module)
+            _check_head_input(name, hidden, batch, weight)
+            if not trainable:
+                hidden, weight = hidden.detach(), weight.detach()
+                bias = None if bias is None else bias.detach()
+                if ref.sharded:  # the gathered storage is freed after this forward
+                    weight = weight.clone()
+                    bias = None if bias is None else bias.clone()
+            captured.append(_RefHead(hidden, weight, bias))
+            return hidden[..., :0]
+
+        return capture
+
+    adapters_off = ref.peft.disable_adapter() if disabled else contextlib.nullcontext()
+    grad = contextlib.nullcontext() if trainable else torch.no_grad()
+    with adapters_off, grad, _head_forward(ref, forward_of):
+        ref.outer(**kwargs)
+    if len(captured) != 1:
+        raise RuntimeError(
+            f"{name}'s forward called its LM head {len(captured)} times, not once"
+        )
+    return captured[0]
 
 
 def causal_lm_kl(
     policy_model: torch.nn.Module,
-    ref_model: torch.nn.Module,
+    ref_model: Optional[torch.nn.Module],
     input_ids: torch.Tensor,
     attention_mask: Optional[torch.Tensor] = None,
     *,
     labels: Optional[torch.Tensor] = None,
     response_mask: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
     temperature: float = 1.0,
     entropy: bool = False,
-    position_ids: Optional[torch.Tensor] = None,
+    support=None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
     chunk_rows: Optional[int] = None,
     backend: str = "auto",
     check: bool = True,
@@ -247,21 +496,37 @@ def causal_lm_kl(
     """Exact per-token KL(π‖ρ), log π(token), log ρ(token) (and H(π)) of two Hugging Face
     causal LMs on one batch, without computing either model's (B, T, V) logits.
 
-    Runs each model's body, takes its last hidden states (final norm applied) and its output
-    embedding (weight, bias; a tied embedding is the same tensor), applies the architecture's
-    logit transform (Gemma 2's final soft-cap, Cohere's and Granite's scales) and the next-token
-    shift, and calls :func:`klpenalty.linear.linear_kl`. Only counted positions go through the
-    LM heads; the heads' modules are never called. The reference runs under ``torch.no_grad()``
-    unless one of its parameters requires grad (freeze it with ``ref_model.requires_grad_(False)``).
+    Both models are taken as the user holds them: plain, in ``DistributedDataParallel``,
+    FSDP1 (``FullyShardedDataParallel``, either ``use_orig_params``), FSDP2 (``fully_shard``),
+    a DeepSpeed engine (or its ``.module``, ZeRO-3 included), prepared by accelerate, or a
+    ``PeftModel``. Each runs through its outermost wrapper's own forward, with its LM head's
+    forward replaced for that one call (and restored after) by what the head receives: the
+    reference's head captures its last hidden states and its weight and bias, then the
+    policy's head runs :func:`klpenalty.linear.linear_kl` on its own hidden states and weight
+    and the reference's. The per-token outputs come out of the policy model's forward as the
+    head's output, so the wrapper's hooks see them: DDP's reducer is armed, FSDP and ZeRO-3
+    gather the head for the forward and again for the backward, and every parameter gets
+    its gradient. No (B, T, V) logits tensor is built.
+
+    Cost of a sharded reference (FSDP, ZeRO-3): its head weight is gathered only inside its
+    forward, so a detached copy of it (V × H_r elements, plus the bias) lives until the
+    policy's backward is done. A plain or DDP reference's head is used in place. A LoRA
+    adapter on the policy's head is folded into one effective weight W + Σ scaling·B A: a
+    (V, H_p) temporary kept for the backward.
+
+    The logit transform each architecture's ``forward`` applies after its head (Gemma 2's
+    final soft-cap, Cohere's and Granite's scales) is applied by klpenalty (looked up by
+    ``config.model_type``), and switched off in the model for the call.
 
     Alignment: output entry ``[b, t]`` is the distribution after the prefix
     ``input_ids[b, :t + 1]``, scored on the next token ``input_ids[b, t + 1]`` (or
     ``labels[b, t + 1]``): as ``model(...).logits[:, :-1]`` against ``input_ids[:, 1:]``. It
     counts where the token it predicts and its own position are both real
     (``attention_mask[b, t + 1]`` and ``attention_mask[b, t]``), the label is not -100
-    (``labels[b, t + 1] != -100``) and ``response_mask[b, t + 1]`` holds, for each argument
-    given (:func:`scored_positions` returns this (B, T - 1) mask); elsewhere every output is 0
-    (with zero gradient). Example, one left-padded row::
+    (``labels[b, t + 1] != -100``), ``response_mask[b, t + 1]`` holds and no packed sequence
+    starts at ``t + 1``, for each argument given (:func:`scored_positions` returns this
+    (B, T - 1) mask); elsewhere every output is 0 (with zero gradient). Example, one
+    left-padded row::
 
         input_ids       pad   p0    p1    r0    r1        (T = 5)
         attention_mask  0     1     1     1     1
@@ -273,100 +538,157 @@ def causal_lm_kl(
     Position ids: when ``position_ids`` is None and ``attention_mask`` is given they are made
     as ``generate`` makes them (the count of real tokens before each position, 1 on padding),
     so a left-padded row gets the positions it had when it was sampled; a right-padded row gets
-    0, 1, 2, ... as without a mask. Pass ``position_ids`` to choose others (e.g. packed rows).
+    0, 1, 2, ... as without a mask. Packed (padding-free) rows: pass ``position_ids`` that
+    restart at each sequence and no ``attention_mask`` (the model then keeps the sequences
+    apart); a position followed by a restart is not scored. Restarts between two real tokens
+    of an ``attention_mask`` raise: the model would attend across the sequences.
 
     Args:
         policy_model: a causal LM of a supported architecture (:data:`SUPPORTED_ARCHITECTURES`),
-            e.g. ``LlamaForCausalLM``. Gradients flow to its body and head.
+            e.g. ``LlamaForCausalLM``, plain or in one of the wrappers above. Gradients flow
+            to its parameters (its adapters' only, for a ``PeftModel``).
         ref_model: the reference, same vocabulary size V (its hidden size and architecture may
-            differ).
+            differ), plain or wrapped (it may be sharded like the policy); or None for a
+            ``PeftModel`` policy: the same model with its adapters disabled
+            (``disable_adapter()``), run under no_grad.
         input_ids: (B, T) integer tokens, prompt and response.
         attention_mask: optional (B, T) bool or 0/1 integer, 1 = real token (either padding side).
         labels: optional (B, T) integer, Hugging Face style (unshifted; -100 = not scored). The
             tokens scored are ``labels[:, 1:]`` instead of ``input_ids[:, 1:]``.
         response_mask: optional (B, T) bool, True = this token is scored (unshifted, like
             ``input_ids``). May be combined with ``labels``: both must allow a position.
+        position_ids: optional (B, T) integer, passed to both models as is.
         temperature: > 0; divides both models' (transformed) logits, as in ``full_kl``.
-        entropy: also return H(π) per position.
-        position_ids: optional (B, T) integer, passed to both bodies as is.
+        entropy: also return H(π) (H(π̃) with a support).
+        support, top_k, top_p, min_p: the policy's sampled support, as in
+            :func:`klpenalty.token_stats` (a bool (B, T - 1, V) mask, or ``(ids, offsets)``
+            over the B·(T - 1) positions; or the sampler's settings): π is renormalised on it,
+            ρ is not truncated.
         chunk_rows, backend, check: as in :func:`klpenalty.linear.linear_kl`.
 
     Returns:
         :class:`klpenalty.TokenStats` ``(kl, logprobs, ref_logprobs, entropy)``, each (B, T - 1)
         float32 (float64 for float64 models), 0 where not counted: ``kl``, ``logprobs`` and
         ``ref_logprobs`` always, ``entropy`` when asked (else None). Differentiable with respect
-        to the policy's parameters (and the reference's where they require grad).
+        to the policy's parameters (and a plain reference's where they require grad).
 
     Raises:
-        TypeError: a model that is not a Hugging Face causal LM, non-integer ``input_ids`` /
-            ``labels`` / ``position_ids``, a float ``attention_mask``, a non-bool
-            ``response_mask``, a non-bool ``entropy``.
+        TypeError: a model that is not a Hugging Face causal LM (or a wrapper klpenalty does
+            not know: the message names it), non-integer ``input_ids`` / ``labels`` /
+            ``position_ids``, a float ``attention_mask``, a non-bool ``response_mask``, a
+            non-bool ``entropy``.
         ValueError: an architecture not in :data:`SUPPORTED_ARCHITECTURES` (the message names
-            its ``config.model_type``), a model without a body or an LM head, vocabulary sizes
-            that differ, a policy with a soft-cap and a reference without one, (B, T) arguments
-            of another shape or device, an LM head that is not a plain ``nn.Linear`` or not on
-            the device of ``input_ids``, temperature ≤ 0, an unknown backend; with ``check``:
-            scored labels (or input_ids) outside [0, V), and (from ``linear_kl``) NaN in a
-            counted position.
+            its ``config.model_type``), a model without an LM head, an LM head that is not an
+            ``nn.Linear`` (or a PEFT LoRA / ``modules_to_save`` one), ``DataParallel`` or a
+            ``torch.compile``'d module, ``ref_model=None`` with a policy that is not a
+            ``PeftModel``, vocabulary sizes that differ, a policy with a soft-cap and a
+            reference without one, (B, T) arguments of another shape or device, packed
+            ``position_ids`` with an ``attention_mask``, a head that receives anything but
+            (B, T, H) hidden states, temperature ≤ 0, an unknown backend, an invalid support;
+            with ``check``: scored labels (or input_ids) outside [0, V), NaN in a counted
+            position, a sampled token outside the support.
     """
-    policy_body, policy_head, policy_type = _model_parts("policy_model", policy_model)
-    ref_body, ref_head, ref_type = _model_parts("ref_model", ref_model)
-    vocab, ref_vocab = policy_head.weight.shape[0], ref_head.weight.shape[0]
-    if vocab != ref_vocab:
+    policy = _model_parts("policy_model", policy_model)
+    disabled = ref_model is None
+    if disabled:
+        if policy.peft is None:
+            raise ValueError(
+                "ref_model=None means the policy with its adapters disabled, which needs a "
+                f"PeftModel policy; policy_model is {type(policy_model).__name__}"
+                f" ({type(policy.lm).__name__} inside): pass the reference model"
+            )
+        ref = policy
+    else:
+        ref = _model_parts("ref_model", ref_model)
+    if policy.vocab is not None and ref.vocab is not None and policy.vocab != ref.vocab:
         raise ValueError(
             "policy_model and ref_model must have the same vocabulary size V: policy_model "
-            f"({policy_type}) LM head {v.describe(policy_head.weight)}, ref_model ({ref_type}) "
-            f"LM head {v.describe(ref_head.weight)}"
+            f"({policy.model_type}) LM head out_features={policy.vocab}, ref_model "
+            f"({ref.model_type}) LM head out_features={ref.vocab}"
         )
-    if policy_head.softcap is not None and ref_head.softcap is None:
+    if policy.softcap is not None and ref.softcap is None:
         raise ValueError(
-            f"policy_model ({policy_type}) soft-caps its logits and ref_model ({ref_type}) does "
-            "not: linear_kl cannot yet leave the reference uncapped while capping the policy"
+            f"policy_model ({policy.model_type}) soft-caps its logits and ref_model "
+            f"({ref.model_type}) does not: linear_kl cannot yet leave the reference uncapped "
+            "while capping the policy"
         )
 
-    counted, real = _scored(input_ids, attention_mask, labels, response_mask)  # (B, T - 1)
+    counted, real = _scored(input_ids, attention_mask, labels, response_mask, position_ids)
     B, T = input_ids.shape
-    for name, head in (("policy_model", policy_head), ("ref_model", ref_head)):
-        if head.weight.device != input_ids.device:
-            raise ValueError(
-                f"{name}'s LM head is on {head.weight.device} and input_ids on "
-                f"{input_ids.device}: both models' heads must be on the batch's device"
-            )
-    if position_ids is not None:
-        _check_ids("position_ids", position_ids, (B, T), input_ids.device)
-    elif real is not None:
+    if position_ids is None and real is not None:
         position_ids = generate_position_ids(real)
     temperature = v.check_temperature(temperature)
     if not isinstance(entropy, bool):
         raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
     get_backend(backend, input_ids.device)  # an unknown backend fails before the models run
     tokens = (input_ids if labels is None else labels)[:, 1:]  # (B, T - 1)
-    if check:  # names the caller's argument (linear_kl's check would say "tokens")
-        name, ids = ("input_ids", input_ids) if labels is None else ("labels", labels)
-        _check_scored_range(name, ids, counted, vocab)
+    vocab = policy.vocab
+    if vocab is not None:
+        parse_support(support, top_k, top_p, min_p, (B, T - 1, vocab), input_ids.device)
+        if check:  # names the caller's argument (linear_kl's check would say "tokens")
+            name, ids = ("input_ids", input_ids) if labels is None else ("labels", labels)
+            _check_scored_range(name, ids, counted, vocab)
 
-    policy_hidden = _last_hidden(policy_body, input_ids, attention_mask, position_ids)
-    ref_grad = any(p.requires_grad for p in ref_model.parameters())
-    with contextlib.nullcontext() if ref_grad else torch.no_grad():
-        ref_hidden = _last_hidden(ref_body, input_ids, attention_mask, position_ids)
-
-    return linear_kl(
-        policy_hidden[:, :-1],  # (B, T - 1, H_p): position t predicts token t + 1
-        policy_head.weight,
-        ref_hidden[:, :-1],  # (B, T - 1, H_r)
-        ref_head.weight,
-        tokens=tokens,
-        mask=counted,  # rows not counted never reach the heads
-        temperature=temperature,
-        policy_bias=policy_head.bias,
-        ref_bias=ref_head.bias,
-        logit_scale=policy_head.scale,
-        softcap=policy_head.softcap,
-        ref_logit_scale=ref_head.scale,
-        ref_softcap=ref_head.softcap,
-        entropy=entropy,
-        ignore_index=IGNORE_INDEX,
-        chunk_rows=chunk_rows,
-        backend=backend,
-        check=check,
+    kwargs = dict(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+        use_cache=False,
     )
+    refh = _reference_head(ref, "ref_model" if not disabled else "policy_model (adapters "
+                           "disabled)", kwargs, (B, T), disabled)
+    if refh.weight.shape[0] != policy.vocab and policy.vocab is not None:
+        raise ValueError(
+            "policy_model and ref_model must have the same vocabulary size V: policy_model "
+            f"LM head out_features={policy.vocab}, ref_model LM head {v.describe(refh.weight)}"
+        )
+    made: list[torch.Tensor] = []
+
+    def forward_of(module):
+        def fused(hidden, *args, **kw):
+            if made:
+                raise RuntimeError("policy_model's forward called its LM head more than once")
+            weight, bias = _head_weight(module)
+            _check_head_input("policy_model", hidden, (B, T), weight)
+            stats = linear_kl(
+                hidden[:, :-1],  # (B, T - 1, H_p): position t predicts token t + 1
+                weight,
+                refh.hidden[:, :-1],  # (B, T - 1, H_r)
+                refh.weight,
+                tokens=tokens,
+                mask=counted,  # rows not counted never reach the heads
+                temperature=temperature,
+                policy_bias=bias,
+                ref_bias=refh.bias,
+                logit_scale=policy.scale,
+                softcap=policy.softcap,
+                ref_logit_scale=ref.scale,
+                ref_softcap=ref.softcap,
+                entropy=entropy,
+                support=support,
+                top_k=top_k,
+                top_p=top_p,
+                min_p=min_p,
+                ignore_index=IGNORE_INDEX,
+                chunk_rows=chunk_rows,
+                backend=backend,
+                check=check,
+            )
+            ent = stats.entropy if entropy else torch.zeros_like(stats.kl)
+            made.append(torch.stack([stats.kl, stats.logprobs, stats.ref_logprobs, ent], -1))
+            return made[0]  # (B, T - 1, 4): the head's output, through the model's forward
+
+        return fused
+
+    with _head_forward(policy, forward_of):
+        out = policy.outer(**kwargs)
+    if not made:
+        raise RuntimeError("policy_model's forward did not call its LM head")
+    packed = out.logits if hasattr(out, "logits") else out[0]
+    if not (isinstance(packed, torch.Tensor) and packed.shape == made[0].shape
+            and torch.equal(packed.detach(), made[0].detach())):
+        raise RuntimeError(
+            f"policy_model's forward ({type(policy_model).__name__}) changed its LM head's "
+            "output before returning it (a logit transform klpenalty.hf does not switch off "
+            f"for model_type {policy.model_type!r})"
+        )
+    kl, lp, rlp, ent = (packed[..., k].contiguous() for k in range(4))
+    return TokenStats(kl, lp, rlp, ent if entropy else None)

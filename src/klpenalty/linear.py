@@ -27,6 +27,8 @@ from .functional import TokenStats
 from .ops import autograd as ag
 from .ops import native, streaming, triton_kernels
 from .ops.dispatch import get_backend
+from .ops.streaming import outside_support_error
+from .sampling import parse_support, rows_of_support
 
 __all__ = ["linear_kl"]
 
@@ -88,6 +90,8 @@ def _chunk_forward(
     temperature: float,
     want_entropy: bool,
     impl,
+    keep: Optional[Tensor] = None,
+    tau: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """The per-row statistics of one chunk of logits: one ``<backend>_token_stats`` call.
 
@@ -98,6 +102,8 @@ def _chunk_forward(
         temperature: > 0.
         want_entropy: compute H(π).
         impl: the backend module (:func:`klpenalty.ops.dispatch.get_backend`).
+        keep, tau: the policy's support on these rows, (R, V) bool / (R,) threshold, or None
+            (:func:`klpenalty.sampling.rows_of_support`).
 
     Returns:
         ``out`` (R, 4) in the compute dtype, columns kl, logprobs, ref_logprobs, entropy (0 where
@@ -106,7 +112,7 @@ def _chunk_forward(
     """
     want = _want(tokens, want_entropy)
     return _op(impl, "token_stats")(
-        zp, zr, tokens, mask, None, None, temperature, IGNORE, want, False, 0, 0
+        zp, zr, tokens, mask, keep, tau, temperature, IGNORE, want, False, 0, 0
     )
 
 
@@ -121,6 +127,8 @@ def _chunk_backward(
     need_p: bool,
     need_r: bool,
     impl,
+    keep: Optional[Tensor] = None,
+    tau: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
     """∂/∂zp and ∂/∂zr of Σ grad_out·out for one chunk: one ``<backend>_token_stats_backward``
     call.
@@ -128,7 +136,8 @@ def _chunk_backward(
     Args:
         grad_out: (R, 4) upstream gradients of the columns of ``out`` (0 where unused, and in
             the entropy column when it was not requested).
-        zp, zr, tokens, mask, temperature, impl: as given to :func:`_chunk_forward`; ``zr``
+        zp, zr, tokens, mask, temperature, impl, keep, tau: as given to
+            :func:`_chunk_forward`; ``zr``
             None when no gradient needs the reference (then ``need_r`` is False).
         stats: (R, k) from :func:`_chunk_forward`.
         need_p, need_r: which gradients to compute.
@@ -150,7 +159,7 @@ def _chunk_backward(
             torch.zeros_like(zr) if need_r else None,
         )
     gx, gy = _op(impl, "token_stats_backward")(
-        grad_out, zp, zr, tokens, stats, mask, None, None, temperature, IGNORE, want,
+        grad_out, zp, zr, tokens, stats, mask, keep, tau, temperature, IGNORE, want,
         need_p, need_r, 0, 0,
     )
     return (gx if need_p else None), (gy if need_r else None)
@@ -250,33 +259,42 @@ class _LinearKL(torch.autograd.Function):
 
     Inputs are already validated; hidden states are (N, H_p) / (N, H_r) rows. ``rows`` (M,)
     int64 are the counted rows (None = all N); ``tokens`` (N,) int64 with ignored positions
-    set to :data:`IGNORE`, or None. Outputs: kl, logprobs, ref_logprobs, entropy, each (N,)
-    in the compute dtype (0 for outputs not requested, rows not counted).
+    set to :data:`IGNORE`, or None. ``opts`` ends with the parsed support
+    (:func:`klpenalty.sampling.parse_support`): each chunk's thresholds are computed on its
+    rows' logits (they are per row), saved for the backward, and a kept set is re-read there.
+    Outputs: kl, logprobs, ref_logprobs, entropy, each (N,) in the compute dtype (0 for
+    outputs not requested, rows not counted).
     """
 
     @staticmethod
     def forward(ctx, hp, wp, bp, hr, wr, br, tokens, rows, opts):
-        temperature, scale_p, cap_p, scale_r, cap_r, want_entropy, chunk, impl = opts
+        temperature, scale_p, cap_p, scale_r, cap_r, want_entropy, chunk, impl, support = opts
         n = hp.shape[0]
         dtype = v.compute_dtype(hp, wp, hr, wr)
         outs = [hp.new_zeros(n, dtype=dtype) for _ in range(4)]
         m = n if rows is None else rows.shape[0]
-        stats = None
+        stats = taus = None
         for r0 in range(0, m, chunk):
             r1 = min(m, r0 + chunk)
             sel = slice(r0, r1) if rows is None else rows[r0:r1]
             zp = _logits(hp[sel], wp, bp, scale_p, cap_p)  # (R, V)
             zr = _logits(hr[sel], wr, br, scale_r, cap_r)  # (R, V)
             tok = None if tokens is None else tokens[sel]
-            out, st = _chunk_forward(zp, zr, tok, None, temperature, want_entropy, impl)
-            del zp, zr
+            keep, tau = _chunk_support(support, zp, rows, r0, r1, temperature)
+            out, st = _chunk_forward(zp, zr, tok, None, temperature, want_entropy, impl,
+                                     keep, tau)
+            del zp, zr, keep
             if stats is None:
                 stats = st.new_empty((m, st.shape[-1]))
             stats[r0:r1] = st
+            if support[0] == "rule":
+                if taus is None:
+                    taus = tau.new_empty(m)
+                taus[r0:r1] = tau
             for k in range(4):
                 outs[k][sel] = out[:, k]
             del out, st
-        ctx.save_for_backward(hp, wp, bp, hr, wr, br, tokens, rows, stats)
+        ctx.save_for_backward(hp, wp, bp, hr, wr, br, tokens, rows, stats, taus)
         ctx.opts = opts
         ctx.set_materialize_grads(False)
         unused = [outs[k] for k, on in ((LOGPROBS, tokens is not None),
@@ -288,8 +306,8 @@ class _LinearKL(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        hp, wp, bp, hr, wr, br, tokens, rows, stats = ctx.saved_tensors
-        temperature, scale_p, cap_p, scale_r, cap_r, _, chunk, impl = ctx.opts
+        hp, wp, bp, hr, wr, br, tokens, rows, stats, taus = ctx.saved_tensors
+        temperature, scale_p, cap_p, scale_r, cap_r, _, chunk, impl, support = ctx.opts
         need = ctx.needs_input_grad[:6]
         need_p, need_r = any(need[:3]), any(need[3:6])
         n = hp.shape[0]
@@ -322,10 +340,15 @@ class _LinearKL(torch.autograd.Function):
                 zp = _logits(hpc, wp, bp, scale_p, cap_p)  # (R, V), recomputed
                 zr = _logits(hrc, wr, br, scale_r, cap_r) if use_ref else None  # (R, V)
                 tok = None if tokens is None else tokens[sel]
+                if taus is not None:  # the forward's thresholds
+                    keep, tau = None, taus[r0:r1]
+                else:  # a kept set (or none), re-read for these rows
+                    keep, tau = _chunk_support(support, zp, rows, r0, r1, temperature)
                 dzp, dzr = _chunk_backward(
                     g_all[sel].to(dtype), zp, zr, tok, None, stats[r0:r1], temperature,
-                    need_p, need_r, impl,
+                    need_p, need_r, impl, keep, tau,
                 )
+                del keep
                 # the logits are needed again only for the soft-cap's derivative: free them now
                 zp = zp if cap_p is not None else None
                 zr = zr if cap_r is not None else None
@@ -346,6 +369,17 @@ class _LinearKL(torch.autograd.Function):
             grad_hr, cast(grad_wr, wr), cast(grad_br, br),
             None, None, None,
         )
+
+
+def _chunk_support(support, zp: Tensor, rows: Optional[Tensor], r0: int, r1: int,
+                   temperature: float) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """(keep, tau) of the chunk of counted rows r0:r1 (``rows`` None = all), from its policy
+    logits ``zp`` (R, V) and the parsed ``support`` (kind, payload)."""
+    kind, payload = support
+    if kind == "none":
+        return None, None
+    flat = torch.arange(r0, r1, device=zp.device) if rows is None else rows[r0:r1]
+    return rows_of_support(kind, payload, zp, flat, temperature)
 
 
 # ------------------------------------------------------------------------------ validation
@@ -418,6 +452,10 @@ def linear_kl(
     ref_logit_scale: Optional[float] = None,
     ref_softcap: Optional[float] = None,
     entropy: bool = False,
+    support=None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
     ignore_index: int = -100,
     chunk_rows: Optional[int] = None,
     backend: str = "auto",
@@ -437,6 +475,12 @@ def linear_kl(
     reduced by the backend's engine and dropped; the backward recomputes them chunk by chunk.
     Peak extra memory is a few (R, V) buffers plus O(N) statistics.
 
+    With ``support`` or ``top_k``/``top_p``/``min_p``, π is replaced by π̃, the policy that
+    really sampled, exactly as in :func:`klpenalty.token_stats` (temperature first, top-k →
+    top-p → min-p, ties at a boundary kept; π̃ renormalised on the kept set, ρ never
+    truncated): each chunk's per-row thresholds are computed from that chunk's policy logits
+    (:mod:`klpenalty.sampling`), so the kept sets equal those of the materialised logits.
+
     Args:
         policy_hidden: (..., H_p) float, the policy's last hidden states. Gradients flow.
         policy_weight: (V, H_p), the policy's LM head (output embedding), same dtype.
@@ -453,7 +497,12 @@ def linear_kl(
         logit_scale: > 0, multiplies the policy's logits (h Wᵀ + b).
         softcap: > 0 or None, the policy's final-logit soft-cap.
         ref_logit_scale, ref_softcap: the reference's; None = the policy's values.
-        entropy: also return H(π).
+        entropy: also return H(π) (H(π̃) with a support).
+        support: the policy's kept set per position, as in :func:`klpenalty.token_stats`: a
+            bool (..., V) tensor, or a pair ``(ids, offsets)`` (flat kept ids, N + 1 offsets,
+            rows in row-major order of the leading dims). Excludes the three settings below.
+        top_k, top_p, min_p: the sampler's settings (int ≥ 1; (0, 1]; [0, 1]), applied to
+            the policy's transformed logits at ``temperature``.
         ignore_index: negative int; positions whose token equals it give log-probs 0 (and zero
             gradient through them); their KL and entropy still count unless masked.
         chunk_rows: ≥ 1 rows per chunk; None picks R from V (≈12 MiB of float32 logits per
@@ -463,7 +512,9 @@ def linear_kl(
         check: raise ValueError for token ids out of range and for NaN in a counted position's
             outputs (naming the hidden states or the weight that hold NaN). One host read of
             the tokens and one of the (N,) outputs per call; ``check=False`` skips both. (A
-            ``mask`` costs one more: the indices of the counted rows.)
+            ``mask`` costs one more: the indices of the counted rows.) With a support, a
+            sampled token outside it raises too, naming its position (``check=False``: its
+            log-prob is −inf).
 
     Returns:
         :class:`klpenalty.TokenStats` ``(kl, logprobs, ref_logprobs, entropy)``, each (...)
@@ -483,7 +534,9 @@ def linear_kl(
         ValueError: ranks or shapes that do not match (hidden sizes vs weights, V of the two
             weights, bias shapes, leading dims, tokens, mask), tensors on different devices,
             temperature / scales ≤ 0, a soft-cap ≤ 0, chunk_rows < 1, ignore_index ≥ 0, an
-            unknown backend; with ``check``: token ids out of range, NaN in a counted position.
+            unknown backend, a support of another shape (or with sampler settings), sampler
+            settings out of range; with ``check``: token ids out of range, NaN in a counted
+            position, a sampled token outside the support.
     """
     _check_head("policy", policy_hidden, policy_weight, policy_bias)
     _check_head("ref", ref_hidden, ref_weight, ref_bias)
@@ -529,6 +582,7 @@ def linear_kl(
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1 or None, got {chunk_rows}")
     impl = get_backend(backend, device)
+    support = parse_support(support, top_k, top_p, min_p, (*leading, vocab), device)
 
     n = math.prod(leading)
     hp = policy_hidden.reshape(n, policy_hidden.shape[-1])  # (N, H_p)
@@ -545,7 +599,7 @@ def linear_kl(
             tok = tok.masked_fill(tok == ignore_index, IGNORE)
     m = n if rows is None else rows.shape[0]
     chunk = int(chunk_rows) if chunk_rows is not None else default_chunk_rows(m, vocab, device)
-    opts = (temperature, scale_p, cap_p, scale_r, cap_r, entropy, chunk, impl)
+    opts = (temperature, scale_p, cap_p, scale_r, cap_r, entropy, chunk, impl, support)
     outs = _LinearKL.apply(
         hp, policy_weight, policy_bias, hr, ref_weight, ref_bias, tok, rows, opts
     )
@@ -556,6 +610,10 @@ def linear_kl(
             {"policy_hidden": policy_hidden, "ref_hidden": ref_hidden},
             {k: t for k, t in named.items() if "hidden" not in k and t is not None},
         )
+        if support[0] != "none" and tok is not None:
+            outside = torch.isneginf(outs[LOGPROBS]) & (tok != IGNORE)  # (N,)
+            if bool(outside.any()):
+                raise outside_support_error(outside.reshape(leading), tokens)
     kl, lp, rlp, ent = (o.reshape(leading) for o in outs)
     return TokenStats(
         kl,

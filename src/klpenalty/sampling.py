@@ -51,6 +51,8 @@ __all__ = [
     "support_from_ids",
     "resolve_support",
     "check_sampler",
+    "parse_support",
+    "rows_of_support",
     "CHUNK_ELEMENTS",
 ]
 
@@ -281,22 +283,20 @@ def _check_compact(ids: object, offsets: object, n: int, vocab: int, device) -> 
         raise ValueError(f"support ids must lie in [0, {vocab}) ({v.describe(ids)})")
 
 
-def resolve_support(
-    logits: Tensor,
-    support: object,
-    top_k: object,
-    top_p: object,
-    min_p: object,
-    temperature: float,
-) -> tuple[Tensor | None, Tensor | None]:
-    """The ``(keep, tau)`` of the public functions' ``support=`` / ``top_k=`` / ``top_p=`` /
-    ``min_p=`` arguments (validated here), or (None, None) for the untruncated policy.
+def parse_support(
+    support: object, top_k: object, top_p: object, min_p: object, shape, device
+) -> tuple[str, object]:
+    """The ``support=`` / ``top_k=`` / ``top_p=`` / ``min_p=`` arguments of a public function,
+    validated against policy logits of ``shape`` (..., V) on ``device`` (the logits need not
+    exist: :func:`klpenalty.linear_kl` builds them a chunk at a time).
 
-    ``support``: a bool (..., V) tensor (used as ``keep``) or a pair ``(ids, offsets)``
-    (:func:`support_from_ids`); it excludes the three sampler settings.
+    Returns ``(kind, payload)``: ``("none", None)`` (the untruncated policy), ``("keep", mask)``
+    a bool (..., V) tensor, ``("ids", (ids, offsets))`` a compact kept set (checked), or
+    ``("rule", (top_k, top_p, min_p))`` sampler settings of which at least one cuts.
     """
     samplers = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
     given = [name for name, val in samplers.items() if val is not None]
+    shape = tuple(shape)
     if support is not None:
         if given:
             raise ValueError(
@@ -309,23 +309,24 @@ def resolve_support(
                     f"support must be a bool tensor (..., V) (True = kept) or a pair "
                     f"(ids, offsets), got {v.describe(support)}"
                 )
-            if support.shape != logits.shape:
+            if tuple(support.shape) != shape:
                 raise ValueError(
-                    f"support must have the shape of the policy logits {tuple(logits.shape)}, "
+                    f"support must have the shape of the policy logits {shape}, "
                     f"got {v.describe(support)}"
                 )
-            if support.device != logits.device:
-                raise ValueError(f"support must be on {logits.device}, got {support.device}")
-            return support, None
+            if support.device != device:
+                raise ValueError(f"support must be on {device}, got {support.device}")
+            return "keep", support
         if isinstance(support, (tuple, list)) and len(support) == 2:
-            return support_from_ids(logits, support[0], support[1])
+            _check_compact(support[0], support[1], math.prod(shape[:-1]), shape[-1], device)
+            return "ids", (support[0], support[1])
         raise TypeError(
             "support must be a bool tensor (..., V) or a pair (ids, offsets) of integer "
             f"tensors, got {type(support).__name__}"
         )
     if not given:
-        return None, None
-    vocab = logits.shape[-1]
+        return "none", None
+    vocab = shape[-1]
     top_k, top_p, min_p = check_sampler(top_k, top_p, min_p).values()
     cuts = (
         top_k is not None and top_k < vocab,
@@ -333,8 +334,59 @@ def resolve_support(
         min_p is not None and min_p > 0.0,
     )
     if not any(cuts):  # nothing cut: the untruncated policy (NaN logits still reported)
-        return None, None
-    tau = sampling_threshold(
-        logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature
-    )
-    return None, tau
+        return "none", None
+    return "rule", (top_k, top_p, min_p)
+
+
+def resolve_support(
+    logits: Tensor,
+    support: object,
+    top_k: object,
+    top_p: object,
+    min_p: object,
+    temperature: float,
+) -> tuple[Tensor | None, Tensor | None]:
+    """The ``(keep, tau)`` of the public functions' ``support=`` / ``top_k=`` / ``top_p=`` /
+    ``min_p=`` arguments (validated by :func:`parse_support`), or (None, None) for the
+    untruncated policy.
+
+    ``support``: a bool (..., V) tensor (used as ``keep``) or a pair ``(ids, offsets)``
+    (:func:`support_from_ids`); it excludes the three sampler settings.
+    """
+    kind, payload = parse_support(support, top_k, top_p, min_p, logits.shape, logits.device)
+    if kind == "keep":
+        return payload, None
+    if kind == "ids":
+        return support_from_ids(logits, *payload)
+    if kind == "rule":
+        top_k, top_p, min_p = payload
+        tau = sampling_threshold(
+            logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature
+        )
+        return None, tau
+    return None, None
+
+
+def rows_of_support(kind: str, payload: object, logits: Tensor, rows: Tensor,
+                    temperature: float) -> tuple[Tensor | None, Tensor | None]:
+    """``(keep, tau)`` of the rows ``rows`` (R,) (flat indices into the N positions of the
+    parsed support) for their policy logits ``logits`` (R, V): the support of a chunk of rows.
+
+    The thresholds are per row, so a chunk's are those of the whole computed on its rows.
+    """
+    if kind == "keep":
+        return payload.reshape(-1, payload.shape[-1])[rows], None
+    if kind == "ids":
+        ids, offsets = payload
+        starts, counts = offsets[rows], offsets[rows + 1] - offsets[rows]  # (R,)
+        new_offsets = torch.zeros(rows.shape[0] + 1, dtype=offsets.dtype, device=offsets.device)
+        new_offsets[1:] = counts.cumsum(0)
+        # the position of each kept id of the chunk in ``ids``: its row's start + its rank
+        rank = torch.arange(int(new_offsets[-1]), device=ids.device) - torch.repeat_interleave(
+            new_offsets[:-1], counts
+        )
+        return support_from_ids(logits, ids[torch.repeat_interleave(starts, counts) + rank],
+                                new_offsets)
+    if kind == "rule":
+        return resolve_support(logits, None, *payload, temperature)
+    return None, None

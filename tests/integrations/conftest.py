@@ -1,7 +1,7 @@
 """What ``make test`` collects here, and what only ``make test-integrations`` does.
 
-The files below need packages that the core install does not have (the ``trl`` extra, and
-verl's and OpenRLHF's source installed without their dependencies). ``make
+The files below need packages that the core install does not have (the ``trl`` extra, peft
+and DeepSpeed, and verl's and OpenRLHF's source installed without their dependencies). ``make
 test-integrations`` installs them and sets ``KLPENALTY_INTEGRATIONS=1``, which collects these
 files too; a missing package then fails the run instead of being skipped. ``make test`` leaves
 them out (so it neither fails nor skips there) and runs the rest of this folder: the verl and
@@ -18,6 +18,7 @@ NEEDS_EXTRAS = [
     "trl_setup.py",
     "trl_torchrun_worker.py",
     "test_stack_sources.py",
+    "test_wrapped.py",
 ]
 
 collect_ignore = [] if os.environ.get("KLPENALTY_INTEGRATIONS") == "1" else NEEDS_EXTRAS

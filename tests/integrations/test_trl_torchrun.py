@@ -32,8 +32,8 @@ from ..tolerances import tol
 ROOT = Path(__file__).resolve().parents[2]  # holds the ``tests`` package
 RUN_TIMEOUT_S = 240
 # (case, world size): DDP with one process too (accelerate wraps the model whenever torchrun
-# sets up a process group)
-RUNS = [("ddp", 1), ("ddp", 2), ("checkpointing", 2), ("peft", 2), ("zero3", 2)]
+# sets up a process group), there with gradient checkpointing
+RUNS = [("checkpointing", 1), ("ddp", 2), ("peft", 2), ("zero3", 2)]
 WRAPPER = {"zero3": "DeepSpeedEngine"}  # the others: DistributedDataParallel
 _RESULTS: dict[tuple[str, int], list[dict]] = {}
 

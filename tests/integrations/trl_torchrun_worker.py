@@ -32,8 +32,10 @@ import faulthandler
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
+import accelerate
 import datasets
 import torch
 import torch.distributed as dist
@@ -157,13 +159,17 @@ def main(case_name: str, out: Path, hang_s: float) -> None:
     if case.get("gradient_checkpointing"):
         config["gradient_checkpointing"] = True
     if case.get("zero3"):
+        # DeepSpeed on CPU: accelerate's CPU mode excludes DeepSpeed, and its DeepSpeed mode
+        # finds no backend without a GPU. A process state made first with gloo (DeepSpeed's
+        # comm on its CPU accelerator) stands in for `accelerate launch --use_deepspeed`.
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+        accelerate.PartialState(backend="gloo", timeout=timedelta(seconds=120))
         config["deepspeed"] = ZERO3
+        config["accelerator_config"] = {"use_configured_state": True}
     args = trl.GRPOConfig(
         output_dir=str(out / f"run{rank}"), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=6, max_steps=STEPS, learning_rate=1e-2, beta=BETA,
-        # accelerate's CPU mode and DeepSpeed exclude each other: ZeRO-3 finds no GPU and runs on
-        # DeepSpeed's CPU accelerator (DS_ACCELERATOR=cpu)
-        use_cpu=not case.get("zero3"),
+        use_cpu=not case.get("zero3"),  # ZeRO-3: on DeepSpeed's CPU accelerator (no GPU here)
         loss_type="dapo", logging_steps=1, report_to="none", save_strategy="no",
         seed=0, disable_tqdm=True, bf16=False, ddp_timeout=120, **config,
     )
@@ -185,6 +191,10 @@ def main(case_name: str, out: Path, hang_s: float) -> None:
         dist.all_gather(everyone, p.contiguous())
         gap[n] = max(float((w - everyone[0]).abs().max()) for w in everyone)
     first = trainer.records[0]["weights"]
+    if case.get("zero3"):  # the plain models below are built unpartitioned
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
     result = {
         "world": world,
         "wrapped": type(trainer.model_wrapped).__name__,

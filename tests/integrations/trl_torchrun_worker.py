@@ -72,9 +72,10 @@ ZERO3 = {
 def lora_config():
     import peft
 
-    # random A and B (init_lora_weights=False): the policy starts away from its reference
+    # random A and B (init_lora_weights=False), scaled by alpha / r = 8: the policy starts away
+    # from its reference (the adapters disabled)
     return peft.LoraConfig(
-        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
+        r=4, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False,
         task_type="CAUSAL_LM",
     )
 
@@ -154,7 +155,9 @@ def main(case_name: str, out: Path, hang_s: float) -> None:
     rank = int(os.environ["RANK"])
     torch.manual_seed(0)
     ref_dir = out / f"ref{rank}"  # the same seeded weights on every rank
-    policy = reference_and_policy(ref_dir, perturb=not case.get("peft"))
+    # with PEFT the reference is this policy with its adapters disabled (ref_dir goes unused);
+    # its perturbed head makes the adapters' change of the hidden states show in the logits
+    policy = reference_and_policy(ref_dir)
     config = {}
     if case.get("gradient_checkpointing"):
         config["gradient_checkpointing"] = True

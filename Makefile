@@ -10,9 +10,7 @@ INTEGRATIONS_STAMP := $(VENV)/.klpenalty-integrations-installed
 # DeepSpeed, ...): tests/integrations/test_stack_sources.py reads their KL functions from it
 STACK_SOURCES ?= verl==0.9.1 openrlhf==0.11.2
 # the wrappers a user trains under (tests/integrations/test_trl_torchrun.py): PEFT, and DeepSpeed
-# built against the torch that is there (--no-build-isolation) for its CPU accelerator, with the
-# CPU communication op compiled here (DS_BUILD_SHM_COMM; else every fresh machine compiles it
-# at the first ZeRO-3 run, minutes on two cores; --no-cache-dir: not a cached wheel without it)
+# built against the torch that is there (--no-build-isolation; DS_ACCELERATOR=cpu runs it on CPU)
 PEFT_SPEC ?= peft==0.21.2
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 
@@ -36,8 +34,8 @@ $(INTEGRATIONS_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet -c $(VENV)/torch-constraint.txt -e '.[dev,demo,triton,hf,trl]'
 	$(PY) -m pip install --quiet --no-deps $(STACK_SOURCES)
 	$(PY) -m pip install --quiet -c $(VENV)/torch-constraint.txt "$(PEFT_SPEC)"
-	DS_ACCELERATOR=cpu DS_BUILD_SHM_COMM=1 $(PY) -m pip install --quiet --no-build-isolation \
-		--no-cache-dir -c $(VENV)/torch-constraint.txt "$(DEEPSPEED_SPEC)"
+	DS_ACCELERATOR=cpu $(PY) -m pip install --quiet --no-build-isolation \
+		-c $(VENV)/torch-constraint.txt "$(DEEPSPEED_SPEC)"
 	$(PY) -m pip list --format=freeze 2>/dev/null | grep -q '^$(TORCH_SPEC)' \
 		|| { echo "torch changed: expected $(TORCH_SPEC), have:"; \
 		     $(PY) -m pip list 2>/dev/null | grep -i '^torch '; exit 1; }

@@ -14,19 +14,15 @@ after ``RUN_TIMEOUT_S``.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-import klpenalty
+from ..ranks import collect_ranks, start_ranks, wait_ranks
 
-ROOT = Path(__file__).resolve().parents[2]  # holds the ``tests`` package
 RUN_TIMEOUT_S = 150
 
 
@@ -53,31 +49,12 @@ WORLD_SIZES = _world_sizes(BACKEND)
 
 
 def _start(world: int, tmp: Path) -> tuple[list[subprocess.Popen], list]:
-    src = str(Path(klpenalty.__file__).resolve().parents[1])
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([src, str(ROOT), env.get("PYTHONPATH", "")])
-    env["OMP_NUM_THREADS"] = "1"
-    procs, logs = [], []
-    for rank in range(world):
-        log = open(tmp / f"rank{rank}.log", "w")
-        logs.append(log)
-        cmd = [sys.executable, "-m", "tests.distributed.worker", str(rank), str(world),
-               str(tmp / "store"), str(tmp), BACKEND]  # fmt: skip
-        procs.append(
-            subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        )
-    return procs, logs
+    return start_ranks("tests.distributed.worker", world, tmp,
+                       [str(tmp / "store"), str(tmp), BACKEND])
 
 
 def _collect(world: int, tmp: Path, procs: list[subprocess.Popen]) -> list[dict]:
-    out = []
-    for rank, p in enumerate(procs):
-        path = tmp / f"rank{rank}.json"
-        if p.returncode != 0 or not path.exists():
-            text = (tmp / f"rank{rank}.log").read_text()[-4000:]
-            pytest.fail(f"world {world} rank {rank} exited with {p.returncode}:\n{text}")
-        out.append(json.loads(path.read_text())["results"])
-    return out
+    return collect_ranks(f"world {world}", tmp, procs)
 
 
 @pytest.fixture(scope="session")
@@ -90,19 +67,8 @@ def groups(tmp_path_factory) -> dict[int, list[dict]]:
         tmp = tmp_path_factory.mktemp(f"world{world}")
         runs[world] = (tmp, *_start(world, tmp))
     procs = [p for _, ps, _ in runs.values() for p in ps]
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    try:
-        for p in procs:
-            p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        for p in procs:  # only the processes this fixture started
-            p.kill()
-            p.wait()
-        pytest.fail(f"the ranks did not finish within {RUN_TIMEOUT_S} s")
-    finally:
-        for _, _, logs in runs.values():
-            for log in logs:
-                log.close()
+    logs = [log for _, _, ls in runs.values() for log in ls]
+    wait_ranks(procs, logs, RUN_TIMEOUT_S, "the process groups")
     return {world: _collect(world, tmp, ps) for world, (tmp, ps, _) in runs.items()}
 
 

@@ -165,6 +165,11 @@ def main(case_name: str, out: Path, hang_s: float) -> None:
         # DeepSpeed on CPU: accelerate's CPU mode excludes DeepSpeed, and its DeepSpeed mode
         # finds no backend without a GPU. A process state made first with gloo (DeepSpeed's
         # comm on its CPU accelerator) stands in for `accelerate launch --use_deepspeed`.
+        import deepspeed.ops
+
+        # DeepSpeed's CPU backend would JIT-compile an optional shared-memory collective at its
+        # first initialize (a C++ build, minutes here); gloo does the collectives without it
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         accelerate.PartialState(backend="gloo", timeout=timedelta(seconds=120))
         config["deepspeed"] = ZERO3

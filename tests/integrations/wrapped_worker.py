@@ -2,8 +2,9 @@
 
 Run from the repository root as ``python -m tests.integrations.wrapped_worker RANK WORLD
 STORE_FILE OUT_DIR GROUP``: the rank joins a gloo group through a FileStore (no ports), runs
-every check of GROUP (``ddp``, ``fsdp2``, ``fsdp1``, ``zero3``, ``peft``) in order and writes
-``OUT_DIR/rank{RANK}.json``: for each check ``{"ok": bool, "error": traceback}``.
+every check of GROUP (``torch``: DDP, FSDP2, FSDP1, PEFT; ``deepspeed``: ZeRO-3) in order and writes
+``OUT_DIR/rank{RANK}.json``: ``{"results": {check: {"ok": bool, "error": traceback,
+"seconds": float}}}``.
 
 Each check builds tiny random Llamas from a config (the same seed on every rank), gives each
 rank its own batch, and compares :func:`klpenalty.hf.causal_lm_kl` on the models as a user
@@ -25,6 +26,7 @@ import copy
 import json
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -186,20 +188,32 @@ def run(policy_w, ref_w, b: Batch, sampler: dict, backward=None):
 
 
 # ---------------------------------------------------------------------- the wrappers' checks
-def _plain_grads(model) -> dict:
-    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
-
-
-def check_ddp(rank, *, tied=False, packed=False, sampler=None, gc=False):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+def check_wrapped(rank, wrap, full_grads, *, sharded_ref=False, tied=False, packed=False,
+                  sampler=None):
+    """The plain models against ``wrap(copy of the policy)`` (and of the reference, with
+    ``sharded_ref``): values and ``full_grads(wrapped)``, every parameter's full gradient."""
     sampler = sampler or {}
     policy, ref = tiny_llama(1, tied=tied), tiny_llama(2, tied=tied).requires_grad_(False)
     b = Batch(rank, packed).greedy(policy) if sampler else Batch(rank, packed)
     values, want = expected(policy, ref, b, sampler)
-    wrapped = DDP(copy.deepcopy(policy))
-    out = run(wrapped, ref, b, sampler)
-    compare(out, values, _plain_grads(wrapped.module), want)
+    wrapped = wrap(copy.deepcopy(policy))
+    ref_w = wrap(copy.deepcopy(ref)) if sharded_ref else ref
+    out = run(wrapped, ref_w, b, sampler)
+    compare(out, values, full_grads(wrapped), want)
+
+
+def _plain_grads(model) -> dict:
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _ddp(model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model)
+
+
+def check_ddp(rank, **kw):
+    check_wrapped(rank, _ddp, lambda w: _plain_grads(w.module), **kw)
 
 
 def check_ddp_module_forward_is_one_call(rank):
@@ -235,15 +249,8 @@ def _dtensor_grads(model) -> dict:
     }
 
 
-def check_fsdp2(rank, *, tied=False, packed=False, sampler=None, sharded_ref=False):
-    sampler = sampler or {}
-    policy, ref = tiny_llama(1, tied=tied), tiny_llama(2, tied=tied).requires_grad_(False)
-    b = Batch(rank, packed).greedy(policy) if sampler else Batch(rank, packed)
-    values, want = expected(policy, ref, b, sampler)
-    wrapped = _fsdp2(copy.deepcopy(policy))
-    ref_w = _fsdp2(copy.deepcopy(ref)) if sharded_ref else ref
-    out = run(wrapped, ref_w, b, sampler)
-    compare(out, values, _dtensor_grads(wrapped), want)
+def check_fsdp2(rank, **kw):
+    check_wrapped(rank, _fsdp2, _dtensor_grads, **kw)
 
 
 def _fsdp1(model, use_orig_params: bool):
@@ -255,7 +262,7 @@ def _fsdp1(model, use_orig_params: bool):
                 use_orig_params=use_orig_params, device_id=torch.device("cpu"))
 
 
-def _fsdp1_grads(wrapped, use_orig_params: bool) -> dict:
+def _fsdp1_grads(wrapped) -> dict:
     """Every parameter's full gradient: the sharded flat gradients written into the flat
     parameters' shards, then gathered by summon_full_params (the model is not used again)."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -271,24 +278,24 @@ def _fsdp1_grads(wrapped, use_orig_params: bool) -> dict:
         return {n: p.detach().clone() for n, p in wrapped.named_parameters()}
 
 
-def check_fsdp1(rank, *, use_orig_params, sharded_ref=False, tied=False):
-    policy, ref = tiny_llama(1, tied=tied), tiny_llama(2, tied=tied).requires_grad_(False)
-    b = Batch(rank)
-    values, want = expected(policy, ref, b, {})
-    wrapped = _fsdp1(copy.deepcopy(policy), use_orig_params)
-    ref_w = _fsdp1(copy.deepcopy(ref), use_orig_params) if sharded_ref else ref
-    out = run(wrapped, ref_w, b, {})
-    compare(out, values, _fsdp1_grads(wrapped, use_orig_params), want)
+def check_fsdp1(rank, *, use_orig_params, **kw):
+    check_wrapped(rank, lambda m: _fsdp1(m, use_orig_params), _fsdp1_grads, **kw)
 
 
 def _zero3(model, *, train: bool):
     import deepspeed
+    import deepspeed.ops
+
+    # DeepSpeed's CPU backend JIT-compiles an optional shared-memory collective at its first
+    # initialize (a C++ build, minutes here); gloo does the collectives without it
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
     config = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
     }
     if train:
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -307,9 +314,23 @@ def check_zero3(rank, *, inner=False, sharded_ref=False, sampler=None):
     values, want = expected(policy, ref, b, sampler)
     engine = _zero3(copy.deepcopy(policy), train=True)
     ref_w = _zero3(copy.deepcopy(ref), train=False) if sharded_ref else ref
+    # partitioned: outside a forward every parameter is an empty placeholder
+    assert all(p.numel() == 0 for p in engine.module.parameters())
     out = run(engine.module if inner else engine, ref_w, b, sampler, backward=engine.backward)
     grads = {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
     compare(out, values, grads, want)
+
+
+def check_zero3_lora_head_raises(rank):
+    """A LoRA layer on the head under ZeRO-3: its base weight is gathered only by the base
+    layer's own forward, which the fused head does not call, so it raises, naming both."""
+    engine = _zero3(_lora(tiny_llama(1), head=True), train=True)
+    try:
+        causal_lm_kl(engine, None, Batch(rank).ids)
+    except ValueError as e:
+        assert "PEFT LoRA layer" in str(e) and "ZeRO-3" in str(e), str(e)
+    else:
+        raise AssertionError("no error for a LoRA head under ZeRO-3")
 
 
 def _lora(model, *, head=False, save_head=False):
@@ -361,39 +382,37 @@ def check_errors(rank):
 
 
 TOPK = {"top_k": 7, "top_p": 0.9}
+# One process group per entry: starting the processes and importing transformers costs most of
+# a group's time (each check takes about a second), so the wrappers of torch share one group;
+# DeepSpeed's (its import alone takes ~10 s) runs in its own, after which nothing else runs.
 GROUPS = {
-    "ddp": {
+    "torch": {
         "ddp": lambda r: check_ddp(r),
         "ddp_tied": lambda r: check_ddp(r, tied=True),
         "ddp_packed": lambda r: check_ddp(r, packed=True),
         "ddp_top_k_top_p": lambda r: check_ddp(r, sampler=TOPK),
         "ddp_head_restored": check_ddp_module_forward_is_one_call,
         "unknown_wrapper_error": check_errors,
-    },
-    "fsdp2": {
         "fsdp2": lambda r: check_fsdp2(r),
         "fsdp2_sharded_ref": lambda r: check_fsdp2(r, sharded_ref=True),
         "fsdp2_tied": lambda r: check_fsdp2(r, tied=True),
         "fsdp2_packed_top_k_top_p": lambda r: check_fsdp2(r, packed=True, sampler=TOPK),
-    },
-    "fsdp1": {
         "fsdp1_flat": lambda r: check_fsdp1(r, use_orig_params=False),
         "fsdp1_orig_params": lambda r: check_fsdp1(r, use_orig_params=True),
         "fsdp1_flat_sharded_ref": lambda r: check_fsdp1(r, use_orig_params=False, sharded_ref=True),
         "fsdp1_orig_params_sharded_ref_tied": lambda r: check_fsdp1(
             r, use_orig_params=True, sharded_ref=True, tied=True),
-    },
-    "zero3": {
-        "zero3_engine": lambda r: check_zero3(r),
-        "zero3_engine_module_sharded_ref": lambda r: check_zero3(r, inner=True, sharded_ref=True),
-        "zero3_top_k_top_p": lambda r: check_zero3(r, sampler=TOPK),
-    },
-    "peft": {
         "peft_lora_disabled_ref": lambda r: check_peft(r),
         "peft_lora_separate_ref": lambda r: check_peft(r, separate_ref=True),
         "peft_lora_gradient_checkpointing": lambda r: check_peft(r, gc=True),
         "peft_lora_on_head": lambda r: check_peft(r, head=True),
         "peft_modules_to_save_head": lambda r: check_peft(r, save_head=True),
+    },
+    "deepspeed": {
+        "zero3_engine": lambda r: check_zero3(r),
+        "zero3_engine_module_sharded_ref": lambda r: check_zero3(r, inner=True, sharded_ref=True),
+        "zero3_top_k_top_p": lambda r: check_zero3(r, sampler=TOPK),
+        "zero3_lora_head_raises": check_zero3_lora_head_raises,
     },
 }
 
@@ -409,14 +428,16 @@ def main() -> None:
                             world_size=world, timeout=timedelta(seconds=PG_TIMEOUT_S))
     results = {}
     for name, check in GROUPS[group].items():
+        start = time.perf_counter()
         try:
             check(rank)
             results[name] = {"ok": True, "error": ""}
         except Exception:  # reported per check by the test
             results[name] = {"ok": False, "error": traceback.format_exc()[-3000:]}
         dist.barrier()
+        results[name]["seconds"] = round(time.perf_counter() - start, 1)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
+        json.dump({"results": results}, f)
     dist.destroy_process_group()
 
 

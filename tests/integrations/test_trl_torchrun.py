@@ -85,6 +85,7 @@ def test_trains_and_the_ranks_weights_stay_equal(case, world, tmp_path_factory):
     for r in ranks:
         assert r["world"] == world and r["global_step"] == 2
         assert r["wrapped"] == WRAPPER.get(case, "DistributedDataParallel")
+        assert r["partitioned"] == (case == "zero3")  # ZeRO-3 shards every parameter
         # TRL's reference: none with PEFT (the adapter disabled), else a separate model
         assert (r["ref_model"] is None) == (case == "peft")
         assert r["gap"] and all(g == 0.0 for g in r["gap"].values()), r["gap"]

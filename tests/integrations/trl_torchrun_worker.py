@@ -2,13 +2,14 @@
 
 Run by ``test_trl_torchrun.py``, once per case and world size::
 
-    torchrun --standalone --nproc_per_node N -m tests.integrations.trl_torchrun_worker CASE OUT HANG_S
+    torchrun --standalone --nproc_per_node N -m tests.integrations.trl_torchrun_worker CASE OUT S
 
 Under torchrun accelerate wraps the policy as a user's launch does: DistributedDataParallel
 (gloo, on CPU) for every world size, or a DeepSpeed ZeRO-3 engine for ``zero3`` (the reference
 too). The cases (:data:`CASES`): ``ddp``, ``checkpointing`` (gradient checkpointing), ``peft``
 (a LoRA policy with TRL's ``ref_model=None``: the reference is the policy with its adapter
-disabled; with gradient checkpointing) and ``zero3``.
+disabled; with gradient checkpointing) and ``zero3``. A rank still running after S seconds
+prints its threads' stacks and exits.
 
 Every loss call is recorded on each rank: its batch and the policy's full weights before the
 step (gathered under ZeRO-3). After training each rank writes ``OUT/rank{r}.json`` with
@@ -22,7 +23,8 @@ step (gathered under ZeRO-3). After training each rank writes ``OUT/rank{r}.json
   0's (all_gather of the full weights), and ``moved``: per trainable parameter, the largest
   change over the run (a parameter that never got a gradient does not move under AdamW);
 - ``batch``: the completion ids of each loss call, to show that the ranks trained on
-  different batches (else equal weights would prove nothing about the all-reduce).
+  different batches (else equal weights would prove nothing about the all-reduce);
+- ``partitioned``: whether every parameter is an empty placeholder outside a forward (ZeRO-3).
 """
 
 from __future__ import annotations
@@ -165,10 +167,10 @@ def main(case_name: str, out: Path, hang_s: float) -> None:
         # DeepSpeed on CPU: accelerate's CPU mode excludes DeepSpeed, and its DeepSpeed mode
         # finds no backend without a GPU. A process state made first with gloo (DeepSpeed's
         # comm on its CPU accelerator) stands in for `accelerate launch --use_deepspeed`.
+        # DeepSpeed's CPU backend would also JIT-compile an optional shared-memory collective
+        # at its first initialize (a C++ build, minutes here): gloo does without it.
         import deepspeed.ops
 
-        # DeepSpeed's CPU backend would JIT-compile an optional shared-memory collective at its
-        # first initialize (a C++ build, minutes here); gloo does the collectives without it
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
         accelerate.PartialState(backend="gloo", timeout=timedelta(seconds=120))
@@ -181,15 +183,18 @@ def main(case_name: str, out: Path, hang_s: float) -> None:
         loss_type="dapo", logging_steps=1, report_to="none", save_strategy="no",
         seed=0, disable_tqdm=True, bf16=False, ddp_timeout=120, **config,
     )
+    dataset = datasets.Dataset.from_dict({"prompt": PROMPTS})
     trainer = Recording(
-        policy, share_of_a, args=args, train_dataset=datasets.Dataset.from_dict({"prompt": PROMPTS}),
-        processing_class=make_tokenizer(), kl_estimator="exact",
-        peft_config=lora_config() if case.get("peft") else None,
+        policy, share_of_a, args=args, train_dataset=dataset, processing_class=make_tokenizer(),
+        kl_estimator="exact", peft_config=lora_config() if case.get("peft") else None,
     )
     trainer.records = []
     trainer.train()
 
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    # ZeRO-3: outside a forward every parameter is an empty placeholder (this rank's shard is
+    # in the optimizer)
+    partitioned = all(p.numel() == 0 for p in unwrapped.parameters())
     final = full_weights(unwrapped)
     trainable = {n for n, p in unwrapped.named_parameters() if p.requires_grad}
     world = dist.get_world_size()
@@ -207,6 +212,7 @@ def main(case_name: str, out: Path, hang_s: float) -> None:
         "world": world,
         "wrapped": type(trainer.model_wrapped).__name__,
         "ref_model": type(trainer.ref_model).__name__ if trainer.ref_model is not None else None,
+        "partitioned": partitioned,
         "global_step": trainer.state.global_step,
         "logged": [h["kl_exact"] for h in trainer.state.log_history if "kl_exact" in h],
         "kl": [independent_kl(case, r, ref_dir) for r in trainer.records],

@@ -274,13 +274,13 @@ def test_unknown_estimator_is_refused():
 
 
 def test_a_peft_reference_adapter_is_refused(tmp_path):
-    # TRL's reference for a PEFT policy with an adapter named "ref" is that adapter; the exact
-    # KL's is the policy with its adapters disabled, so the trainer refuses rather than differ
+    # given a PeftModel and beta > 0, TRL adds an adapter "ref" (a copy of the model's) and uses
+    # it as the reference; the exact KL's is the policy with its adapters disabled, so the
+    # trainer refuses rather than differ
     import peft
 
     lora = peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
     model = peft.get_peft_model(reference_and_policy(tmp_path / "ref", perturb=False), lora)
-    model.add_adapter("ref", lora)
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
         beta=BETA, report_to="none", use_cpu=True, bf16=False,

@@ -59,13 +59,16 @@ with one process; a DeepSpeed engine under ZeRO-3) and TRL's reference as TRL pr
 each model runs through its wrapper's own forward and the gradient is all-reduced (DDP) or
 reduce-scattered (ZeRO-3) as for TRL's own loss. With a PEFT policy TRL makes no reference model
 (``ref_model=None``): the reference is then the policy with its adapters disabled, as TRL's own
-reference log-probs are, computed in the same :func:`~klpenalty.hf.causal_lm_kl` call.
+reference log-probs are, computed in the same :func:`~klpenalty.hf.causal_lm_kl` call (give
+the base model and ``peft_config=``; see the limits).
 Gradient checkpointing works (TRL's default for ``use_reentrant``).
 
 **Limits of "exact".** Text-only models of the architectures :func:`klpenalty.hf.causal_lm_kl`
-supports, no MoE auxiliary loss, no PEFT adapter named ``"ref"`` (TRL's reference when one
-is loaded under that name; refused); positions are numbered 0..T−1 as TRL's own log-prob
-pass numbers them. The other two estimators run wherever TRL's trainer runs.
+supports, no MoE auxiliary loss, no PEFT adapter named ``"ref"``: TRL's reference when the
+model has one, and TRL adds one (a copy of the adapter) when it is given a ``PeftModel`` with
+β > 0, so give a PEFT policy as the base model and ``peft_config=``; a ``PeftModel`` or a
+``"ref"`` adapter is refused. Positions are numbered 0..T−1 as TRL's own log-prob pass numbers
+them. The other two estimators run wherever TRL's trainer runs.
 
 Shape letters: B completions in a micro-batch, T prompt + completion length, L completion
 length (TRL's ``logits_to_keep``).
@@ -121,7 +124,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
 
     Raises:
         ValueError: an unknown ``kl_estimator``, or ``"exact"`` with β > 0 and a PEFT policy
-            whose reference is an adapter named ``"ref"``.
+            whose reference is an adapter named ``"ref"`` (as TRL makes it for a ``PeftModel``).
     """
 
     def __init__(self, *args, kl_estimator: str = "exact", **kwargs) -> None:
@@ -134,7 +137,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
             raise ValueError(
                 'kl_estimator="exact" takes a PEFT policy\'s reference as the policy with its '
                 'adapters disabled, but this model has an adapter named "ref", which TRL uses as '
-                'the reference: rename it, or use kl_estimator="k3_ratio"'
+                "the reference (TRL adds it, a copy of the adapter, when it is given a PeftModel "
+                "and beta > 0): pass the base model and peft_config=LoraConfig(...) instead, or "
+                'use kl_estimator="k3_ratio"'
             )
         if self.ref_model is not None:
             # TRL leaves the reference's parameters requiring grad (it runs it under no_grad);

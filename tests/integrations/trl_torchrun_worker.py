@@ -59,8 +59,10 @@ CASES = {
 }
 # ZeRO-3 for the policy and (TRL's prepare_deepspeed) the reference; the optimizer is the
 # trainer's torch AdamW, which DeepSpeed accepts only with zero_allow_untested_optimizer
+# (every parameter partitioned: by default ZeRO-3 keeps parameters under 1e5 elements whole, all
+# of this tiny model's)
 ZERO3 = {
-    "zero_optimization": {"stage": 3},
+    "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
     "train_micro_batch_size_per_gpu": "auto",
     "train_batch_size": "auto",
     "gradient_accumulation_steps": "auto",

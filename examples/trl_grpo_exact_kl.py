@@ -3,6 +3,12 @@
     pip install 'klpenalty[trl]'
     python examples/trl_grpo_exact_kl.py --model Qwen/Qwen2.5-0.5B-Instruct  # a causal LM id/path
     python examples/trl_grpo_exact_kl.py --tiny   # offline: a random one-layer Llama, on CPU
+    torchrun --nproc_per_node 2 examples/trl_grpo_exact_kl.py --tiny   # DDP, 2 processes
+    python examples/trl_grpo_exact_kl.py --tiny --lora   # a LoRA policy (pip install peft)
+
+Launch it as any TRL script (``torchrun``, ``accelerate launch``, a DeepSpeed ZeRO-3 config):
+the trainer computes the exact KL through the model as accelerate wraps it. With ``--lora``
+TRL keeps no reference model: the reference is the policy with its adapters disabled.
 
 The KL term is β·KL_seq(π‖ρ), the exact KL over the whole vocabulary summed over each
 completion, with the gradient of that objective (see klpenalty/integrations/trl.py); TRL's own
@@ -56,6 +62,7 @@ def main() -> None:
     parser.add_argument("--kl-estimator", default="exact", choices=["exact", "k3_ratio", "trl"])
     parser.add_argument("--beta", type=float, default=0.01, help="β per completion (exact)")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--lora", action="store_true", help="train a LoRA adapter (peft)")
     cli = parser.parse_args()
     if cli.tiny == bool(cli.model):
         parser.error("give --model or --tiny")
@@ -73,11 +80,19 @@ def main() -> None:
         learning_rate=1e-2 if cli.tiny else 1e-6,  # the tiny model must move to show a KL
         save_strategy="no", use_cpu=not torch.cuda.is_available(), bf16=torch.cuda.is_available(),
     )
+    peft_config = None
+    if cli.lora:  # TRL wraps the model; its reference is then the adapters disabled
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                 task_type="CAUSAL_LM")  # fmt: skip
     trainer = GRPOTrainer(
         model, reward, args=args, train_dataset=Dataset.from_dict({"prompt": prompts}),
-        processing_class=tokenizer, kl_estimator=cli.kl_estimator,
+        processing_class=tokenizer, kl_estimator=cli.kl_estimator, peft_config=peft_config,
     )
     trainer.train()
+    if not trainer.is_world_process_zero():  # under torchrun: one report
+        return
     for row in trainer.state.log_history:
         if "kl" in row:
             exact = row.get("kl_seq/exact")

@@ -12,6 +12,13 @@ from __future__ import annotations
 
 import os
 
-NEEDS_EXTRAS = ["test_trl.py", "test_stack_sources.py", "test_wrapped.py"]
+NEEDS_EXTRAS = [
+    "test_trl.py",
+    "test_trl_torchrun.py",
+    "trl_setup.py",
+    "trl_torchrun_worker.py",
+    "test_stack_sources.py",
+    "test_wrapped.py",
+]
 
 collect_ignore = [] if os.environ.get("KLPENALTY_INTEGRATIONS") == "1" else NEEDS_EXTRAS

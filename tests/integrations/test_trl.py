@@ -1,9 +1,9 @@
 """klpenalty.integrations.trl.GRPOTrainer, run for a few steps on CPU with TRL itself.
 
 Needs the ``trl`` extra: ``make test-integrations`` installs it and runs this file (``make
-test`` does not collect it; see tests/integrations/conftest.py). Nothing is downloaded: a
-word-level tokenizer built here, a randomly initialised one-layer Llama (seeded), a toy reward
-(the share of the letter "a" in a completion), eight prompts.
+test`` does not collect it; see tests/integrations/conftest.py). Nothing is downloaded: the
+setup of ``trl_setup.py`` (a word-level tokenizer, a randomly initialised one-layer Llama, a toy
+reward, eight prompts), in one process (``test_trl_torchrun.py`` runs it under torchrun).
 
 The policy starts away from the reference (its LM head perturbed; the reference is the saved
 initial checkpoint, which TRL loads itself from ``config._name_or_path``), so the KL and its
@@ -27,42 +27,18 @@ from klpenalty import full_kl
 from ..tolerances import GRAD_REL_TOL, tol
 
 import datasets
-import tokenizers
 import transformers
 import trl
 
 from klpenalty.integrations.trl import GRPOTrainer
 
+from .trl_setup import PROMPTS, llama_config, make_tokenizer, reference_and_policy, share_of_a
+
 # TRL 1.16 calls transformers' gradient_checkpointing_* names, deprecated in transformers 5
 pytestmark = pytest.mark.filterwarnings("ignore:`.*gradient_checkpointing.*:FutureWarning")
 
-WORDS = ["<pad>", "<eos>", "<unk>", *"abcdefgh"]
 BETA = 0.1
 STEPS = 3
-
-
-def make_tokenizer():
-    """A word-level tokenizer over WORDS, wrapped for transformers; built here, no download."""
-    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>")
-    tok = tokenizers.Tokenizer(model)
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok.decoder = tokenizers.decoders.WordPiece()  # joins the words with spaces
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
-
-
-def llama_config():
-    return transformers.LlamaConfig(
-        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-        pad_token_id=0, eos_token_id=1, bos_token_id=None,
-    )
-
-
-def share_of_a(completions, **kwargs):
-    """The toy reward: the fraction of a completion's words that are "a"."""
-    return [c.split().count("a") / max(len(c.split()), 1) for c in completions]
 
 
 class Recording(GRPOTrainer):
@@ -94,14 +70,8 @@ class Recording(GRPOTrainer):
 
 def train(tmp_path, kl_estimator: str, steps: int = STEPS, **config) -> Recording:
     config = {"loss_type": "dapo", **config}
-    torch.manual_seed(0)
-    ref_dir = tmp_path / "ref"
-    transformers.LlamaForCausalLM(llama_config()).save_pretrained(ref_dir)
-    policy = transformers.LlamaForCausalLM.from_pretrained(ref_dir)  # _name_or_path = ref_dir
-    with torch.no_grad():
-        policy.lm_head.weight.add_(0.5 * torch.randn_like(policy.lm_head.weight))
-        policy.lm_head.weight[1] += 0.6 * policy.lm_head.weight[1].abs()  # some early EOS
-    dataset = datasets.Dataset.from_dict({"prompt": ["a b", "c d e", "f", "g h a"] * 2})
+    policy = reference_and_policy(tmp_path / "ref")
+    dataset = datasets.Dataset.from_dict({"prompt": PROMPTS})
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
         max_completion_length=6, max_steps=steps, learning_rate=1e-2, beta=BETA,
@@ -301,3 +271,21 @@ def test_other_estimators_log_trls_kl_only(name, tmp_path_factory):
 def test_unknown_estimator_is_refused():
     with pytest.raises(ValueError, match="kl_estimator must be one of"):
         GRPOTrainer("unused", share_of_a, kl_estimator="k3")
+
+
+def test_a_peft_reference_adapter_is_refused(tmp_path):
+    # given a PeftModel and beta > 0, TRL adds an adapter "ref" (a copy of the model's) and uses
+    # it as the reference; the exact KL's is the policy with its adapters disabled, so the
+    # trainer refuses rather than differ
+    import peft
+
+    lora = peft.LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM")
+    model = peft.get_peft_model(reference_and_policy(tmp_path / "ref", perturb=False), lora)
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
+        beta=BETA, report_to="none", use_cpu=True, bf16=False,
+    )
+    dataset = datasets.Dataset.from_dict({"prompt": PROMPTS})
+    with pytest.raises(ValueError, match='adapter named "ref"'):
+        GRPOTrainer(model, share_of_a, args=args, train_dataset=dataset,
+                    processing_class=make_tokenizer(), kl_estimator="exact")  # fmt: skip

@@ -53,10 +53,22 @@ k3 averaged over completion tokens, as TRL logs it; with ``"exact"`` also ``kl_e
 exact KL averaged the same way, ``kl_seq/exact``, the exact KL per completion (Σ_t KL_t,
 averaged over completions) and ``kl_seq/k3``, TRL's k3 estimate of the same per-completion KL.
 
+**Where "exact" runs.** The trainer hands :func:`klpenalty.hf.causal_lm_kl` the policy as
+accelerate holds it (DistributedDataParallel under ``torchrun`` / ``accelerate launch``, even
+with one process; a DeepSpeed engine under ZeRO-3) and TRL's reference as TRL prepared it, so
+each model runs through its wrapper's own forward and the gradient is all-reduced (DDP) or
+reduce-scattered (ZeRO-3) as for TRL's own loss. With a PEFT policy TRL makes no reference model
+(``ref_model=None``): the reference is then the policy with its adapters disabled, as TRL's own
+reference log-probs are, computed in the same :func:`~klpenalty.hf.causal_lm_kl` call (give
+the base model and ``peft_config=``; see the limits).
+Gradient checkpointing works (TRL's default for ``use_reentrant``).
+
 **Limits of "exact".** Text-only models of the architectures :func:`klpenalty.hf.causal_lm_kl`
-supports, a separate reference model (not PEFT's disabled adapter), no MoE auxiliary loss;
-positions are numbered 0..T−1 as TRL's own log-prob pass numbers them. The other two
-estimators run wherever TRL's trainer runs.
+supports, no MoE auxiliary loss, no PEFT adapter named ``"ref"``: TRL's reference when the
+model has one, and TRL adds one (a copy of the adapter) when it is given a ``PeftModel`` with
+β > 0, so give a PEFT policy as the base model and ``peft_config=``; a ``PeftModel`` or a
+``"ref"`` adapter is refused. Positions are numbered 0..T−1 as TRL's own log-prob pass numbers
+them. The other two estimators run wherever TRL's trainer runs.
 
 Shape letters: B completions in a micro-batch, T prompt + completion length, L completion
 length (TRL's ``logits_to_keep``).
@@ -111,18 +123,23 @@ class GRPOTrainer(_TRLGRPOTrainer):
         kl_estimator: ``"exact"`` (default), ``"k3_ratio"`` or ``"trl"``.
 
     Raises:
-        ValueError: an unknown ``kl_estimator``, or ``"exact"`` with β > 0 and no separate
-            reference model (PEFT).
+        ValueError: an unknown ``kl_estimator``, or ``"exact"`` with β > 0 and a PEFT policy
+            whose reference is an adapter named ``"ref"`` (as TRL makes it for a ``PeftModel``).
     """
 
     def __init__(self, *args, kl_estimator: str = "exact", **kwargs) -> None:
         self.kl_estimator = v.check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
         self._kl_capture: _Capture | None = None
         super().__init__(*args, **kwargs)
-        if self.kl_estimator == "exact" and self.beta != 0.0 and self.ref_model is None:
+        exact = self.kl_estimator == "exact" and self.beta != 0.0
+        if exact and self.ref_model is None and "ref" in getattr(self.model, "peft_config", {}):
+            # TRL's reference is then that adapter; causal_lm_kl's is the adapters disabled
             raise ValueError(
-                'kl_estimator="exact" needs a separate reference model; with PEFT TRL uses the '
-                'policy with its adapter disabled instead: use kl_estimator="k3_ratio" there'
+                'kl_estimator="exact" takes a PEFT policy\'s reference as the policy with its '
+                'adapters disabled, but this model has an adapter named "ref", which TRL uses as '
+                "the reference (TRL adds it, a copy of the adapter, when it is given a PeftModel "
+                "and beta > 0): pass the base model and peft_config=LoraConfig(...) instead, or "
+                'use kl_estimator="k3_ratio"'
             )
         if self.ref_model is not None:
             # TRL leaves the reference's parameters requiring grad (it runs it under no_grad);
@@ -146,7 +163,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
         the other estimators this is TRL's own pass (the loss's log-probs are kept for the KL
         term). Inside the loss with ``"exact"``, one :func:`klpenalty.hf.causal_lm_kl` call over
         the policy and the reference gives the (B, L) log-probs and entropies TRL's loss uses,
-        and keeps the (B, L) exact KL for :meth:`_compute_loss`. ``input_ids`` and
+        and keeps the (B, L) exact KL for :meth:`_compute_loss`. ``model`` is the policy as the
+        trainer holds it (wrapped by accelerate) and the reference ``self.ref_model`` as TRL
+        prepared it, or None for a PEFT policy (its adapters disabled). ``input_ids`` and
         ``attention_mask`` are (B, T); L = ``logits_to_keep``.
         """
         capture = self._kl_capture
@@ -176,8 +195,8 @@ class GRPOTrainer(_TRLGRPOTrainer):
         # positions 0..T-1, as TRL's own log-prob pass (and so its old and ref log-probs) has them
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
         stats = causal_lm_kl(
-            model,
-            self.ref_model,
+            model,  # as wrapped: its own forward runs (DDP's reducer, ZeRO-3's gathers)
+            self.ref_model,  # None: the PEFT policy with its adapters disabled
             input_ids,
             attention_mask,
             response_mask=response,

@@ -49,7 +49,7 @@ EXPECTED = {
 
 
 def sequence_pg_loss(logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor):
-    """(S,) −Σ_t log π(a_t)·stopgrad(Σ_u r_u): the GRPO-style return, the same at every token."""
+    """(S,) −Σ_t log π(a_t)·stopgrad(Σ_u r_u): the GRPO-style return, one for every token."""
     total = rewards.sum(-1, keepdim=True).detach()
     return -torch.where(mask, logprobs * total, torch.zeros((), dtype=logprobs.dtype)).sum(-1)
 
@@ -87,18 +87,20 @@ def test_recipe_expected_gradient(name, recipe, returns):
 
 
 def test_group_advantages():
-    # two groups of three texts; the advantage is the text's normalised total at its tokens
+    # two groups of three texts; the advantage is the text's total minus its group's mean,
+    # over one standard deviation for the batch, at each of its tokens
     rewards = torch.tensor([[1.0, 0.0], [2.0, 0.0], [3.0, 3.0], [0.0, 0.0], [1.0, 0.0],
                             [5.0, 0.0]])
     mask = torch.tensor([[True, False], [True, False], [True, True], [True, False],
                          [True, False], [True, False]])
     adv, scale = _group_advantages(rewards, mask, 3)
-    total = rewards.sum(-1).view(2, 3)
-    sd = total.std(-1, unbiased=False)
-    torch.testing.assert_close(scale.view(2, 3), sd[:, None].expand(2, 3) + 1e-8)
-    expected = ((total - total.mean(-1, keepdim=True)) / (sd[:, None] + 1e-8)).view(6, 1)
-    torch.testing.assert_close(adv, expected * mask)
-    assert adv[0, 1] == 0 and adv[2, 1] == adv[2, 0]
+    centred = torch.tensor([-2.0, -1.0, 3.0, -2.0, -1.0, 3.0])
+    sd = centred.square().mean().sqrt()
+    torch.testing.assert_close(scale, sd.expand(6, 1))
+    torch.testing.assert_close(adv, (centred / sd)[:, None] * mask)
+    # every text of every group scores the same: advantages 0, scale 1 (never a division by 0)
+    adv, scale = _group_advantages(torch.ones(4, 2), torch.ones(4, 2, dtype=torch.bool), 2)
+    assert adv.eq(0).all() and scale.eq(1).all()
 
 
 def test_run_config_checks_update_and_group():

@@ -27,25 +27,31 @@ __all__ = [
     "summarize",
     "compare_tables",
     "plot_compare",
+    "run_file",
+    "save_run",
+    "load_run",
     "write_compare",
 ]
 
-COMPARE_BETAS = (0.03, 0.1, 0.3, 1.0, 3.0)
+# with β = 0: five values, 0.1 (the gold peak of the k1-reward sweep) to 3 (a tight leash);
+# run in this order, so that an interrupted grid has whole β slices
+COMPARE_BETAS = (0.1, 0.3, 1.0, 3.0)
 COMPARE_RECIPES = {
     "ppo": KL_RECIPES,
     "grpo": ("k1-reward", "exact-split", "k3-loss", "k3-ratio-loss"),
 }
 SEED_BETA = 0.1  # where extra seeds are run: the gold peak of the k1-reward sweep
 SEED_RECIPES = (("ppo", "k1-reward"), ("ppo", "exact-split"))  # same expected gradient
-EXTRA_SEEDS = 2  # seeds seed + 1, seed + 2 at SEED_BETA for SEED_RECIPES
+EXTRA_SEEDS = 1  # seed + 1 at SEED_BETA for SEED_RECIPES
 TRACE_BETA = 0.3  # the β of the KL-vs-step panels
 
 
 def compare_configs(
     base: RunConfig, betas: Sequence[float] = COMPARE_BETAS, extra_seeds: int = EXTRA_SEEDS
 ) -> list[RunConfig]:
-    """The grid: β = 0 once per update, then every (update, recipe, β > 0), then the extra
-    seeds at :data:`SEED_BETA` (if it is in ``betas``) for :data:`SEED_RECIPES`."""
+    """The grid: β = 0 once per update, then for each β > 0 in the order given every
+    (update, recipe), then the extra seeds at :data:`SEED_BETA` (if it is in ``betas``) for
+    :data:`SEED_RECIPES`."""
 
     def cfg(update: str, kl: str, beta: float, seed: int) -> RunConfig:
         tag = f"{update} {kl}" if beta > 0 else f"{update} no penalty"
@@ -55,8 +61,8 @@ def compare_configs(
 
     positive = [b for b in dict.fromkeys(betas) if b > 0]
     out = [cfg(u, "k1-reward", 0.0, base.seed) for u in COMPARE_RECIPES]
-    out += [cfg(u, kl, b, base.seed) for u, kls in COMPARE_RECIPES.items() for kl in kls
-            for b in positive]
+    out += [cfg(u, kl, b, base.seed) for b in positive for u, kls in COMPARE_RECIPES.items()
+            for kl in kls]
     if SEED_BETA in positive:
         out += [cfg(u, kl, SEED_BETA, base.seed + k) for u, kl in SEED_RECIPES
                 for k in range(1, extra_seeds + 1)]
@@ -271,6 +277,32 @@ def plot_compare(runs: Sequence[dict], path: Path, seed: int) -> Path:
     return path
 
 
+def run_file(folder: Path, cfg: RunConfig) -> Path:
+    """Where ``--compare`` keeps a finished run: ``folder/<update>-<recipe>-b<β>-s<seed>.json``"""
+    kl = cfg.kl if cfg.beta > 0 else "none"
+    return Path(folder) / f"{cfg.update}-{kl}-b{cfg.beta:g}-s{cfg.seed}.json"
+
+
+def save_run(path: Path, run: dict) -> Path:
+    """Write one run as compare.json holds it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_slim(run), ensure_ascii=False))
+    return path
+
+
+def load_run(path: Path, cfg: RunConfig) -> dict | None:
+    """The run saved at ``path`` if its config is ``cfg``'s (an interrupted ``--compare``
+    resumes from these), else None."""
+    from dataclasses import asdict
+
+    path = Path(path)
+    if not path.is_file():
+        return None
+    run = json.loads(path.read_text())
+    return run if run.get("config") == json.loads(json.dumps(asdict(cfg))) else None
+
+
 def write_compare(out: Path, runs: Sequence[dict], meta: dict, plots: bool = True) -> dict:
     """Write ``compare.json`` (config, summary and per-step series of every run),
     ``compare.md`` (the tables) and ``compare.png``. Returns the paths written, by name."""
@@ -293,7 +325,9 @@ def write_compare(out: Path, runs: Sequence[dict], meta: dict, plots: bool = Tru
         f"Command: `{meta.get('command')}` — {meta.get('wall_seconds', 0):.0f} s wall, "
         f"{meta.get('cpu_seconds', 0):.0f} s CPU over {len(runs)} runs, "
         f"{meta['config']['steps']} steps × {meta['config']['batch']} samples each, "
-        f"seed {seed}; load average {meta.get('load_average')}.",
+        f"seed {seed}; load average {meta.get('load_average')}"
+        + (f"; {meta['runs_resumed']} run(s) read back from compare-runs/, not timed here"
+           if meta.get("runs_resumed") else "") + ".",
         "",
         tables,
         "",

@@ -25,7 +25,7 @@ recipe             reward (detached, −β·x per token)   / loss (β·x)      E
 advantages were divided by, so β weighs the KL against the score in reward units whatever the
 placement. ``update="grpo"`` replaces the reward-to-go and per-position baseline by
 group-normalised sequence advantages: the sequence's total shaped reward, minus its group's
-mean, over its group's standard deviation, at every token.
+mean, over the batch's standard deviation of those differences, at every token.
 
 Whatever the recipe, the KL that is *reported* is exact: the sum over the sampled path of
 :func:`klpenalty.full_kl`, the full-vocabulary KL(π‖ρ) of every next-token distribution.
@@ -179,16 +179,19 @@ def _advantages(returns: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
 def _group_advantages(
     rewards: torch.Tensor, mask: torch.Tensor, group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GRPO: each text's total reward, normalised within its group of ``group`` texts.
+    """GRPO: each text's total reward minus its group's mean, over the batch's standard
+    deviation of those differences (TRL's ``scale_rewards="batch"``), at each of its tokens.
 
-    Returns the (B, T) advantages (the text's one value at each of its tokens) and the (B, 1)
-    scale (its group's standard deviation) each row was divided by."""
+    One scale for the batch, not one per group: a group whose texts all score the same would
+    have a standard deviation of 0, and the loss terms are divided by the same scale.
+
+    Returns the (B, T) advantages and the (B, 1) scale each row was divided by (one value;
+    1 if every text's advantage is 0)."""
     total = rewards.sum(-1).view(-1, group)  # (B / group, group)
-    mean = total.mean(-1, keepdim=True)
-    scale = total.std(-1, unbiased=False, keepdim=True) + 1e-8
-    adv = ((total - mean) / scale).view(-1, 1)  # (B, 1)
-    scale = scale.expand_as(total).reshape(-1, 1)
-    return adv * mask.to(rewards.dtype), scale
+    centred = (total - total.mean(-1, keepdim=True)).view(-1, 1)  # (B, 1)
+    sd = centred.square().mean().sqrt()
+    scale = torch.where(sd > 1e-6, sd, torch.ones_like(sd)).expand_as(centred)
+    return centred / scale * mask.to(rewards.dtype), scale
 
 
 def kl_reward(

@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"texts per group for --update grpo (default {d.group})")
     p.add_argument("--compare", action="store_true",
                    help="run every KL recipe under PPO and GRPO over a β grid and write "
-                        "compare.png, compare.md and compare.json (about 12 minutes on 2 cores)")
+                        "compare.png, compare.md and compare.json (44 runs, docs/demo.md); "
+                        "an interrupted grid resumes from OUT/compare-runs/")
     p.add_argument("--adaptive", type=float, metavar="TARGET", default=None,
                    help="use AdaptiveKLController aiming at TARGET nats for every β > 0 "
                         "(β is then its initial value; β = 0 stays an unpenalised baseline)")
@@ -150,7 +151,10 @@ def _worker(index: int, cfg: dict, ref_path, queue) -> None:
         queue.put(("error", index, traceback.format_exc()))
 
 
-def _run_all(configs: list, ref_path, jobs: int, progress: _Progress) -> list[dict]:
+def _run_all(configs: list, ref_path, jobs: int, progress: _Progress,
+             on_done=None) -> list[dict]:
+    """Every run, ``jobs`` at a time in spawned processes (in this one if ``jobs <= 1``);
+    ``on_done(index, result)`` is called as each one finishes."""
     from .rlhf import run_rlhf
 
     if jobs <= 1:
@@ -158,6 +162,8 @@ def _run_all(configs: list, ref_path, jobs: int, progress: _Progress) -> list[di
         for i, cfg in enumerate(configs):
             slim = lambda s, m, i=i: progress.update(i, s, m)  # noqa: E731
             results.append(run_rlhf(cfg, ref_path, progress=slim))
+            if on_done is not None:
+                on_done(i, results[-1])
         return results
     import multiprocessing as mp
 
@@ -179,6 +185,8 @@ def _run_all(configs: list, ref_path, jobs: int, progress: _Progress) -> list[di
             elif msg[0] == "done":
                 results[msg[1]] = msg[2]
                 running.pop(msg[1]).join()
+                if on_done is not None:
+                    on_done(msg[1], msg[2])
             else:
                 raise RuntimeError(f"run {configs[msg[1]].label} failed:\n{msg[2]}")
     finally:
@@ -297,7 +305,14 @@ def _meta(argv, wall: float, base, ref_path, ref_info: dict) -> dict:
 
 def _run_compare(args, argv, base, ref_path, ref_info: dict, t0: float, cpu0: float) -> int:
     """``--compare``: the grid of :func:`.compare.compare_configs`, one line per finished run."""
-    from .compare import COMPARE_BETAS, compare_configs, compare_tables, summarize, write_compare
+    from .compare import (
+        COMPARE_BETAS,
+        compare_configs,
+        load_run,
+        run_file,
+        save_run,
+        write_compare,
+    )
 
     betas = args.beta if args.beta is not None else COMPARE_BETAS
     if any(b < 0 for b in betas):
@@ -305,17 +320,27 @@ def _run_compare(args, argv, base, ref_path, ref_info: dict, t0: float, cpu0: fl
     if args.adaptive is not None:
         raise SystemExit("--compare runs fixed β only: drop --adaptive")
     configs = compare_configs(base, betas)
+    runs_dir = args.out / "compare-runs"  # each finished run, written at once
+    done = {i: r for i, c in enumerate(configs)
+            if (r := load_run(run_file(runs_dir, c), c)) is not None}
+    todo = [i for i in range(len(configs)) if i not in done]
     children0 = _children_cpu()
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(
         f"compare: {len(configs)} run(s) × {base.steps} steps × {base.batch} samples, "
-        f"{min(jobs, len(configs))} process(es), 1 torch thread each, seed {base.seed}"
+        f"{min(jobs, max(1, len(todo)))} process(es), 1 torch thread each, seed {base.seed}"
+        + (f"; {len(done)} run(s) already in {runs_dir}" if done else "")
         + (f"; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}" if load else "")
     )
-    progress = _Progress([c.label for c in configs], base.steps, every=max(1, base.steps),
+    pending = [configs[i] for i in todo]
+    progress = _Progress([c.label for c in pending], base.steps, every=max(1, base.steps),
                          redraw=False)
-    runs = _run_all(configs, str(ref_path) if ref_path else None, jobs, progress)
+    fresh = _run_all(pending, str(ref_path) if ref_path else None, jobs, progress,
+                     on_done=lambda i, r: save_run(run_file(runs_dir, pending[i]), r))
+    resumed = len(done)
+    done.update(zip(todo, fresh))
+    runs = [done[i] for i in range(len(configs))]
     wall = time.perf_counter() - t0
     meta = _meta(argv, wall, base, ref_path, ref_info)
     meta["config"] = {k: v for k, v in meta["config"].items() if k not in ("kl", "update")}
@@ -325,9 +350,10 @@ def _run_compare(args, argv, base, ref_path, ref_info: dict, t0: float, cpu0: fl
     # CPU time of this process and of the workers it waited for, so the wall time on an idle
     # machine can be estimated on a busy one (CPU seconds / cores)
     meta["cpu_seconds"] = time.process_time() - cpu0 + _children_cpu() - children0
+    meta["runs_resumed"] = resumed  # read back from compare-runs/, not timed here
     written = write_compare(out=args.out, runs=runs, meta=meta, plots=not args.no_plots)
     print()
-    print(compare_tables([summarize(r) for r in runs], runs[0]["steps"][0], base.seed))
+    print(written["report"].read_text())
     print(f"\nreport: {written['report']}  ({', '.join(p.name for p in written.values())}) "
           f"in {args.out}; {wall:.0f} s")
     return 0

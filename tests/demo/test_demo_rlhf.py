@@ -44,7 +44,7 @@ def test_exact_kl_penalty_done_right_also_keeps_the_leash(short_runs):
     assert end["kl"] * 5 <= short_runs[0.0]["steps"][-1]["kl"]
     assert end["grammatical"] >= 0.9
     assert end["length"] >= 0.7 * run["steps"][0]["length"]
-    assert run["config"]["kl"] == "full"
+    assert run["config"]["kl"] == "exact-split"  # "full" names this recipe
 
 
 def test_run_config_rejects_unknown_kl_mode():

@@ -5,13 +5,29 @@ shape per-token rewards with :func:`klpenalty.shaped_rewards` (−β·k1 at ever
 the score on the last one), take the reward-to-go with a per-position baseline, and do a few
 PPO-clip epochs.
 
-With ``kl="full"`` the penalty uses the exact per-position KL instead of k1, correctly: the
-KL at position t depends on the prefix only, not on the token sampled at t, so it cannot be a
-per-token reward at t. The exact KL of position t + 1 (which the token at t does influence)
-goes into the reward at t, so the return carries the KL of later positions, and the
-differentiable exact KL of each visited position is added to the loss.
+``kl`` picks where the KL goes (the *recipe*; docs/gradients.md gives the expected gradient
+of each):
 
-Either way, the KL that is *reported* is exact: the sum over the sampled path of
+=================  ====================================================  ======================
+recipe             reward (detached, −β·x per token)   / loss (β·x)      E[gradient] of the KL
+=================  ====================================================  ======================
+``k1-reward``      k1 = log π − log ρ of the sampled token / nothing     ∇KL_seq
+``exact-split``    :func:`klpenalty.full_kl_reward_and_loss`: the exact  ∇KL_seq
+                   KL of the next position / the exact KL of this one
+``exact-loss``     nothing / :func:`klpenalty.full_kl`                   pathwise part only
+``exact-reward``   ``full_kl(...)`` detached, at its own position /      future part only
+                   nothing
+``k3-loss``        nothing / :func:`klpenalty.k3_loss` (GRPO)            Σ_t ∇KL_t(ρ‖π)
+``k3-ratio-loss``  nothing / :func:`klpenalty.k3_ratio_loss` (TRL)       pathwise part only
+=================  ====================================================  ======================
+
+(``"k1"`` and ``"full"`` name the first two.) Loss terms are divided by the scale the
+advantages were divided by, so β weighs the KL against the score in reward units whatever the
+placement. ``update="grpo"`` replaces the reward-to-go and per-position baseline by
+group-normalised sequence advantages: the sequence's total shaped reward, minus its group's
+mean, over the batch's standard deviation of those differences, at every token.
+
+Whatever the recipe, the KL that is *reported* is exact: the sum over the sampled path of
 :func:`klpenalty.full_kl`, the full-vocabulary KL(π‖ρ) of every next-token distribution.
 
 Shape letters: B batch, T generated tokens, V vocabulary.
@@ -27,11 +43,17 @@ from typing import Callable
 
 import torch
 
-from klpenalty import full_kl, kl_report, token_logprobs
+from klpenalty import (
+    full_kl,
+    full_kl_reward_and_loss,
+    k3_loss,
+    k3_ratio_loss,
+    kl_report,
+    token_logprobs,
+)
 from klpenalty.rlhf import (
     AdaptiveKLController,
     FixedKLController,
-    next_token_kl,
     sampled_kl,
     shaped_rewards,
 )
@@ -41,9 +63,22 @@ from .model import sample
 from .pretrain import load_checkpoint
 from .text import distinct_n, score_text
 
-__all__ = ["RunConfig", "run_rlhf", "reward_to_go", "KL_MODES", "KL_REPORT_TOP"]
+__all__ = [
+    "RunConfig",
+    "run_rlhf",
+    "reward_to_go",
+    "kl_reward",
+    "kl_loss",
+    "KL_RECIPES",
+    "KL_MODES",
+    "UPDATES",
+    "KL_REPORT_TOP",
+]
 
-KL_MODES = ("k1", "full")
+KL_RECIPES = ("k1-reward", "exact-split", "exact-loss", "exact-reward", "k3-loss", "k3-ratio-loss")
+KL_ALIASES = {"k1": "k1-reward", "full": "exact-split"}
+KL_MODES = (*KL_ALIASES, *KL_RECIPES)  # what ``RunConfig.kl`` accepts
+UPDATES = ("ppo", "grpo")
 KL_REPORT_TOP = 3  # positions (and vocabulary entries each) the final KL report lists
 
 
@@ -53,8 +88,11 @@ class RunConfig:
 
     Attributes:
         beta: KL coefficient (the initial one with ``adaptive_target``).
-        kl: ``"k1"`` (default) puts −β·(log π − log ρ) of each sampled token in the reward;
-            ``"full"`` uses the exact full-vocabulary KL as described in the module docstring.
+        kl: the KL recipe, one of :data:`KL_RECIPES` (module docstring); ``"k1"`` (default)
+            is ``"k1-reward"``, ``"full"`` is ``"exact-split"``.
+        update: ``"ppo"`` (default): reward-to-go with a per-position baseline; ``"grpo"``:
+            group-normalised sequence advantages (module docstring).
+        group: texts per group for ``update="grpo"`` (divides ``batch``).
         adaptive_target: if set, an :class:`klpenalty.AdaptiveKLController` steers the exact
             sequence KL toward this many nats, starting from ``beta`` (> 0).
         horizon: the controller's horizon, in samples.
@@ -74,6 +112,8 @@ class RunConfig:
 
     beta: float = 0.1
     kl: str = "k1"
+    update: str = "ppo"
+    group: int = 16
     adaptive_target: float | None = None
     horizon: float = 256.0
     steps: int = 40
@@ -91,12 +131,21 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.kl not in KL_MODES:
             raise ValueError(f"kl must be one of {KL_MODES}, got {self.kl!r}")
-        if not self.label:
-            self.label = (
-                (f"β={self.beta:g}" if self.kl == "k1" else f"β={self.beta:g} (full KL)")
-                if self.adaptive_target is None
-                else f"adaptive {self.adaptive_target:g} nats (β₀={self.beta:g})"
+        self.kl = KL_ALIASES.get(self.kl, self.kl)
+        if self.update not in UPDATES:
+            raise ValueError(f"update must be one of {UPDATES}, got {self.update!r}")
+        if self.update == "grpo" and (self.group < 2 or self.batch % self.group):
+            raise ValueError(
+                f"group must be >= 2 and divide batch ({self.batch}), got {self.group}"
             )
+        if not self.label:
+            if self.adaptive_target is not None:
+                self.label = f"adaptive {self.adaptive_target:g} nats (β₀={self.beta:g})"
+            else:
+                extra = [] if self.kl == "k1-reward" else [
+                    "full KL" if self.kl == "exact-split" else self.kl]
+                extra += [] if self.update == "ppo" else [self.update]
+                self.label = f"β={self.beta:g}" + (f" ({', '.join(extra)})" if extra else "")
 
 
 def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -116,7 +165,7 @@ def reward_to_go(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _advantages(returns: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-position batch-mean baseline, then whitening over the real tokens.
 
-    Returns the (B, T) advantages and the scale they were divided by (a scalar tensor)."""
+    Returns the (B, T) advantages and the (B, 1) scale each row was divided by (one value)."""
     m = mask.to(returns.dtype)
     baseline = (returns * m).sum(0) / m.sum(0).clamp_min(1.0)  # (T,)
     adv = (returns - baseline) * m
@@ -124,7 +173,83 @@ def _advantages(returns: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
     mean = adv.sum() / n
     var = ((adv - mean) * m).square().sum() / n
     scale = var.sqrt() + 1e-8
-    return (adv - mean) / scale * m, scale
+    return (adv - mean) / scale * m, scale.expand(returns.shape[0], 1)
+
+
+def _group_advantages(
+    rewards: torch.Tensor, mask: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO: each text's total reward minus its group's mean, over the batch's standard
+    deviation of those differences (TRL's ``scale_rewards="batch"``), at each of its tokens.
+
+    One scale for the batch, not one per group: a group whose texts all score the same would
+    have a standard deviation of 0, and the loss terms are divided by the same scale.
+
+    Returns the (B, T) advantages and the (B, 1) scale each row was divided by (one value;
+    1 if every text's advantage is 0)."""
+    total = rewards.sum(-1).view(-1, group)  # (B / group, group)
+    centred = (total - total.mean(-1, keepdim=True)).view(-1, 1)  # (B, 1)
+    sd = centred.square().mean().sqrt()
+    scale = torch.where(sd > 1e-6, sd, torch.ones_like(sd)).expand_as(centred)
+    return centred / scale * mask.to(rewards.dtype), scale
+
+
+def kl_reward(
+    recipe: str, k1: torch.Tensor, split: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor | None:
+    """The recipe's per-token KL for the reward (``shaped_rewards`` subtracts β times it).
+
+    Args:
+        recipe: one of :data:`KL_RECIPES`.
+        k1: (B, T) float, log π − log ρ of the sampled tokens (0 where masked).
+        split: ``(reward_kl, loss_kl) = full_kl_reward_and_loss(policy_logits, ref_logits,
+            mask=mask)`` of the batch, each (B, T).
+
+    Returns:
+        (B, T) detached, or None for the recipes with nothing in the reward.
+    """
+    reward_kl, loss_kl = split
+    if recipe == "k1-reward":
+        return k1.detach()
+    if recipe == "exact-split":  # the exact KL of the next position
+        return reward_kl
+    if recipe == "exact-reward":  # the exact KL at its own position: the future part only
+        return loss_kl.detach()
+    return None
+
+
+def kl_loss(
+    recipe: str,
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor | None:
+    """The recipe's per-token KL term for the loss (added as β times its sum).
+
+    Args:
+        recipe: one of :data:`KL_RECIPES`.
+        logits: (B, T, V) the policy's logits, differentiable.
+        ref_logits: (B, T, V) the reference's.
+        logprobs: (B, T) log π of the sampled tokens, differentiable (from ``logits``).
+        ref_logprobs: (B, T) log ρ of the same tokens.
+        old_logprobs: (B, T) log π_old of the same tokens, the policy that sampled them.
+        mask: (B, T) bool, True = generated token.
+
+    Returns:
+        (B, T), 0 where masked, or None for the recipes with nothing in the loss.
+    """
+    if recipe == "exact-split":
+        return full_kl_reward_and_loss(logits, ref_logits, mask=mask).loss_kl
+    if recipe == "exact-loss":
+        return full_kl(logits, ref_logits, mask=mask)
+    if recipe == "k3-loss":
+        return k3_loss(logprobs, ref_logprobs, mask=mask)
+    if recipe == "k3-ratio-loss":
+        return k3_ratio_loss(logprobs, ref_logprobs, old_logprobs=old_logprobs, mask=mask)
+    return None
 
 
 def _report_words(report, words: list[str]) -> dict[str, str]:
@@ -145,19 +270,21 @@ def run_rlhf(
     Args:
         cfg: the run's settings.
         ref_path: reference checkpoint (default: the one shipped in the package).
-        progress: called as ``progress(step, metrics)`` after every logged step.
+        progress: called as ``progress(step, metrics)`` after every step (after its update).
 
     Returns:
         ``{"config", "steps": [metrics per step, step 0 = before any update], "samples":
         [three texts of the final batch], "kl_report": kl_report(...).to_dict() of the final
         batch, "kl_report_text": its table, "kl_report_words": the words of the token ids it
-        names, "seconds"}``. Metrics (each step on ``batch`` fresh
+        names, "seconds", "cpu_seconds"}``. Metrics (each step on ``batch`` fresh
         samples, the last on ``final_batch``): proxy, gold, grammatical
         (fractions), kl (exact sequence KL in nats, mean over texts), k1 (its sampled
         estimate), ref_nll (reference NLL per generated token), length, finished (fraction that
-        emitted ``<eos>``), distinct1, distinct2, beta, and one sample text.
+        emitted ``<eos>``), distinct1, distinct2, beta, one sample text, grad_norm (the
+        gradient norm before clipping, mean over the step's updates) and step_seconds (wall
+        time of the step); these two are None on the last, evaluation-only step.
     """
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     ref, vocab, _ = load_checkpoint(ref_path)
@@ -172,6 +299,7 @@ def run_rlhf(
     texts: list[list[str]] = []
 
     for step in range(cfg.steps + 1):
+        t_step = time.perf_counter()
         n = cfg.batch if step < cfg.steps else max(cfg.batch, cfg.final_batch)
         tokens, mask = sample(policy, n, cfg.max_new, vocab, gen)
         length = int(mask.sum(1).max())
@@ -186,8 +314,9 @@ def run_rlhf(
             old_lp = token_logprobs(pol_logits, tgt)  # (B, T)
             ref_lp = token_logprobs(ref_logits, tgt)  # (B, T)
             k1 = torch.where(mask, sampled_kl(old_lp, ref_lp, "k1"), torch.zeros_like(old_lp))
-            exact = full_kl(pol_logits, ref_logits, mask=mask)  # (B, T), 0 where masked
-            seq_kl = exact.sum(-1)  # (B,) exact sequence KL along the sampled path, nats
+            # (B, T) each: the exact KL of the next position, and of each position (0 where masked)
+            split = full_kl_reward_and_loss(pol_logits, ref_logits, mask=mask)
+            seq_kl = split.loss_kl.sum(-1)  # (B,) exact sequence KL along the sampled path, nats
 
         texts = [vocab.decode(row[1:]) for row in tokens]
         scores = [score_text(t, recognizer) for t in texts]
@@ -209,22 +338,28 @@ def run_rlhf(
             "beta": controller.value,
             "samples": n,
             "sample": " ".join(texts[0]),
+            "grad_norm": None,  # mean over the step's updates, before clipping (set below)
+            "step_seconds": None,  # wall time of sampling, scoring and the updates
         }
         log.append(metrics)
-        if progress is not None:
-            progress(step, metrics)
         if step == cfg.steps:
+            if progress is not None:
+                progress(step, metrics)
             # the exact KL of the evaluation batch next to the k1/k2/k3 estimates of its tokens
             report = kl_report(pol_logits, ref_logits, tgt, mask, top=KL_REPORT_TOP)
             break
 
         beta = controller.value
-        if cfg.kl == "k1":  # −β·k1 on every generated token, the score on the last one
-            kl_reward = k1
-        else:  # the exact KL of position t + 1 is the penalty for the token sampled at t
-            kl_reward = next_token_kl(exact, mask)
-        rewards = shaped_rewards(cfg.reward_scale * proxy, kl_reward, mask, beta)
-        adv, scale = _advantages(reward_to_go(rewards, mask), mask)  # (B, T), ()
+        # −β·(the recipe's KL) at every generated token, the score on the last one
+        in_reward = kl_reward(cfg.kl, k1, split)
+        if in_reward is None:
+            in_reward = torch.zeros_like(k1)
+        rewards = shaped_rewards(cfg.reward_scale * proxy, in_reward, mask, beta)
+        if cfg.update == "ppo":
+            adv, scale = _advantages(reward_to_go(rewards, mask), mask)  # (B, T), (B, 1)
+        else:
+            adv, scale = _group_advantages(rewards, mask, cfg.group)  # (B, T), (B, 1)
+        norms = []
         order = torch.arange(cfg.batch)
         for _ in range(cfg.epochs):
             if cfg.minibatches > 1:
@@ -237,16 +372,20 @@ def run_rlhf(
                 surrogate = torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip, 1 + cfg.clip) * a)
                 m = mask[mb]
                 loss = -torch.where(m, surrogate, torch.zeros_like(surrogate)).sum() / m.sum()
-                if cfg.kl == "full" and beta > 0:
-                    # the direct gradient of Σ_t KL_t, on the same scale as the whitened
-                    # policy-gradient term (both divided by the advantages' scale)
-                    kl_now = full_kl(logits, ref_logits[mb], mask=m)  # (b, T)
-                    loss = loss + beta * kl_now.sum() / (scale * m.sum())
+                in_loss = None if beta == 0 else kl_loss(
+                    cfg.kl, logits, ref_logits[mb], lp, ref_lp[mb], old_lp[mb], m)
+                if in_loss is not None:
+                    # on the scale of the policy-gradient term: divided by the advantages' scale
+                    loss = loss + beta * (in_loss / scale[mb]).sum() / m.sum()
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+                norms.append(float(torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)))
                 opt.step()
         controller.update(float(seq_kl.mean()), cfg.batch)
+        metrics["grad_norm"] = sum(norms) / len(norms)
+        metrics["step_seconds"] = time.perf_counter() - t_step
+        if progress is not None:
+            progress(step, metrics)
 
     return {
         "config": asdict(cfg),
@@ -256,4 +395,5 @@ def run_rlhf(
         "kl_report_text": report.format(max_sequences=0),
         "kl_report_words": _report_words(report, vocab.itos),
         "seconds": time.perf_counter() - t0,
+        "cpu_seconds": time.process_time() - cpu0,
     }

@@ -1,4 +1,7 @@
-"""``klpenalty demo``: pretrain (optionally), run RLHF for several β in parallel, report."""
+"""``klpenalty demo``: pretrain (optionally), run RLHF for several β in parallel, report.
+
+``--compare`` runs the grid of :mod:`.compare` (every KL recipe under a PPO and a GRPO update,
+over a β grid) instead, with the same workers and progress lines."""
 
 from __future__ import annotations
 
@@ -21,15 +24,29 @@ SWEEP_BETAS = (0.0, 0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``klpenalty demo`` options."""
-    from .rlhf import RunConfig
+    from .rlhf import KL_MODES, UPDATES, RunConfig
 
     d = RunConfig()
-    p.add_argument("--beta", type=float, nargs="+", default=list(DEFAULT_BETAS),
-                   help="KL coefficients, one run (process) each (default: 0 0.1 0.3)")
-    p.add_argument("--kl", choices=("k1", "full"), default="k1",
-                   help="KL penalty in the reward: k1 = β·(log π − log ρ) per sampled token "
-                        "(default); full = the exact full-vocabulary KL, done correctly (the KL "
-                        "of later positions in the return, the current one in the loss)")
+    from .compare import COMPARE_BETAS
+
+    p.add_argument("--beta", type=float, nargs="+", default=None,
+                   help="KL coefficients, one run (process) each (default: 0 0.1 0.3; with "
+                        f"--compare: {' '.join(f'{b:g}' for b in COMPARE_BETAS)}, plus 0)")
+    p.add_argument("--kl", choices=KL_MODES, default="k1", metavar="RECIPE",
+                   help="where the KL goes: k1 = k1-reward, β·(log π − log ρ) per sampled "
+                        "token in the reward (default); full = exact-split, the exact "
+                        "full-vocabulary KL done correctly (the KL of later positions in the "
+                        "return, the current one in the loss); exact-loss, exact-reward, "
+                        "k3-loss, k3-ratio-loss: see docs/demo.md")
+    p.add_argument("--update", choices=UPDATES, default=d.update,
+                   help="ppo: reward-to-go with a per-position baseline (default); grpo: "
+                        "group-normalised sequence advantages")
+    p.add_argument("--group", type=int, default=d.group,
+                   help=f"texts per group for --update grpo (default {d.group})")
+    p.add_argument("--compare", action="store_true",
+                   help="run every KL recipe under PPO and GRPO over a β grid and write "
+                        "compare.png, compare.md and compare.json (44 runs, docs/demo.md); "
+                        "an interrupted grid resumes from OUT/compare-runs/")
     p.add_argument("--adaptive", type=float, metavar="TARGET", default=None,
                    help="use AdaptiveKLController aiming at TARGET nats for every β > 0 "
                         "(β is then its initial value; β = 0 stays an unpenalised baseline)")
@@ -51,7 +68,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("klpenalty-demo"),
                    help="report folder (default ./klpenalty-demo)")
     p.add_argument("--jobs", type=int, default=None,
-                   help="parallel processes (default: one per run; 1 = in this process)")
+                   help="parallel processes (default: one per run, with --compare one per "
+                        "CPU; 1 = in this process)")
     p.add_argument("--sweep", action="store_true",
                    help=f"also run β in {list(SWEEP_BETAS)} and draw gold vs √KL for all runs")
     p.add_argument("--ref", type=Path, default=None,
@@ -69,11 +87,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class _Progress:
     """One status line per run; redrawn in place on a terminal, else printed every 10 steps."""
 
-    def __init__(self, labels: list[str], steps: int, stream=None) -> None:
+    def __init__(self, labels: list[str], steps: int, stream=None, every: int = 10,
+                 redraw: bool = True) -> None:
         self.labels = labels
         self.steps = steps
+        self.every = every
         self.stream = stream = stream if stream is not None else sys.stdout
-        self.tty = stream.isatty()
+        self.tty = redraw and stream.isatty()
+        self.done = 0
         self.width = max(len(lab) for lab in labels)
         self.lines = [self._fmt(lab, None, None) for lab in labels]
         self.last_draw = 0.0
@@ -98,8 +119,12 @@ class _Progress:
             if now - self.last_draw > 0.1 or step == self.steps:
                 self.draw()
                 self.last_draw = now
-        elif step % 10 == 0 or step == self.steps:
-            print(self.lines[i], file=self.stream, flush=True)
+        elif step % self.every == 0 or step == self.steps:
+            line = self.lines[i]
+            if step == self.steps:
+                self.done += 1
+                line += f"  ({self.done}/{len(self.labels)} runs done)"
+            print(line, file=self.stream, flush=True)
 
     def draw(self) -> None:
         if self.drawn:
@@ -126,7 +151,10 @@ def _worker(index: int, cfg: dict, ref_path, queue) -> None:
         queue.put(("error", index, traceback.format_exc()))
 
 
-def _run_all(configs: list, ref_path, jobs: int, progress: _Progress) -> list[dict]:
+def _run_all(configs: list, ref_path, jobs: int, progress: _Progress,
+             on_done=None) -> list[dict]:
+    """Every run, ``jobs`` at a time in spawned processes (in this one if ``jobs <= 1``);
+    ``on_done(index, result)`` is called as each one finishes."""
     from .rlhf import run_rlhf
 
     if jobs <= 1:
@@ -134,6 +162,8 @@ def _run_all(configs: list, ref_path, jobs: int, progress: _Progress) -> list[di
         for i, cfg in enumerate(configs):
             slim = lambda s, m, i=i: progress.update(i, s, m)  # noqa: E731
             results.append(run_rlhf(cfg, ref_path, progress=slim))
+            if on_done is not None:
+                on_done(i, results[-1])
         return results
     import multiprocessing as mp
 
@@ -155,6 +185,8 @@ def _run_all(configs: list, ref_path, jobs: int, progress: _Progress) -> list[di
             elif msg[0] == "done":
                 results[msg[1]] = msg[2]
                 running.pop(msg[1]).join()
+                if on_done is not None:
+                    on_done(msg[1], msg[2])
             else:
                 raise RuntimeError(f"run {configs[msg[1]].label} failed:\n{msg[2]}")
     finally:
@@ -198,7 +230,7 @@ def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     from .report import final_table, write_report
     from .rlhf import RunConfig
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     torch.set_num_threads(1)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -214,8 +246,11 @@ def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     base = RunConfig(
         horizon=args.horizon, steps=args.steps, batch=args.batch, max_new=args.max_new,
         lr=args.lr, epochs=args.epochs, reward_scale=args.reward_scale, seed=args.seed,
-        final_batch=args.final_batch, kl=args.kl,
+        final_batch=args.final_batch, kl=args.kl, update=args.update, group=args.group,
     )
+    if args.compare:
+        return _run_compare(args, argv, base, ref_path, ref_info, t0, cpu0)
+    betas = args.beta if args.beta is not None else DEFAULT_BETAS
 
     def make(beta: float) -> RunConfig:
         if beta < 0:
@@ -223,7 +258,7 @@ def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
         target = args.adaptive if (args.adaptive is not None and beta > 0) else None
         return replace(base, beta=beta, adaptive_target=target, label="")
 
-    configs = [make(b) for b in dict.fromkeys(args.beta)]
+    configs = [make(b) for b in dict.fromkeys(betas)]
     sweep_configs = []
     if args.sweep:
         sweep_configs = [
@@ -241,15 +276,7 @@ def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     runs, sweep_runs = results[: len(configs)], results[len(configs):]
 
     wall = time.perf_counter() - t0
-    command = "klpenalty " + (" ".join(shlex.quote(a) for a in argv) if argv else "demo")
-    meta = {
-        "command": command,
-        "wall_seconds": wall,
-        "config": {k: v for k, v in asdict(base).items() if k not in ("beta", "label")},
-        "reference": {"path": str(ref_path) if ref_path else "shipped", **ref_info},
-        "torch": str(torch.__version__),
-        "cpus": os.cpu_count(),
-    }
+    meta = _meta(argv, wall, base, ref_path, ref_info)
     written = write_report(out, runs, meta, sweep_runs, plots=not args.no_plots)
     print()
     print(final_table(runs))
@@ -259,3 +286,84 @@ def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     print(f"\nreport: {written['report']}  ({', '.join(p.name for p in written.values())}) "
           f"in {out}; {wall:.0f} s")
     return 0
+
+
+def _meta(argv, wall: float, base, ref_path, ref_info: dict) -> dict:
+    """The run description both reports start with."""
+    import torch
+
+    command = "klpenalty " + (" ".join(shlex.quote(a) for a in argv) if argv else "demo")
+    return {
+        "command": command,
+        "wall_seconds": wall,
+        "config": {k: v for k, v in asdict(base).items() if k not in ("beta", "label")},
+        "reference": {"path": str(ref_path) if ref_path else "shipped", **ref_info},
+        "torch": str(torch.__version__),
+        "cpus": os.cpu_count(),
+    }
+
+
+def _run_compare(args, argv, base, ref_path, ref_info: dict, t0: float, cpu0: float) -> int:
+    """``--compare``: the grid of :func:`.compare.compare_configs`, one line per finished run."""
+    from .compare import (
+        COMPARE_BETAS,
+        compare_configs,
+        load_run,
+        run_file,
+        save_run,
+        write_compare,
+    )
+
+    betas = args.beta if args.beta is not None else COMPARE_BETAS
+    if any(b < 0 for b in betas):
+        raise SystemExit(f"--beta values must be >= 0, got {betas}")
+    if args.adaptive is not None:
+        raise SystemExit("--compare runs fixed β only: drop --adaptive")
+    configs = compare_configs(base, betas)
+    runs_dir = args.out / "compare-runs"  # each finished run, written at once
+    done = {i: r for i, c in enumerate(configs)
+            if (r := load_run(run_file(runs_dir, c), c)) is not None}
+    todo = [i for i in range(len(configs)) if i not in done]
+    children0 = _children_cpu()
+    jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    print(
+        f"compare: {len(configs)} run(s) × {base.steps} steps × {base.batch} samples, "
+        f"{min(jobs, max(1, len(todo)))} process(es), 1 torch thread each, seed {base.seed}"
+        + (f"; {len(done)} run(s) already in {runs_dir}" if done else "")
+        + (f"; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}" if load else "")
+    )
+    pending = [configs[i] for i in todo]
+    progress = _Progress([c.label for c in pending], base.steps, every=max(1, base.steps),
+                         redraw=False)
+    fresh = _run_all(pending, str(ref_path) if ref_path else None, jobs, progress,
+                     on_done=lambda i, r: save_run(run_file(runs_dir, pending[i]), r))
+    resumed = len(done)
+    done.update(zip(todo, fresh))
+    runs = [done[i] for i in range(len(configs))]
+    wall = time.perf_counter() - t0
+    meta = _meta(argv, wall, base, ref_path, ref_info)
+    meta["config"] = {k: v for k, v in meta["config"].items() if k not in ("kl", "update")}
+    end = os.getloadavg() if hasattr(os, "getloadavg") else None
+    meta["load_average"] = " → ".join(
+        " ".join(f"{x:.2f}" for x in la) for la in (load, end) if la is not None)
+    # CPU time of this process and of the workers it waited for, so the wall time on an idle
+    # machine can be estimated on a busy one (CPU seconds / cores)
+    meta["cpu_seconds"] = time.process_time() - cpu0 + _children_cpu() - children0
+    meta["runs_resumed"] = resumed  # read back from compare-runs/, not timed here
+    written = write_compare(out=args.out, runs=runs, meta=meta, plots=not args.no_plots)
+    print()
+    print(written["report"].read_text())
+    print(f"\nreport: {written['report']}  ({', '.join(p.name for p in written.values())}) "
+          f"in {args.out}; {wall:.0f} s")
+    return 0
+
+
+def _children_cpu() -> float:
+    """User + system CPU seconds of the finished child processes (0 where unknown)."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return 0.0
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime

@@ -13,13 +13,14 @@ Shape letters: N rows (positions), C columns of one vocabulary slice, V the whol
     u = (x − m_x)/T, w = (y − m_y)/T                     (shifted, tempered: O(spread of the row))
     s_x = Σ_S e^u,   s_y = Σ_S e^w,   a = Σ_S e^u·(u − w)
 
-with 0·log 0 = 0 (an entry with e^u = 0 adds nothing to ``a``, also where y = −inf) and
-a = +inf where the policy has mass and the reference has none.
+with 0·log 0 = 0 (an entry whose policy logit is −inf adds nothing to ``a``) and a = +inf
+where the policy has mass and the reference has none: a finite x where y = −inf, decided from
+the logits, also where e^u underflows to 0 (softmax of a finite logit is > 0).
 
 **Merge** (associative, commutative): rescale both states to the common maxima M and add.
 With δ = (m − M)/T ≤ 0 and α = e^{δ_x}, β = e^{δ_y}::
 
-    s_x ← α·s_x,   s_y ← β·s_y,   a ← α·(a + (δ_x − δ_y)·s_x)
+    s_x ← α·s_x,   s_y ← β·s_y,   a ← α·(a + (δ_x − δ_y)·s_x)   (a = +inf stays +inf)
 
 so every term stays of the size of the row's spread, never of its offset: policy and reference
 logits at opposite offsets of ±1e4 lose nothing. On one process the merge runs across tiles

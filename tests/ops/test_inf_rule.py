@@ -187,15 +187,22 @@ def test_engine_merge_keeps_inf_when_the_rescale_factor_underflows():
     x = torch.tensor([[0.0, 1.0, 2.0, -800.0, -801.0]])
     y = torch.tensor([[0.0, 1.0, 2.0, NINF, -1.0]])
     ws = engine.Workspace(1, 5, torch.float32, x.device)
+
+    def part(c0, c1, careful):
+        return engine.stats_partial(
+            x[:, c0:c1], y[:, c0:c1], t, ws, careful, kl=True, entropy=True
+        )[0]
+
     for careful in (None, True):
-        a, _ = engine.kl_partial(x[:, :3], y[:, :3], t, ws, careful)
-        b, _ = engine.kl_partial(x[:, 3:], y[:, 3:], t, ws, careful)
-        assert torch.isposinf(b.a).all()
+        a, b = part(0, 3, careful), part(3, 5, careful)
+        assert torch.isposinf(b.a).all() and torch.isfinite(b.b).all()
         for left, right in ((a, b), (b, a)):
-            kl, stats = engine.kl_finalize(engine.kl_merge(left, right, t), None)
-            assert torch.isposinf(kl).all() and stats[0, engine.CAREFUL] == 1
-        rescaled = engine.kl_rescale(b, torch.maximum(a.m_x, b.m_x), torch.maximum(a.m_y, b.m_y), t)
+            kl, h, _ = engine.stats_finalize(engine.stats_merge(left, right, t), None)
+            assert torch.isposinf(kl).all() and torch.isfinite(h).all()
+        big_x, big_y = torch.maximum(a.m_x, b.m_x), torch.maximum(a.m_y, b.m_y)
+        rescaled = engine.stats_rescale(b, big_x, big_y, t)
         assert torch.isposinf(rescaled.a).all() and rescaled.s_x.item() == 0.0
+        assert rescaled.b.item() == 0.0
 
 
 def _random_case(g: torch.Generator):

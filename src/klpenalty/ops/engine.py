@@ -240,7 +240,7 @@ def _moment_sum(
     0·(−inf) or 0·NaN is dropped (0·log 0 = 0); a term with f = +inf (a finite policy logit
     where ρ is −inf) is +inf whether or not e^u underflowed: e^u of a finite u is > 0.
     ``out`` may be ``d`` itself where f is never +inf on a row with a distribution (the
-    entropy's u). ``careful`` as in :func:`kl_partial`; the flags mark the rows that needed
+    entropy's u). ``careful`` as in :func:`stats_partial`; the flags mark the rows that needed
     the dropping (None if none).
     """
     torch.mul(d, e, out=out)

@@ -10,13 +10,13 @@ pass reading both inputs: ``x.sum() + y.sum()`` in fp32 accumulation; for forwar
 read both, read again and write one tensor the size of the policy), the peak extra memory from
 ``torch.cuda.max_memory_allocated`` and the max error vs float64 on a subset of rows.
 
-One-pass rows (issue 14): KL + the sampled tokens' log-probs + the entropy of one batch, by
+One-pass rows: KL + the sampled tokens' log-probs + the entropy of one batch, by
 three calls (``full_kl``, ``token_logprobs``, ``entropy``: the policy logits read three times)
 against one call of the Triton backend's ``token_stats`` (read once), forward and
 forward+backward (the gradient of the sum of the three), at ``--one-pass-shapes`` (default
 8x4096x128256 bf16). Their GB/s and floor ratio count one read of both inputs.
 
-``--linear`` runs the rows of issue 12 instead: ``klpenalty.linear_kl`` (exact KL straight from
+``--linear`` runs the linear_kl rows instead: ``klpenalty.linear_kl`` (exact KL straight from
 the hidden states and LM heads, chunked) against the unfused path (both ``F.linear`` + ``full_kl``,
 with backward into the policy's hidden states and weight), and Liger-Kernel's
 ``LigerFusedLinearJSD`` at β = 1 where it imports (its scalar loss, the teacher frozen), at
@@ -26,9 +26,9 @@ states and weight), against one model's (N, V) bf16 logits. Writes bench_gpu_lin
 
 Written for torch 2.11 / Triton 3.6 / Python 3.12 (no network needed). Usage::
 
-    python benchmarks/bench_gpu.py                       # the four shapes of issue 11
+    python benchmarks/bench_gpu.py                       # the four default shapes
     python benchmarks/bench_gpu.py --shapes 2x512x32000 --dtypes bf16 --repeats 5
-    python benchmarks/bench_gpu.py --linear --repeats 5  # linear_kl rows (issue 12)
+    python benchmarks/bench_gpu.py --linear --repeats 5  # linear_kl rows
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ LINEAR_SHAPE = (16384, 4096, 128256)  # (N tokens, H hidden, V vocabulary), bf16
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="*", default=None,
-                   help="BxTxV shapes (default: the four of issue 11, each with its dtype)")
+                   help="BxTxV shapes (default: four LLM shapes, each with its dtype)")
     p.add_argument("--dtypes", nargs="*", default=None, choices=["bf16", "fp16", "fp32"],
                    help="dtypes for --shapes (default bf16)")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per provider (median)")
@@ -64,7 +64,7 @@ def _parse(argv):
                    help="BxTxV shapes (bf16) of the one-pass rows; none to skip them")
     p.add_argument("--out", default=OUT_DIR, help="folder for bench_gpu.csv / bench_gpu.md")
     p.add_argument("--linear", action="store_true",
-                   help="the linear_kl rows of issue 12 instead (bench_gpu_linear.{csv,md})")
+                   help="the linear_kl rows instead (bench_gpu_linear.{csv,md})")
     p.add_argument("--linear-shape", default="x".join(map(str, LINEAR_SHAPE)),
                    help="NxHxV of the --linear rows")
     return p.parse_args(argv)

@@ -1,4 +1,4 @@
-"""Benchmark the exact KL at the issue's shapes; writes benchmarks/results/bench_kl.{csv,md}.
+"""Benchmark the exact KL at LLM-sized shapes (Llama-2, Llama-3, Qwen2 vocabularies); writes benchmarks/results/bench_kl.{csv,md}.
 
     PYTHONPATH=src python benchmarks/bench_kl.py --threads 1            # everything (long)
     PYTHONPATH=src python benchmarks/bench_kl.py --quick                # S1 fp32 only

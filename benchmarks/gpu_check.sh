@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of issues 11, 12 and 14 (≤ 6 minutes on one H200): the Triton kernel tests compiled on
+# GPU check (≤ 6 minutes on one H200): the Triton kernel tests compiled on
 # CUDA (with the one-pass token_stats grid), the distributed tests on NCCL, the GPU benchmark (with
 # the one-pass rows) and the linear_kl rows (bench_gpu.py --linear). Prints everything and writes
 # its logs, CSV and markdown under benchmarks/results/gpu/.
@@ -31,7 +31,7 @@ timeout 60 $PY -m pytest -q -p no:cacheprovider tests/distributed -ra 2>&1 | tee
 echo "== benchmark (benchmarks/bench_gpu.py; its last rows: KL + log-probs + entropy, three calls vs one token_stats call)"
 timeout 150 $PY benchmarks/bench_gpu.py --repeats 5 --out "$OUT" 2>&1 | tee "$OUT/bench_gpu.log"
 [ "${PIPESTATUS[0]}" = "0" ] || status=1
-echo "== linear_kl benchmark (issue 12: benchmarks/bench_gpu.py --linear)"
+echo "== linear_kl benchmark (benchmarks/bench_gpu.py --linear)"
 timeout 60 $PY benchmarks/bench_gpu.py --linear --repeats 5 --warmup 1 --out "$OUT" 2>&1 | tee "$OUT/bench_gpu_linear.log"
 [ "${PIPESTATUS[0]}" = "0" ] || status=1
 echo "== done (status $status); results in $OUT"

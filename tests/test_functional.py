@@ -17,7 +17,7 @@ from klpenalty.ops.reference import (
     token_logprobs_reference,
 )
 
-from .conftest import DTYPES, grad_tol, make_logits, tol
+from .helpers import DTYPES, grad_tol, make_logits, tol
 from .test_sampling import ref_kept
 
 # Leading dims of rank 1 to 3, a single row; V = 1, V not a power of two, V above the row
@@ -398,7 +398,7 @@ def test_reward_and_loss_forms_take_the_sampling_support():
     """kl_penalized_reward and full_kl_reward_and_loss penalise KL(π̃‖ρ) of the policy that
     sampled, against the float64 reference on the truncated logits; gradients too."""
     from klpenalty import full_kl_reward_and_loss
-    from klpenalty.ops.autograd import kept_logits
+    from klpenalty.ops.contract import kept_logits
     from klpenalty.ops.reference import full_kl_reference
 
     x, y = make_logits((2, 6, 40), torch.float32, seed=12, scale=2.0)

@@ -26,7 +26,7 @@ from klpenalty.ops.reference import (  # noqa: E402
     token_logprobs_reference,
 )
 
-from .conftest import grad_tol, tol  # noqa: E402
+from .helpers import grad_tol, tol  # noqa: E402
 
 V = 96  # vocabulary
 B, T, PROMPT = 3, 10, 4  # batch, sequence, prompt length (before padding)

@@ -38,7 +38,7 @@ from klpenalty.ops.reference import (
     token_logprobs_reference,
 )
 
-from .conftest import GRAD_REL_TOL, tol, triton_interpreter_env
+from .helpers import GRAD_REL_TOL, tol, triton_interpreter_env
 
 BACKENDS = ["streaming", "native"]
 NAMES = ("hp", "wp", "bp", "hr", "wr", "br")

@@ -7,7 +7,7 @@ import torch
 
 import klpenalty
 from klpenalty import AdaptiveKLController, FullKL, KLPenalty
-from tests.conftest import make_logits
+from tests.helpers import make_logits
 
 
 def test_full_kl_module_equals_the_function_and_has_no_parameters():

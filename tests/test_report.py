@@ -19,7 +19,7 @@ from klpenalty.ops.reference import (
     token_logprobs_reference,
 )
 
-from .conftest import make_logits, tol
+from .helpers import make_logits, tol
 
 L = math.log(2.0)
 INF = math.inf

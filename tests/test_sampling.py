@@ -12,7 +12,7 @@ import torch
 from klpenalty import sampling
 from klpenalty.sampling import resolve_support, sampling_threshold, support_from_ids
 
-from .conftest import make_logits
+from .helpers import make_logits
 from klpenalty.bench import alloc_profile
 
 

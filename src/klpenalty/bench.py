@@ -51,7 +51,7 @@ __all__ = [
     "read_csv",
 ]
 
-# The shapes of the issue: (B, T, V) of Llama-2 (32000), Llama-3 (128256), Qwen2 (151936).
+# Default shapes: (B, T, V) of Llama-2 (32000), Llama-3 (128256), Qwen2 (151936).
 SHAPES = {"S1": (4, 512, 32000), "S2": (2, 1024, 128256), "S3": (1, 256, 151936)}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -11,8 +11,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _validation as v
-from .ops import autograd as ag
-from .ops import views
+from .ops import dispatch
+from .ops.contract import Want
 from .ops.dispatch import get_backend
 from .sampling import check_sampler, resolve_support
 
@@ -373,21 +373,11 @@ def _token_stats(
         mask = v.check_mask(mask, leading, x.device)
     impl = get_backend(backend, x.device)
     keep, tau = resolve_support(x, support, top_k, top_p, min_p, temperature)
-    want = (
-        ag.WANT_KL * kl + ag.WANT_LOGP * logp + ag.WANT_REF_LOGP * ref_logp
-        + ag.WANT_ENTROPY * entropy
-    )
-    cols = _dispatch(impl, x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check)
-    return TokenStats(*cols)
-
-
-def _dispatch(impl, x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check):
-    """One backend call → the four fields (None where not wanted)."""
-    out = impl.token_stats(
-        x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
+    want = Want.KL * kl | Want.LOGP * logp | Want.REF_LOGP * ref_logp | Want.ENTROPY * entropy
+    out = dispatch.token_stats(
+        impl, x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
         check=check,
     )
-    return tuple(  # (...) contiguous fields: callers may .view() them
-        views.column(out, col) if want & bit else None
-        for col, bit in enumerate((ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY))
+    return TokenStats(  # (...) contiguous fields: callers may .view() them
+        *(out[..., col].contiguous() if want & bit else None for col, bit in enumerate(Want))
     )

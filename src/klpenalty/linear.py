@@ -24,8 +24,8 @@ from torch.autograd.function import once_differentiable
 
 from . import _validation as v
 from .functional import TokenStats
-from .ops import autograd as ag
-from .ops import native, streaming, triton_kernels
+from .ops import contract
+from .ops.contract import Want
 from .ops.dispatch import get_backend
 
 __all__ = ["linear_kl"]
@@ -46,25 +46,12 @@ ACCEL_MIN_CHUNK_ROWS = 256
 IGNORE = -100
 
 # out columns of the adapter (and the order of the Function's outputs): the token_stats op's
-KL, LOGPROBS, REF_LOGPROBS, ENTROPY = ag.OUT_KL, ag.OUT_LOGP, ag.OUT_REF_LOGP, ag.OUT_ENTROPY
+KL, LOGPROBS, REF_LOGPROBS, ENTROPY = (
+    contract.OUT_KL, contract.OUT_LOGP, contract.OUT_REF_LOGP, contract.OUT_ENTROPY
+)
 
 
 # ------------------------------------------------------------------------------ engine adapter
-def _op_prefix(impl) -> str:
-    """The custom-op name prefix of a backend module (native falls back to streaming)."""
-    if impl is triton_kernels:
-        return "triton"
-    if impl is native:
-        return "native" if native.available() else "streaming"
-    if impl is streaming:
-        return "streaming"
-    raise ValueError(f"no custom ops known for backend module {getattr(impl, '__name__', impl)!r}")
-
-
-def _op(impl, name: str):
-    return getattr(torch.ops.klpenalty, f"{_op_prefix(impl)}_{name}")
-
-
 def _host_checks(device: torch.device) -> bool:
     """Whether reading a tensor value on the host is free (CPU: no device synchronisation)."""
     return device.type == "cpu"
@@ -72,11 +59,11 @@ def _host_checks(device: torch.device) -> bool:
 
 def _want(tokens: Optional[Tensor], want_entropy: bool) -> int:
     """The token_stats ``want`` bits: the KL always, the log-probs with tokens, the entropy."""
-    want = ag.WANT_KL
+    want = Want.KL
     if tokens is not None:
-        want |= ag.WANT_LOGP | ag.WANT_REF_LOGP
+        want |= Want.LOGP | Want.REF_LOGP
     if want_entropy:
-        want |= ag.WANT_ENTROPY
+        want |= Want.ENTROPY
     return want
 
 
@@ -97,7 +84,7 @@ def _chunk_forward(
         mask: (R,) bool or None (False rows give 0).
         temperature: > 0.
         want_entropy: compute H(π).
-        impl: the backend module (:func:`klpenalty.ops.dispatch.get_backend`).
+        impl: the :class:`klpenalty.ops.dispatch.Backend` (:func:`~klpenalty.ops.dispatch.get_backend`).
 
     Returns:
         ``out`` (R, 4) in the compute dtype, columns kl, logprobs, ref_logprobs, entropy (0 where
@@ -105,7 +92,7 @@ def _chunk_forward(
         caller (the op's (R, 9) statistics).
     """
     want = _want(tokens, want_entropy)
-    return _op(impl, "token_stats")(
+    return impl.forward_op(
         zp, zr, tokens, mask, None, None, temperature, IGNORE, want, False, 0, 0
     )
 
@@ -138,10 +125,10 @@ def _chunk_backward(
     """
     want = _want(tokens, True)  # an entropy column not requested carries a zero gradient
     if zr is None:  # no gradient needs the reference (see _LinearKL.backward)
-        want &= ~(ag.WANT_KL | ag.WANT_REF_LOGP)
+        want &= ~(Want.KL | Want.REF_LOGP)
     if _host_checks(zp.device):  # on CPU, drop the terms whose upstream gradient is all zero
         live = grad_out.ne(0).any(0).tolist()
-        for col, bit in enumerate((ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY)):
+        for col, bit in enumerate(Want):
             if not live[col]:
                 want &= ~bit
     if not want:
@@ -149,8 +136,8 @@ def _chunk_backward(
             torch.zeros_like(zp) if need_p else None,
             torch.zeros_like(zr) if need_r else None,
         )
-    gx, gy = _op(impl, "token_stats_backward")(
-        grad_out, zp, zr, tokens, stats, mask, None, None, temperature, IGNORE, want,
+    gx, gy = impl.backward_op(
+        grad_out, zp, zr, tokens, None, stats, mask, None, None, temperature, IGNORE, want,
         need_p, need_r, 0, 0,
     )
     return (gx if need_p else None), (gy if need_r else None)

@@ -32,9 +32,14 @@ def test_error_raised_on_every_rank(groups, world, check):
 
 
 def test_errors_name_the_ranks(groups):
-    if 4 not in WORLD_SIZES:
-        pytest.skip(f"names ranks of a 4-rank group; this run has groups of {WORLD_SIZES} ranks")
-    msg = results(groups, 4, "check_err_leading_dims")[0]["data"]["msg"]
-    assert "rank 3: (2, 4)" in msg and "rank 0: (2, 3)" in msg, msg
-    msg = results(groups, 4, "check_err_vocab_gap")[0]["data"]["msg"]
-    assert "rank 3 starts at 552" in msg and "rank 3: [552, 1002)" in msg, msg
+    """The messages name the rank at fault and its numbers (the largest group of the run)."""
+    from .worker import SPLITS
+
+    world = max(WORLD_SIZES)
+    needs_peers(world, "check_err_leading_dims")
+    last = world - 1
+    msg = results(groups, world, "check_err_leading_dims")[0]["data"]["msg"]
+    assert f"rank {last}: (2, 4)" in msg and "rank 0: (2, 3)" in msg, msg
+    start = sum(SPLITS[world][:last]) + 1  # the last slice starts one past its place
+    msg = results(groups, world, "check_err_vocab_gap")[0]["data"]["msg"]
+    assert f"rank {last} starts at {start}" in msg and f"rank {last}: [{start}, 1002)" in msg, msg

@@ -22,7 +22,8 @@ def test_public_names():
     """The names klpenalty.distributed exported as one module, now re-exported by the package."""
     assert set(kd.__all__) == {"ControllerUpdate", "global_masked_mean", "global_sequence_mean",
                                "update_controller_globally", "vocab_parallel_full_kl",
-                               "vocab_parallel_token_logprobs"}  # fmt: skip
+                               "vocab_parallel_token_logprobs", "vocab_parallel_entropy",
+                               "vocab_parallel_token_stats"}  # fmt: skip
     for name in kd.__all__:
         assert getattr(kd, name).__module__.startswith("klpenalty.distributed."), name
 

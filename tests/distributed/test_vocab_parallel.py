@@ -20,6 +20,11 @@ VALUE_CHECKS = [
     "check_communication_volume",
     "check_token_logprobs_float32",
     "check_token_logprobs_bfloat16",
+    "check_token_stats_streaming",
+    "check_token_stats_native",
+    "check_token_stats_triton",
+    "check_entropy_and_token_logprobs_every_backend",
+    "check_token_stats_communication",
 ]
 
 # worker error check -> (type, text every message holds, identical on every rank)
@@ -38,13 +43,16 @@ def test_values_and_gradients(groups, world, check):
 
 
 def test_communication_cost_per_position(groups):
-    """The documented figures: 20 bytes/position for full KL, 12 for token log-probs (fp32)."""
+    """The documented figures (fp32): 20 bytes/position for full KL, 12 for token log-probs,
+    32 for the one-pass KL + log-probs + entropy."""
     for world in WORLD_SIZES:
         for r in results(groups, world, "check_communication_volume"):
             assert r["data"] == {
                 "full_kl_bytes_per_position": 20.0,
                 "token_bytes_per_position": 12.0,
             }
+        for r in results(groups, world, "check_token_stats_communication"):
+            assert r["data"] == {"token_stats_bytes_per_position": 32.0}
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

@@ -351,6 +351,114 @@ def check_token_logprobs_bfloat16(ctx: Ctx):
         _tokens_vs_full(ctx, torch.bfloat16, 7)
 
 
+# ------------------------------------------------------------------ token_stats on every backend
+def _support_cases(ctx: Ctx, x: torch.Tensor):
+    """(name, vocab-parallel kwargs, single-process kwargs) of the truncations compared."""
+    n = x.shape[0] * x.shape[1]
+    g = _generator(31)
+    keep = torch.rand(x.shape, generator=g) > 0.3
+    keep.scatter_(-1, x.argmax(-1, keepdim=True), True)  # the sampled token (the argmax)
+    ids, offsets = [], [0]
+    for row in keep.reshape(n, -1):
+        kept = row.nonzero().flatten()
+        ids.append(kept)
+        offsets.append(offsets[-1] + kept.numel())
+    pair = (torch.cat(ids), torch.tensor(offsets))
+    return [
+        ("untruncated", {}, {}),
+        ("top_k", {"top_k": 40}, {"top_k": 40}),
+        ("top_p", {"top_p": 0.8}, {"top_p": 0.8}),
+        ("top_k_top_p_min_p", {"top_k": 300, "top_p": 0.9, "min_p": 0.01},
+         {"top_k": 300, "top_p": 0.9, "min_p": 0.01}),
+        ("support_mask", {"support": ctx.shard(keep)}, {"support": keep}),
+        ("support_ids", {"support": pair}, {"support": pair}),
+    ]
+
+
+def _token_stats_vs_full(ctx: Ctx, backend: str) -> dict:
+    x, y, g = _pair(21, (2, 3))
+    tokens = torch.randint(0, VOCAB, (2, 3), generator=g)
+    tokens[0, 1] = -100  # ignored
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 2] = False
+    w = torch.randn(4, 2, 3, generator=g)
+    done = []
+    for name, vp_kw, kw in _support_cases(ctx, x):
+        toks = tokens
+        if vp_kw:  # a sampled token must lie in the support: the row's argmax does
+            top = x.argmax(-1)
+            toks = torch.where(tokens == -100, tokens, top)
+        xs, ys = ctx.shard(x, True), ctx.shard(y, True)
+        got = kd.vocab_parallel_token_stats(
+            xs, ys, toks, vocab_start=ctx.start, entropy=True, mask=mask, temperature=0.8,
+            backend=backend, **vp_kw,
+        )
+        sum((f * wi).sum() for f, wi in zip(got, w)).backward()
+        same = all(gather_equal(f) for f in got)
+        xf, yf = x.clone().requires_grad_(), y.clone().requires_grad_()
+        ref = klpenalty.token_stats(xf, yf, toks, entropy=True, mask=mask, temperature=0.8,
+                                    backend="streaming", **kw)
+        sum((f * wi).sum() for f, wi in zip(ref, w)).backward()
+        assert same, name
+        for field, a, b in zip(ref._fields, got, ref):
+            try:
+                assert_close(a, b, **tol(torch.float32))
+            except AssertionError as err:
+                raise AssertionError(f"{name} {field}: {err}") from None
+        for what, grad, full in (("x", xs.grad, xf.grad), ("y", ys.grad, yf.grad)):
+            try:
+                assert_close(grad, full[..., ctx.start : ctx.end], **grad_tol(torch.float32))
+            except AssertionError as err:
+                raise AssertionError(f"{name} grad {what}: {err}") from None
+        done.append(name)
+    return done
+
+
+def check_token_stats_streaming(ctx: Ctx):
+    with small_chunks():
+        return _token_stats_vs_full(ctx, "streaming")
+
+
+def check_token_stats_native(ctx: Ctx):
+    return _token_stats_vs_full(ctx, "native")
+
+
+def check_token_stats_triton(ctx: Ctx):
+    return _token_stats_vs_full(ctx, "triton")
+
+
+def check_entropy_and_token_logprobs_every_backend(ctx: Ctx):
+    x, _, g = _pair(22, (4,))
+    tokens = torch.randint(0, VOCAB, (4,), generator=g)
+    for backend in ("streaming", "native", "triton"):
+        xs = ctx.shard(x, True)
+        h = kd.vocab_parallel_entropy(xs, backend=backend, top_p=0.9)
+        lp = kd.vocab_parallel_token_logprobs(xs, tokens, vocab_start=ctx.start, backend=backend)
+        (h.sum() + lp.sum()).backward()
+        xf = x.clone().requires_grad_()
+        ref_h = klpenalty.entropy(xf, top_p=0.9)
+        ref_lp = token_logprobs(xf, tokens)
+        (ref_h.sum() + ref_lp.sum()).backward()
+        assert_close(h, ref_h, **tol(torch.float32))
+        assert_close(lp, ref_lp, **tol(torch.float32))
+        assert_close(xs.grad, xf.grad[..., ctx.start : ctx.end], **grad_tol(torch.float32))
+
+
+def check_token_stats_communication(ctx: Ctx):
+    """The one-pass call: MAX of (N, 2), SUM of (s_x, s_y, a, b, x_t, y_t) (N, 6)."""
+    x, y, _ = _pair(23, (2, 3))
+    tok = torch.arange(6).reshape(2, 3) * 150
+    calls, restore = _count_collectives()
+    try:
+        kd.vocab_parallel_token_stats(ctx.shard(x), ctx.shard(y), tok, vocab_start=ctx.start,
+                                      entropy=True, check=False)
+    finally:
+        restore()
+    assert calls == [("all_reduce", "MAX", 12, 4, "cpu"), ("all_reduce", "SUM", 36, 4, "cpu")] \
+        or x.device.type != "cpu", calls
+    return {"token_stats_bytes_per_position": sum(c[2] * c[3] for c in calls) / 6}
+
+
 def _dp_data(ctx: Ctx):
     """Every rank's (values, mask) with a different batch size per rank, from one seed."""
     g = _generator(8)
@@ -400,7 +508,8 @@ def check_controller_identical(ctx: Ctx):
         sums = [float(torch.rand(1, generator=g) * 6 + 4) * (r + 1) for r in range(ctx.world)]
         counts = [r + 1 for r in range(ctx.world)]
         upd = kd.update_controller_globally(
-            ctl, torch.tensor(sums[ctx.rank]), counts[ctx.rank], counts[ctx.rank]
+            ctl, torch.tensor(sums[ctx.rank], dtype=torch.float64), counts[ctx.rank],
+            counts[ctx.rank],
         )
         kd.update_controller_globally(fixed, sums[ctx.rank], counts[ctx.rank], counts[ctx.rank])
         same.append(gather_equal(torch.tensor([ctl.value], dtype=torch.float64)))

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from klpenalty.ops.reference import full_kl_reference
-from tests.conftest import grad_tol, make_logits, tol
+from tests.helpers import grad_tol, make_logits, tol
 
 NINF = float("-inf")
 
@@ -177,7 +177,7 @@ def ref_token_stats_grads(x, y, tokens, mask, keep, tau, temperature, ignore_ind
     so the reference's autograd stays finite there (0·(−inf) would give NaN) and gives them no
     gradient; the values are unchanged.
     """
-    from klpenalty.ops.autograd import kept_logits
+    from klpenalty.ops.contract import kept_logits
     from klpenalty.ops.reference import token_stats_reference
 
     kept = torch.isfinite(kept_logits(x.detach().double(), keep, tau))
@@ -197,26 +197,33 @@ def _out_close(out, want_out, dtype):
     torch.testing.assert_close(out.double(), want_out, equal_nan=True, **tol(dtype))
 
 
-def check_token_stats(run: Callable, dtype: torch.dtype, device=None) -> None:
-    """A backend's token_stats op against the float64 reference, on the shared grid.
+class _Case:
+    """The shared inputs of the grid's scenarios (:func:`token_stats_case`) and the reference."""
 
-    ``run(x, y, tokens, mask, keep, tau, T, want, **kw) -> out (..., 4)`` calls the backend
-    (its entry function with its own tile arguments); ``kw`` holds ``ignore_index`` and
-    ``check``. Covers every valid ``want``, the supports of :func:`token_stats_case`, no
-    support, keep or tau alone, −inf patterns, temperatures, ignore_index, V = 1, gradients
-    for x and y with a non-unit (..., 4) upstream gradient, the checks and ``check=False``.
-    """
-    from klpenalty.ops.autograd import kept_logits
-    from klpenalty.ops.reference import token_stats_reference
+    def __init__(self, dtype: torch.dtype, device) -> None:
+        c = token_stats_case(dtype, device=device)
+        self.x, self.y, self.tokens, self.mask, self.keep, self.tau = (
+            c[k] for k in ("x", "y", "tokens", "mask", "keep", "tau")
+        )
+        self.cdt = torch.float64 if dtype == torch.float64 else torch.float32
+        self.t = 0.7
+        # a non-unit upstream gradient in all four columns
+        self.grad_out = torch.linspace(-1.5, 2.0, 24, device=device).reshape(2, 3, 4)
 
-    c = token_stats_case(dtype, device=device)
-    x, y, tokens, mask, keep, tau = (c[k] for k in ("x", "y", "tokens", "mask", "keep", "tau"))
-    cdt = torch.float64 if dtype == torch.float64 else torch.float32
-    t = 0.7
-
+    @staticmethod
     def ref(x_, y_, tok_, mask_, keep_, tau_, temp, want, ii=-100):
+        from klpenalty.ops.reference import token_stats_reference
+
         return token_stats_reference(x_, y_, tok_, mask_, keep_, tau_, temp, ii, want)
 
+
+def _scenario_every_want(run, dtype, device, c: _Case) -> None:
+    from klpenalty.ops.contract import kept_logits  # noqa: F401 (used by some scenarios)
+
+    x, y, tokens, mask, keep, tau, t, cdt, ref = (
+        c.x, c.y, c.tokens, c.mask, c.keep, c.tau, c.t, c.cdt, c.ref
+    )
+    grad_out = c.grad_out
     # every valid want: values, zeros where not wanted and on the masked row, the dtype
     for want in ALL_WANTS:
         out = run(x, y, tokens, mask, keep, tau, t, want, ignore_index=-100, check=True)
@@ -233,9 +240,16 @@ def check_token_stats(run: Callable, dtype: torch.dtype, device=None) -> None:
     assert torch.all(flat[0] == 0) and torch.all(flat[5, 1:3] == 0)  # masked; ignored token
     assert flat[2, 1].item() == 0.0 and flat[2, 3].item() == 0.0  # one token kept: log 1, H = 0
 
+
+def _scenario_gradients(run, dtype, device, c: _Case) -> None:
+    from klpenalty.ops.contract import kept_logits  # noqa: F401 (used by some scenarios)
+
+    x, y, tokens, mask, keep, tau, t, cdt, ref = (
+        c.x, c.y, c.tokens, c.mask, c.keep, c.tau, c.t, c.cdt, c.ref
+    )
+    grad_out = c.grad_out
     # gradients for x and y, non-unit upstream gradient in all four columns (the columns not
     # wanted must be ignored), exact zeros on the masked row
-    grad_out = torch.linspace(-1.5, 2.0, 24, device=device).reshape(2, 3, 4)
     for want in (15, 9, 2, 4):
         xg, yg = x.detach().requires_grad_(), y.detach().requires_grad_()
         out = run(xg, yg, tokens, mask, keep, tau, t, want, ignore_index=-100, check=True)
@@ -253,6 +267,14 @@ def check_token_stats(run: Callable, dtype: torch.dtype, device=None) -> None:
     wx, _ = ref_token_stats_grads(x, None, tokens, mask, keep, tau, t, -100, 10, grad_out)
     torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
 
+
+def _scenario_supports_and_temperatures(run, dtype, device, c: _Case) -> None:
+    from klpenalty.ops.contract import kept_logits  # noqa: F401 (used by some scenarios)
+
+    x, y, tokens, mask, keep, tau, t, cdt, ref = (
+        c.x, c.y, c.tokens, c.mask, c.keep, c.tau, c.t, c.cdt, c.ref
+    )
+    grad_out = c.grad_out
     # keep alone, tau alone, no support (temperatures 1.3 and 1), the same tokens (kept in all).
     # Without tau, row 4 keeps the entry where the reference is −inf: KL = +inf there, its
     # KL column gets no upstream gradient, and the other three columns' gradients stay finite.
@@ -268,12 +290,29 @@ def check_token_stats(run: Callable, dtype: torch.dtype, device=None) -> None:
         wx, wy = ref_token_stats_grads(x, y, tokens, mask, keep_, tau_, temp, -100, 15, grad_fin)
         torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
         torch.testing.assert_close(gy.double(), wy, **grad_tol(dtype))
+
+
+def _scenario_ignore_index(run, dtype, device, c: _Case) -> None:
+    from klpenalty.ops.contract import kept_logits  # noqa: F401 (used by some scenarios)
+
+    x, y, tokens, mask, keep, tau, t, cdt, ref = (
+        c.x, c.y, c.tokens, c.mask, c.keep, c.tau, c.t, c.cdt, c.ref
+    )
+    grad_out = c.grad_out
     # ignore_index = -1
     tokens_1 = torch.where(tokens == -100, -1, tokens)
     out = run(x, y, tokens_1, mask, None, None, t, 15, ignore_index=-1, check=True)
     _out_close(out, ref(x, y, tokens_1, mask, None, None, t, 15, ii=-1), dtype)
     assert torch.all(out.reshape(6, 4)[5, 1:3] == 0)
 
+
+def _scenario_reference_minus_inf(run, dtype, device, c: _Case) -> None:
+    from klpenalty.ops.contract import kept_logits  # noqa: F401 (used by some scenarios)
+
+    x, y, tokens, mask, keep, tau, t, cdt, ref = (
+        c.x, c.y, c.tokens, c.mask, c.keep, c.tau, c.t, c.cdt, c.ref
+    )
+    grad_out = c.grad_out
     # −inf: the reference lacks mass the truncated policy has → KL = +inf (no NaN, no raise)
     y_inf = y.clone()
     y_inf[1, 0, int(x[1, 0].double().argmax())] = NINF  # row 3: kept, now without ref mass
@@ -281,6 +320,14 @@ def check_token_stats(run: Callable, dtype: torch.dtype, device=None) -> None:
     assert out[1, 0, 0].item() == float("inf")
     _out_close(out, ref(x, y_inf, tokens, mask, keep, tau, t, 15), dtype)
 
+
+def _scenario_identical_logits_and_one_entry(run, dtype, device, c: _Case) -> None:
+    from klpenalty.ops.contract import kept_logits  # noqa: F401 (used by some scenarios)
+
+    x, y, tokens, mask, keep, tau, t, cdt, ref = (
+        c.x, c.y, c.tokens, c.mask, c.keep, c.tau, c.t, c.cdt, c.ref
+    )
+    grad_out = c.grad_out
     # identical logits without a support: KL exactly 0; V = 1: everything 0, zero gradients
     out = run(x[:, 1:], x[:, 1:], tokens[:, 1:], None, None, None, t, 1, ignore_index=-100,
               check=True)
@@ -293,7 +340,34 @@ def check_token_stats(run: Callable, dtype: torch.dtype, device=None) -> None:
     gx, gy = torch.autograd.grad(out, (x1, y1), torch.ones(3, 4, device=device))
     assert torch.all(gx == 0) and torch.all(gy == 0)
 
+
+def _scenario_checks(run, dtype, device, c: _Case) -> None:
     check_token_stats_checks(run, dtype, device)
+
+
+# name -> scenario of the shared grid; every backend's test runs each one as its own test
+TOKEN_STATS_SCENARIOS = {
+    name[len("_scenario_"):]: fn for name, fn in dict(globals()).items()
+    if name.startswith("_scenario_")
+}
+
+
+def check_token_stats(
+    run: Callable, dtype: torch.dtype, device=None, scenario: str | None = None
+) -> None:
+    """A backend's token_stats op against the float64 reference, on the shared grid.
+
+    ``run(x, y, tokens, mask, keep, tau, T, want, **kw) -> out (..., 4)`` calls the backend
+    (its entry function with its own tile arguments); ``kw`` holds ``ignore_index`` and
+    ``check``. ``scenario``: one name of :data:`TOKEN_STATS_SCENARIOS` (None: all): every valid
+    ``want``, gradients for x and y with a non-unit (..., 4) upstream gradient, keep or tau
+    alone and no support at other temperatures, ignore_index, −inf in the reference, identical
+    logits and V = 1, the checks and ``check=False``.
+    """
+    c = _Case(dtype, device)
+    names = list(TOKEN_STATS_SCENARIOS) if scenario is None else [scenario]
+    for name in names:
+        TOKEN_STATS_SCENARIOS[name](run, dtype, device, c)
 
 
 def check_token_stats_checks(run: Callable, dtype: torch.dtype, device=None) -> None:

@@ -1,5 +1,5 @@
 """The engine's numerics: offsets, merges, empty batches, second derivatives, torch.compile and
-host synchronisation. Each test here pins a defect of the first release."""
+host synchronisation."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 import klpenalty
 from klpenalty.ops import dispatch, engine, native, streaming
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
-from tests.conftest import grad_tol, tol
+from tests.helpers import grad_tol, tol
+from tests.helpers import views
 
 NINF = float("-inf")
 
@@ -19,7 +20,7 @@ def _pair(shape, seed=0, spread=1.0):
     return torch.randn(shape, generator=g) * spread, torch.randn(shape, generator=g) * spread
 
 
-# ----------------------------------------------------------------------- offsets (defect 1)
+# ----------------------------------------------------------------------- offsets
 @pytest.mark.parametrize("offset_x,offset_y", [(1e4, -1e4), (-1e4, 1e4), (1e4, 1e4), (3e3, -50.0)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("vocab_chunk", [None, 5])
@@ -30,7 +31,7 @@ def test_opposite_offsets_keep_float32_accuracy(offset_x, offset_y, temperature,
     """
     x, y = _pair((3, 17), seed=1, spread=5.0)
     xs, ys = x + offset_x, y + offset_y
-    got = streaming.full_kl(xs, ys, None, temperature, vocab_chunk=vocab_chunk)
+    got = views.streaming.full_kl(xs, ys, None, temperature, vocab_chunk=vocab_chunk)
     torch.testing.assert_close(
         got.double(), full_kl_reference(xs, ys, temperature), **tol(torch.float32)
     )
@@ -50,7 +51,7 @@ def test_opposite_offset_gradients_match_reference():
     xs = (x + 1e4).requires_grad_()
     ys = (y - 1e4).requires_grad_()
     g = torch.linspace(-1.0, 2.0, 4)
-    gx, gy = torch.autograd.grad(streaming.full_kl(xs, ys, None, 0.9, vocab_chunk=7), (xs, ys), g)
+    gx, gy = torch.autograd.grad(views.streaming.full_kl(xs, ys, None, 0.9, vocab_chunk=7), (xs, ys), g)
     xr, yr = xs.detach().double().requires_grad_(), ys.detach().double().requires_grad_()
     wx, wy = torch.autograd.grad((full_kl_reference(xr, yr, 0.9) * g.double()).sum(), (xr, yr))
     torch.testing.assert_close(gx.double(), wx, **grad_tol(torch.float32))
@@ -67,21 +68,22 @@ def test_merge_is_associative_and_equals_one_pass():
     t = 0.8
 
     def part(a, b):
-        return engine.kl_partial(x[:, a:b].double(), y[:, a:b].double(), t, ws, True)[0]
+        xs, ys = x[:, a:b].double(), y[:, a:b].double()
+        return engine.stats_partial(xs, ys, t, ws, True, kl=True, entropy=True)[0]
 
     p0, p1, p2 = part(0, 10), part(10, 20), part(20, 30)
-    left = engine.kl_merge(engine.kl_merge(p0, p1, t), p2, t)
-    right = engine.kl_merge(p0, engine.kl_merge(p1, p2, t), t)
+    left = engine.stats_merge(engine.stats_merge(p0, p1, t), p2, t)
+    right = engine.stats_merge(p0, engine.stats_merge(p1, p2, t), t)
     whole = part(0, 30)
     for a, b, c in zip(left, right, whole):
         torch.testing.assert_close(a, c, **tol(torch.float64))
         torch.testing.assert_close(b, c, **tol(torch.float64))
-    kl, _ = engine.kl_finalize(left, None)
+    kl, _, _ = engine.stats_finalize(left, None)
     torch.testing.assert_close(kl, full_kl_reference(x, y, t), **tol(torch.float64))
     assert kl[1] == float("inf")
 
 
-# ----------------------------------------------------------------------- empty batch (defect 2)
+# ----------------------------------------------------------------------- empty batch
 def test_empty_batch_gives_empty_results_and_gradients():
     x = torch.randn(0, 4, 10, requires_grad=True)
     y = torch.randn(0, 4, 10, requires_grad=True)
@@ -97,7 +99,7 @@ def test_empty_batch_gives_empty_results_and_gradients():
     assert klpenalty.kl_penalized_reward(x, y, torch.zeros(0, 4)).shape == (0, 4)
 
 
-# ----------------------------------------------------------------------- double backward (3)
+# ----------------------------------------------------------------------- double backward
 def test_gradgradcheck_full_kl_and_token_logprobs():
     x, y = _pair((3, 6), seed=5)
     x, y = x.double().requires_grad_(), y.double().requires_grad_()
@@ -125,7 +127,7 @@ def test_hessian_vector_product_matches_reference():
     torch.testing.assert_close(hvp.double(), want, **grad_tol(torch.float32))
 
 
-# ----------------------------------------------------------------------- torch.compile (4)
+# ----------------------------------------------------------------------- torch.compile
 def _step(policy_logits, ref_logits, tokens, mask):
     kl = klpenalty.full_kl(policy_logits, ref_logits, mask=mask, temperature=0.9)
     lp = klpenalty.token_logprobs(policy_logits, tokens, temperature=0.9)
@@ -167,7 +169,7 @@ def test_fullgraph_compile_of_a_training_step_gives_the_same_numbers(
         monkeypatch.setattr(native, "available", lambda: False)
     elif not native.available():
         pytest.skip("the native kernel is unavailable (no C++ compiler)")
-    assert dispatch.get_backend("auto", torch.device("cpu")).__name__.endswith(cpu_backend)
+    assert dispatch.get_backend("auto", torch.device("cpu")).name == cpu_backend
     torch._dynamo.reset()
     x, y, tokens, mask = _step_inputs()
     compiled = torch.compile(_step, fullgraph=True, backend=compiler)
@@ -179,7 +181,29 @@ def test_fullgraph_compile_of_a_training_step_gives_the_same_numbers(
     torch.testing.assert_close(got_grad, want_grad)
 
 
-# ----------------------------------------------------------------------- host syncs (5)
+def _one_pass(policy_logits, ref_logits, tokens, mask, keep):
+    s = klpenalty.token_stats(policy_logits, ref_logits, tokens, mask=mask, entropy=True,
+                              support=keep, temperature=0.9)
+    return (s.kl + s.logprobs + s.ref_logprobs + s.entropy).sum()
+
+
+def test_fullgraph_compile_of_the_one_pass_call_with_a_support_mask():
+    """token_stats with the entropy and a bool kept set (the README's claim): one graph, the
+    eager numbers and gradients."""
+    torch._dynamo.reset()
+    x, y, tokens, mask = _step_inputs()
+    keep = torch.rand(x.shape, generator=torch.Generator().manual_seed(3)) > 0.3
+    keep.scatter_(-1, tokens.clamp_min(0).unsqueeze(-1), True)
+    compiled = torch.compile(_one_pass, fullgraph=True, backend="aot_eager")
+    got = compiled(x, y, tokens, mask, keep)
+    (got_grad,) = torch.autograd.grad(got, x)
+    want = _one_pass(x, y, tokens, mask, keep)
+    (want_grad,) = torch.autograd.grad(want, x)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_grad, want_grad)
+
+
+# ----------------------------------------------------------------------- host syncs
 class _CountSyncs:
     """Counts reads of tensor values by the host (bool(), .item(), int(), float(), .tolist():
     each a device-to-host synchronisation on an accelerator), also inside the custom ops."""
@@ -210,7 +234,7 @@ def test_accelerator_path_syncs_only_for_the_one_check(monkeypatch, check, expec
     x.requires_grad_()
     with monkeypatch.context() as patch:
         counter = _CountSyncs(patch)
-        kl = streaming.full_kl(x, y, None, 1.0, check=check, tile_elements=16)
+        kl = views.streaming.full_kl(x, y, None, 1.0, check=check, tile_elements=16)
         assert counter.syncs == expected
         counter.syncs = 0
         kl.sum().backward()
@@ -227,7 +251,7 @@ def test_check_false_returns_nan_instead_of_raising():
     assert torch.isnan(kl[1]) and torch.isfinite(kl[0])
 
 
-# ----------------------------------------------------------------------- threads (6)
+# ----------------------------------------------------------------------- threads
 def test_cpu_tile_loop_runs_on_one_thread_and_restores_the_setting(monkeypatch):
     seen = []
     original = engine.stats_partial
@@ -248,7 +272,7 @@ def test_cpu_tile_loop_runs_on_one_thread_and_restores_the_setting(monkeypatch):
         torch.set_num_threads(before)
 
 
-# ----------------------------------------------------------------------- ignore_index (8)
+# ----------------------------------------------------------------------- ignore_index
 def test_token_logprobs_ignore_index():
     x, _ = _pair((2, 3, 11), seed=9)
     x.requires_grad_()

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import klpenalty
-from klpenalty.ops import autograd as ag
+from klpenalty.ops import contract as ag
 from klpenalty.ops import dispatch, streaming
 from klpenalty.ops.reference import entropy_reference
-from tests.conftest import DTYPES, grad_tol, make_logits, tol
+from tests.helpers import DTYPES, grad_tol, make_logits, tol
+from tests.helpers import views
 
 NINF = float("-inf")
 BACKENDS = dispatch.device_backends(torch.device("cpu"))  # triton: tests/ops/test_triton.py
@@ -103,7 +104,7 @@ def test_streaming_tiles_smaller_than_a_row_match_reference(vocab_chunk):
     x[0, 0, :150] = NINF  # whole tiles without mass, then mass
     x[1, 1, 200:] = NINF
     x.requires_grad_()
-    h = streaming.entropy(x, None, 0.9, check=True, vocab_chunk=vocab_chunk, chunk_rows=4)
+    h = views.streaming.entropy(x, None, 0.9, check=True, vocab_chunk=vocab_chunk, chunk_rows=4)
     grad_out = torch.linspace(-1.0, 2.0, 15).reshape(3, 5)
     want, want_grad = _ref_and_grad(x, None, 0.9, grad_out)
     torch.testing.assert_close(h.double(), want, **tol(torch.float32))
@@ -135,7 +136,7 @@ def test_stats_match_across_backends(backend):
     x[1, 7] = NINF
     if backend == "native" and not klpenalty.ops.native.available():
         pytest.skip("the native kernel is unavailable")
-    args = (x, None, None, None, None, None, 0.9, -100, ag.WANT_ENTROPY, False, 0, 0)
+    args = (x, None, None, None, None, None, 0.9, -100, ag.Want.ENTROPY, False, 0, 0)
     cols = [ag.ST_SHIFT_X, ag.ST_LOG_S_X, ag.ST_MEAN_U]
     out, st = getattr(torch.ops.klpenalty, f"{backend}_token_stats")(*args)
     out_s, st_s = torch.ops.klpenalty.streaming_token_stats(*args)

@@ -18,15 +18,18 @@ import pytest
 import torch
 
 import klpenalty
-from klpenalty.ops import autograd as ag
+from klpenalty._validation import compute_dtype
+from klpenalty.ops import contract as ag
 from klpenalty.ops import native, streaming
 from klpenalty.ops.reference import (
     full_kl_reference,
     token_logprobs_reference,
     token_stats_reference,
 )
-from tests.conftest import DTYPES, grad_tol, make_logits, tol
+from tests.helpers import DTYPES, grad_tol, make_logits, tol
+from tests.helpers import views
 from tests.ops.cases import (
+    TOKEN_STATS_SCENARIOS,
     check_kl_and_grads,
     check_minus_inf_patterns,
     check_token_logprobs_and_grads,
@@ -45,12 +48,12 @@ SHAPES = [((3,), 1), ((2, 3), 37), ((4,), 64), ((2, 2), 2048 + 37), ((3,), 9001)
 
 
 def _kl(x, y, mask=None, temperature=1.0, check=True):
-    return native.full_kl(x, y, mask, temperature, check=check)
+    return views.native.full_kl(x, y, mask, temperature, check=check)
 
 
 def test_kernel_builds_where_a_compiler_exists():
     assert native.available()
-    assert klpenalty.ops.dispatch.get_backend("auto", torch.device("cpu")) is native
+    assert klpenalty.ops.dispatch.get_backend("auto", torch.device("cpu")).module is native
     assert native.isa() in ("AVX512", "AVX2", "DEFAULT")
     assert native.isa().lower() in native.build_name()
     assert native.status().startswith(f"native ({native.isa()})")
@@ -79,7 +82,7 @@ def test_token_logprobs_values_and_gradients_match_reference(dtype, leading, voc
     gen = torch.Generator().manual_seed(vocab)
     tokens = torch.randint(0, vocab, leading, generator=gen)
     tokens.view(-1)[0] = -100  # ignored position
-    out = native.token_logprobs(x, tokens, 1.3, ignore_index=-100, check=True)
+    out = views.native.token_logprobs(x, tokens, 1.3, ignore_index=-100, check=True)
     check_token_logprobs_and_grads(out, x, tokens, 1.3, dtype)
 
 
@@ -91,7 +94,7 @@ def test_stats_match_the_streaming_op():
     x[1, 7] = NINF  # policy −inf: the 0·log 0 arithmetic
     y[2, 9] = NINF  # reference −inf where the policy has mass: KL = +inf
     ops = torch.ops.klpenalty
-    args = (x, y, None, None, None, None, 0.9, -100, ag.WANT_KL, False, 0, 0)
+    args = (x, y, None, None, None, None, 0.9, -100, ag.Want.KL, False, 0, 0)
     out_n, st_n = ops.native_token_stats(*args)
     out_s, st_s = ops.streaming_token_stats(*args)
     torch.testing.assert_close(out_n[:, ag.OUT_KL], out_s[:, ag.OUT_KL], **tol(torch.float32))
@@ -99,7 +102,7 @@ def test_stats_match_the_streaming_op():
     assert st_n[:, ag.ST_CAREFUL].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0]
     assert torch.all(out_n[:, 1:] == 0) and torch.all(st_n[:, 6:] == 0)
     tokens = torch.arange(5)
-    args = (x, None, tokens, None, None, None, 0.9, -100, ag.WANT_LOGP, False, 0, 0)
+    args = (x, None, tokens, None, None, None, 0.9, -100, ag.Want.LOGP, False, 0, 0)
     out_n, st_n = ops.native_token_stats(*args)
     out_s, st_s = ops.streaming_token_stats(*args)
     cols = [ag.ST_SHIFT_X, ag.ST_LOG_S_X, ag.ST_LOGP]
@@ -130,26 +133,26 @@ def test_hand_values_and_rows_without_a_distribution():
     rows[2, 3] = float("nan")
     kl = _kl(rows, torch.zeros(4, 5), check=False)
     assert torch.isnan(kl[:3]).all() and kl[3].item() == 0.0
-    lp = native.token_logprobs(rows, torch.zeros(4, dtype=torch.long), 1.0, check=False)
-    want = streaming.token_logprobs(rows, torch.zeros(4, dtype=torch.long), 1.0, check=False)
+    lp = views.native.token_logprobs(rows, torch.zeros(4, dtype=torch.long), 1.0, check=False)
+    want = views.streaming.token_logprobs(rows, torch.zeros(4, dtype=torch.long), 1.0, check=False)
     torch.testing.assert_close(lp, want, equal_nan=True)
 
 
 # --------------------------------------------------------------------------- strides, offsets
 def test_non_contiguous_inputs_give_the_contiguous_results():
     x, y = make_logits((2, 6, 301), torch.float32, seed=21)
-    views = [
+    layouts = [
         (x[:, :-1], y[:, :-1]),  # rows with a gap: leading strides only
         (x[..., :-1], y[..., :-1]),  # vocabulary slice: row stride V + 1
         (x.transpose(0, 1), y.transpose(0, 1)),
         (x.transpose(-1, -2).contiguous().transpose(-1, -2), y),  # last-dim stride ≠ 1: copied
     ]
-    for a, b in views:
+    for a, b in layouts:
         want = _kl(a.contiguous(), b.contiguous())
         assert torch.equal(_kl(a, b), want)
         tokens = torch.zeros(a.shape[:-1], dtype=torch.long)
-        got_lp = native.token_logprobs(a, tokens, 0.8)
-        assert torch.equal(got_lp, native.token_logprobs(a.contiguous(), tokens, 0.8))
+        got_lp = views.native.token_logprobs(a, tokens, 0.8)
+        assert torch.equal(got_lp, views.native.token_logprobs(a.contiguous(), tokens, 0.8))
     xs = x[:, :-1].clone().requires_grad_()
     view = xs[:, ::2]  # a strided view inside autograd
     (g,) = torch.autograd.grad(_kl(view, y[:, :3]).sum(), (xs,))
@@ -165,7 +168,7 @@ def test_large_opposite_offsets_keep_float32_accuracy(offset_x, offset_y, temper
     want = full_kl_reference(xs, ys, temperature)  # on the same float32 values
     torch.testing.assert_close(_kl(xs, ys, temperature=temperature).double(), want, **tol(torch.float32))
     tokens = torch.arange(6)
-    lp = native.token_logprobs(xs, tokens, temperature)
+    lp = views.native.token_logprobs(xs, tokens, temperature)
     torch.testing.assert_close(lp.double(), token_logprobs_reference(xs, tokens, temperature), **tol(torch.float32))
 
 
@@ -192,7 +195,7 @@ def test_mixed_dtypes_empty_batch_and_threads():
     assert gx.dtype == torch.bfloat16 and gy.dtype == torch.float32
     empty = torch.zeros(0, 7)
     assert _kl(empty, empty).shape == (0,)
-    assert native.token_logprobs(empty, torch.zeros(0, dtype=torch.long), 1.0).shape == (0,)
+    assert views.native.token_logprobs(empty, torch.zeros(0, dtype=torch.long), 1.0).shape == (0,)
     big_x, big_y = make_logits((64, 4096), torch.float32, seed=4)
     before = torch.get_num_threads()
     try:
@@ -214,7 +217,7 @@ def test_gradcheck_in_float64():
     assert torch.autograd.gradcheck(lambda a, b: _kl(a, b, mask, 0.7), (x, y), eps=1e-6, atol=1e-8)
     tokens = torch.tensor([0, 8, -100, 5])
     assert torch.autograd.gradcheck(
-        lambda a: native.token_logprobs(a, tokens, 1.7), (x,), eps=1e-6, atol=1e-8
+        lambda a: views.native.token_logprobs(a, tokens, 1.7), (x,), eps=1e-6, atol=1e-8
     )
     # double backward: the shared differentiable fallback
     assert torch.autograd.gradgradcheck(lambda a, b: _kl(a, b, mask, 0.7), (x, y), eps=1e-6, atol=1e-7)
@@ -255,25 +258,25 @@ def test_check_errors_read_exactly_like_the_streaming_ones(leading):
         lambda b: b.token_stats(x, y, tokens, None, keep, None, 1.0, want=2, check=True),
     ]
     for case in cases:
-        assert _message(lambda: case(native)) == _message(lambda: case(streaming))
+        assert _message(lambda: case(views.native)) == _message(lambda: case(views.streaming))
     # check=False: NaN in the result, no error; masked rows may hold anything
-    assert torch.isnan(native.full_kl(bad_x, y, None, 1.0, check=False).view(-1)[-1])
+    assert torch.isnan(views.native.full_kl(bad_x, y, None, 1.0, check=False).view(-1)[-1])
     mask = torch.ones(leading, dtype=torch.bool)
     mask.view(-1)[-1] = False
-    assert native.full_kl(bad_x, no_mass, mask, 1.0, check=True).view(-1)[-1].item() == 0.0
+    assert views.native.full_kl(bad_x, no_mass, mask, 1.0, check=True).view(-1)[-1].item() == 0.0
 
 
 def test_ops_validate_their_arguments_when_called_directly():
     assert native.available()  # loads the ops
     x, y = make_logits((2, 5), torch.float32)
     op = torch.ops.klpenalty.native_token_stats
-    tail = (1.0, -100, ag.WANT_KL, False, 0, 0)
+    tail = (1.0, -100, ag.Want.KL, False, 0, 0)
     with pytest.raises(TypeError, match="policy_logits must be a floating-point"):
         op(x.long(), y, None, None, None, None, *tail)
     with pytest.raises(ValueError, match="same shape"):
         op(x, y[:, :4], None, None, None, None, *tail)
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
-        op(x, y, None, None, None, None, 0.0, -100, ag.WANT_KL, False, 0, 0)
+        op(x, y, None, None, None, None, 0.0, -100, ag.Want.KL, False, 0, 0)
     with pytest.raises(TypeError, match="mask must be a bool tensor"):
         op(x, y, None, torch.ones(2), None, None, *tail)
     with pytest.raises(TypeError, match="keep must be a bool tensor"):
@@ -289,8 +292,8 @@ def test_ops_validate_their_arguments_when_called_directly():
     with pytest.raises(ValueError, match="but ref_logits is None"):
         op(x, None, torch.zeros(2, dtype=torch.long), None, None, None, *tail)
     with pytest.raises(ValueError, match="but tokens is None"):
-        op(x, y, None, None, None, None, 1.0, -100, ag.WANT_LOGP, False, 0, 0)
-    lp = (1.0, -100, ag.WANT_LOGP, False, 0, 0)
+        op(x, y, None, None, None, None, 1.0, -100, ag.Want.LOGP, False, 0, 0)
+    lp = (1.0, -100, ag.Want.LOGP, False, 0, 0)
     with pytest.raises(TypeError, match="tokens must be an integer tensor"):
         op(x, None, torch.zeros(2), None, None, None, *lp)
     with pytest.raises(IndexError, match="out of range"):  # check=False never reads past a row
@@ -298,9 +301,9 @@ def test_ops_validate_their_arguments_when_called_directly():
     bwd = torch.ops.klpenalty.native_token_stats_backward
     _, stats = op(x, y, None, None, None, None, *tail)
     with pytest.raises(ValueError, match=r"grad must have shape \(2, 4\)"):
-        bwd(torch.ones(2), x, y, None, stats, None, None, None, 1.0, -100, 1, True, True, 0, 0)
+        bwd(torch.ones(2), x, y, None, None, stats, None, None, None, 1.0, -100, 1, True, True, 0, 0)
     with pytest.raises(ValueError, match=r"stats must have shape \(2, 9\)"):
-        bwd(torch.ones(2, 4), x, y, None, stats[:, :6], None, None, None, 1.0, -100, 1, True, True, 0, 0)
+        bwd(torch.ones(2, 4), x, y, None, None, stats[:, :6], None, None, None, 1.0, -100, 1, True, True, 0, 0)
 
 
 # --------------------------------------------------------------------------- fallback, cache
@@ -318,7 +321,7 @@ _FALLBACK_CHILD = """
     import torch, klpenalty
     from klpenalty.ops import native
     from klpenalty.ops.reference import full_kl_reference
-    from tests.conftest import make_logits, tol
+    from tests.helpers import make_logits, tol
     x, y = make_logits((3, 50), torch.float32, seed=1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -369,25 +372,26 @@ def test_fallback_in_process_when_the_loader_fails(monkeypatch):
     monkeypatch.setattr(native, "_warned", False)
     x, y = make_logits((2, 40), torch.float32, seed=3)
     with pytest.warns(RuntimeWarning, match="simulated build failure") as record:
-        kl = native.full_kl(x, y, None, 1.0)
-        lp = native.token_logprobs(x, torch.tensor([1, 2]), 1.0)
-        out = native.token_stats(x, y, torch.tensor([1, 2]), None, None, None, 1.0, want=15)
+        kl = views.native.full_kl(x, y, None, 1.0)
+        lp = views.native.token_logprobs(x, torch.tensor([1, 2]), 1.0)
+        out = views.native.token_stats(x, y, torch.tensor([1, 2]), None, None, None, 1.0, want=15)
     assert len(record) == 1
-    want = streaming.token_stats(x, y, torch.tensor([1, 2]), None, None, None, 1.0, want=15)
+    want = views.streaming.token_stats(x, y, torch.tensor([1, 2]), None, None, None, 1.0, want=15)
     assert torch.equal(out, want)
-    assert torch.equal(kl, streaming.full_kl(x, y, None, 1.0))
-    assert torch.equal(lp, streaming.token_logprobs(x, torch.tensor([1, 2]), 1.0))
-    assert klpenalty.ops.dispatch.get_backend("auto", torch.device("cpu")) is streaming
+    assert torch.equal(kl, views.streaming.full_kl(x, y, None, 1.0))
+    assert torch.equal(lp, views.streaming.token_logprobs(x, torch.tensor([1, 2]), 1.0))
+    assert klpenalty.ops.dispatch.get_backend("auto", torch.device("cpu")).module is streaming
 
 
 _LOAD_CHILD = """
     import time, torch
+    import klpenalty
     from klpenalty.ops import native
     t0 = time.perf_counter()
     ok = native.available()
     print("LOAD", ok, time.perf_counter() - t0)
     x = torch.randn(2, 3000, generator=torch.Generator().manual_seed(0))
-    print("KL", native.full_kl(x, 0.5 * x, None, 1.0).tolist())
+    print("KL", klpenalty.full_kl(x, 0.5 * x, backend="native").tolist())
 """
 
 
@@ -416,14 +420,14 @@ def test_cold_build_then_a_second_process_loads_from_the_cache(tmp_path, monkeyp
 
 
 # --------------------------------------------------------------------------- token_stats
-ALL = ag.WANT_KL | ag.WANT_LOGP | ag.WANT_REF_LOGP | ag.WANT_ENTROPY
+ALL = ag.Want.KL | ag.Want.LOGP | ag.Want.REF_LOGP | ag.Want.ENTROPY
 
 
 def _check_stats(x, y, tokens, mask, keep, tau, temperature, want, dtype, check=True):
-    """native.token_stats against float64: values (wanted columns, 0 elsewhere), and the
+    """views.native.token_stats against float64: values (wanted columns, 0 elsewhere), and the
     gradients of a non-unit upstream gradient, through the float64 reference.
     Returns (out, gx, gy)."""
-    out = native.token_stats(
+    out = views.native.token_stats(
         x, y, tokens, mask, keep, tau, temperature, ignore_index=-100, want=want, check=check
     )
     assert out.shape == (*x.shape[:-1], 4)
@@ -440,13 +444,15 @@ def _check_stats(x, y, tokens, mask, keep, tau, temperature, want, dtype, check=
     return out, *grads
 
 
+@pytest.mark.parametrize("scenario", TOKEN_STATS_SCENARIOS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_token_stats_shared_grid(dtype):
+def test_token_stats_shared_grid(dtype, scenario):
     def run(x, y, tokens, mask, keep, tau, temperature, want, **kw):
-        return native.token_stats(x, y, tokens, mask, keep, tau, temperature, want=want, **kw)
+        return views.native.token_stats(x, y, tokens, mask, keep, tau, temperature, want=want,
+                                        **kw)
 
     assert native.available()
-    check_token_stats(run, dtype)
+    check_token_stats(run, dtype, scenario=scenario)
 
 
 def _top_k(x, k):
@@ -468,7 +474,7 @@ def test_token_stats_match_the_reference(dtype, leading, vocab, support):
     if support in ("keep", "both"):
         keep = _top_k(x, max(1, vocab // 3))
     if support in ("tau", "both"):
-        tau = x.to(ag.compute_dtype(x)).amax(-1) - 4.0  # min-p style: within 4 of the max
+        tau = x.to(compute_dtype(x)).amax(-1) - 4.0  # min-p style: within 4 of the max
     kept = ag.kept_logits(x, keep, tau) > float("-inf")
     tokens = torch.where(kept.gather(-1, tokens.unsqueeze(-1)).squeeze(-1), tokens, x.argmax(-1))
     tokens.view(-1)[0] = -100
@@ -484,9 +490,9 @@ def test_token_stats_match_the_reference(dtype, leading, vocab, support):
         assert torch.all(gx.detach()[~kept & mask.unsqueeze(-1)] == 0)
 
 
-@pytest.mark.parametrize("want", [ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY,
-                                  ag.WANT_KL | ag.WANT_ENTROPY, ag.WANT_LOGP | ag.WANT_REF_LOGP,
-                                  ag.WANT_REF_LOGP | ag.WANT_ENTROPY])
+@pytest.mark.parametrize("want", [ag.Want.KL, ag.Want.LOGP, ag.Want.REF_LOGP, ag.Want.ENTROPY,
+                                  ag.Want.KL | ag.Want.ENTROPY, ag.Want.LOGP | ag.Want.REF_LOGP,
+                                  ag.Want.REF_LOGP | ag.Want.ENTROPY])
 def test_token_stats_each_instance_of_the_walker(want):
     """Every specialisation of the row walker (KL with/without entropy, entropy only, log-sum-exp
     only, y alone) and of the gradient row, with and without a support."""
@@ -505,11 +511,11 @@ def test_token_stats_fast_and_careful_paths_agree():
     path's results, and so does a row whose −inf entries force the careful redo."""
     x, y = make_logits((6, 2 * 2048 + 300), torch.float32, seed=8)
     tokens = torch.arange(6) * 500
-    fast = native.token_stats(x, y, tokens, None, None, None, 0.8, want=ALL)
+    fast = views.native.token_stats(x, y, tokens, None, None, None, 0.8, want=ALL)
     everything = torch.ones_like(x, dtype=torch.bool)
     low = torch.full((6,), -1e30)
     for keep, tau in [(everything, None), (None, low), (everything, low)]:
-        careful = native.token_stats(x, y, tokens, None, keep, tau, 0.8, want=ALL)
+        careful = views.native.token_stats(x, y, tokens, None, keep, tau, 0.8, want=ALL)
         torch.testing.assert_close(careful, fast, **tol(torch.float32))
     _, st_fast = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, None, None, 0.8, -100, ALL, False, 0, 0)
     _, st_care = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, everything, None, 0.8, -100, ALL, False, 0, 0)
@@ -519,8 +525,8 @@ def test_token_stats_fast_and_careful_paths_agree():
     xi[:, 5] = NINF
     cut = torch.ones_like(x, dtype=torch.bool)
     cut[:, 5] = False
-    a = native.token_stats(xi, y, tokens, None, None, None, 0.8, want=ALL)
-    b = native.token_stats(x, y, tokens, None, cut, None, 0.8, want=ALL)
+    a = views.native.token_stats(xi, y, tokens, None, None, None, 0.8, want=ALL)
+    b = views.native.token_stats(x, y, tokens, None, cut, None, 0.8, want=ALL)
     torch.testing.assert_close(a, b, **tol(torch.float32))
 
 
@@ -556,10 +562,10 @@ def test_token_stats_threshold_above_every_logit():
     y.requires_grad_()
     out, gx, gy = _check_stats(x, y, tokens, mask, None, tau, 1.0, ALL, torch.float32)
     assert torch.all(out[1] == 0) and torch.all(gx[1] == 0) and torch.all(gy[1] == 0)
-    counted = native.token_stats(x, y, tokens, None, None, tau, 1.0, want=ALL, check=False)
+    counted = views.native.token_stats(x, y, tokens, None, None, tau, 1.0, want=ALL, check=False)
     assert torch.isnan(counted[1, [ag.OUT_KL, ag.OUT_LOGP, ag.OUT_ENTROPY]]).all()
     with pytest.raises(ValueError, match="the result is NaN in 1 counted position"):
-        native.token_stats(x, y, tokens, None, None, tau, 1.0, want=ALL, check=True)
+        views.native.token_stats(x, y, tokens, None, None, tau, 1.0, want=ALL, check=True)
 
 
 def test_token_stats_token_outside_the_support_raises():
@@ -567,16 +573,16 @@ def test_token_stats_token_outside_the_support_raises():
     keep = _top_k(x, 5)
     tokens = x.argmax(-1)
     tokens[1, 2] = (~keep[1, 2]).nonzero()[0, 0]  # a token the sampler could not have drawn
-    kw = dict(want=ag.WANT_KL | ag.WANT_LOGP)
+    kw = dict(want=ag.Want.KL | ag.Want.LOGP)
     with pytest.raises(ValueError, match=r"sampled token \d+ at position \(1, 2\) is outside the support"):
-        native.token_stats(x, y, tokens, None, keep, None, 1.0, check=True, **kw)
-    out = native.token_stats(x, y, tokens, None, keep, None, 1.0, check=False, **kw)
+        views.native.token_stats(x, y, tokens, None, keep, None, 1.0, check=True, **kw)
+    out = views.native.token_stats(x, y, tokens, None, keep, None, 1.0, check=False, **kw)
     assert out[1, 2, ag.OUT_LOGP].item() == float("-inf")
     mask = torch.ones(2, 3, dtype=torch.bool)
     mask[1, 2] = False  # masked, or ignored: no error
-    native.token_stats(x, y, tokens, mask, keep, None, 1.0, check=True, **kw)
+    views.native.token_stats(x, y, tokens, mask, keep, None, 1.0, check=True, **kw)
     tokens[1, 2] = -100
-    native.token_stats(x, y, tokens, None, keep, None, 1.0, check=True, **kw)
+    views.native.token_stats(x, y, tokens, None, keep, None, 1.0, check=True, **kw)
 
 
 def test_token_stats_threads_give_identical_bits():
@@ -587,7 +593,7 @@ def test_token_stats_threads_give_identical_bits():
 
     def run():
         a, b = x.clone().requires_grad_(), y.clone().requires_grad_()
-        out = native.token_stats(a, b, tokens, None, keep, None, 0.9, want=ALL)
+        out = views.native.token_stats(a, b, tokens, None, keep, None, 0.9, want=ALL)
         return (out, *torch.autograd.grad(out, (a, b), g))
 
     before = torch.get_num_threads()
@@ -607,7 +613,7 @@ def test_token_stats_fullgraph_compile():
     tokens = x.argmax(-1)
 
     def step(a, b):
-        out = native.token_stats(a, b, tokens, None, keep, None, 0.9, want=ALL)
+        out = views.native.token_stats(a, b, tokens, None, keep, None, 0.9, want=ALL)
         return (out * torch.tensor([1.0, -0.5, 0.25, 0.1])).sum()
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -632,6 +638,6 @@ def test_token_stats_gradcheck_in_float64():
     y.requires_grad_()
 
     def fn(a, b):
-        return native.token_stats(a, b, tokens, mask, keep, tau, 0.7, want=ALL)
+        return views.native.token_stats(a, b, tokens, mask, keep, tau, 0.7, want=ALL)
 
     assert torch.autograd.gradcheck(fn, (x, y), eps=1e-6, atol=1e-8)

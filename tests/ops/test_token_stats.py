@@ -7,28 +7,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from klpenalty.ops import autograd as ag
+from klpenalty.ops import contract as ag
 from klpenalty.ops import engine, streaming
 from klpenalty.ops.reference import token_stats_reference
-from tests.conftest import DTYPES, make_logits, tol
-from tests.ops.cases import check_token_stats, token_stats_case
+from tests.helpers import DTYPES, make_logits, tol
+from tests.helpers import views
+from tests.ops.cases import TOKEN_STATS_SCENARIOS, check_token_stats, token_stats_case
 from tests.ops.test_engine import _CountSyncs
 from klpenalty.bench import alloc_profile
 
 
 def _run(**tiles):
     def run(x, y, tokens, mask, keep, tau, temperature, want, **kw):
-        return streaming.token_stats(
+        return views.streaming.token_stats(
             x, y, tokens, mask, keep, tau, temperature, want=want, **tiles, **kw
         )
 
     return run
 
 
+@pytest.mark.parametrize("scenario", TOKEN_STATS_SCENARIOS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_shared_grid(dtype):
+def test_shared_grid(dtype, scenario):
     """Vocabulary tiles of 8 columns and 4 rows: every row is merged over 5 tiles."""
-    check_token_stats(_run(vocab_chunk=8, chunk_rows=4), dtype)
+    check_token_stats(_run(vocab_chunk=8, chunk_rows=4), dtype, scenario=scenario)
 
 
 def test_tile_invariance_of_values_and_gradients():
@@ -37,7 +39,7 @@ def test_tile_invariance_of_values_and_gradients():
     g = torch.linspace(-1.0, 1.5, 24).reshape(2, 3, 4)
 
     def run(**tiles):
-        out = streaming.token_stats(
+        out = views.streaming.token_stats(
             x, y, c["tokens"], c["mask"], c["keep"], c["tau"], 0.9, want=15, **tiles
         )
         return (out, *torch.autograd.grad(out, (x, y), g))
@@ -60,12 +62,12 @@ def test_without_support_it_is_the_single_output_ops(dtype):
     tokens[0, 1] = -100
     mask = torch.ones(3, 4, dtype=torch.bool)
     mask[2, 3] = False
-    out = streaming.token_stats(x, y, tokens, mask, None, None, 0.8, want=15, check=True)
+    out = views.streaming.token_stats(x, y, tokens, mask, None, None, 0.8, want=15, check=True)
     cols = (
-        streaming.full_kl(x, y, mask, 0.8),
-        streaming.token_logprobs(x, tokens, 0.8).masked_fill(~mask, 0.0),
-        streaming.token_logprobs(y, tokens, 0.8).masked_fill(~mask, 0.0),
-        streaming.entropy(x, mask, 0.8),
+        views.streaming.full_kl(x, y, mask, 0.8),
+        views.streaming.token_logprobs(x, tokens, 0.8).masked_fill(~mask, 0.0),
+        views.streaming.token_logprobs(y, tokens, 0.8).masked_fill(~mask, 0.0),
+        views.streaming.entropy(x, mask, 0.8),
     )
     rt = 1e-6 if dtype == torch.float32 else 1e-12
     torch.testing.assert_close(out, torch.stack(cols, -1), rtol=rt, atol=rt)
@@ -92,24 +94,6 @@ def test_stats_hold_the_contract_columns():
     torch.testing.assert_close(h[m].clamp_min(0), out[..., ag.OUT_ENTROPY][m])
 
 
-def test_engine_stats_merge_is_the_kl_and_entropy_merges():
-    """The combined state merges exactly as the KL and entropy states do (one copy of the math)."""
-    x, y = make_logits((5, 40), torch.float32, seed=4)
-    x[1, :20] = float("-inf")
-    ws = engine.Workspace(5, 20, torch.float32, x.device)
-    parts = [
-        engine.stats_partial(x[:, s], y[:, s], 0.6, ws, True, kl=True, entropy=True)[0]
-        for s in (slice(0, 20), slice(20, 40))
-    ]
-    merged = engine.stats_merge(*parts, 0.6)
-    kls = [engine.KLState(p.m_x, p.s_x, p.m_y, p.s_y, p.a) for p in parts]
-    ents = [engine.EntropyState(p.m_x, p.s_x, p.b) for p in parts]
-    kl = engine.kl_merge(*kls, 0.6)
-    ent = engine.entropy_merge(*ents, 0.6)
-    assert torch.equal(merged.a, kl.a) and torch.equal(merged.s_y, kl.s_y)
-    assert torch.equal(merged.b, ent.b) and torch.equal(merged.s_x, ent.s)
-
-
 def test_want_must_match_the_inputs():
     x, y = make_logits((2, 5))
     tokens = torch.zeros(2, dtype=torch.long)
@@ -121,19 +105,19 @@ def test_want_must_match_the_inputs():
         (2, (y, None), "without tokens"),
     ):
         with pytest.raises(ValueError, match=match):
-            streaming.token_stats(x, *args, None, None, None, 1.0, want=want)
+            views.streaming.token_stats(x, *args, None, None, None, 1.0, want=want)
 
 
 def test_hessian_vector_product_with_a_support():
     """create_graph=True recomputes the first derivative with the differentiable formula of
-    ops/autograd.py: a Hessian-vector product of Σ g·out (all four columns, keep and tau)
+    ops/contract.py: a Hessian-vector product of Σ g·out (all four columns, keep and tau)
     against float64 autograd through the reference (off-support entries at −1e6, mass 0)."""
     c = token_stats_case(torch.float64)
     x, y, tokens, mask, keep, tau = (c[k] for k in ("x", "y", "tokens", "mask", "keep", "tau"))
     g = torch.linspace(-1.0, 1.5, 24, dtype=torch.float64).reshape(2, 3, 4)
     vec = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     xg = x.detach().requires_grad_()
-    out = streaming.token_stats(xg, y, tokens, mask, keep, tau, 0.8, want=15)
+    out = views.streaming.token_stats(xg, y, tokens, mask, keep, tau, 0.8, want=15)
     (gx,) = torch.autograd.grad(out, xg, g, create_graph=True)
     (hvp,) = torch.autograd.grad((gx * vec).sum(), xg)
     kept = torch.isfinite(ag.kept_logits(x, keep, tau))
@@ -157,10 +141,10 @@ def test_token_off_the_support_first_derivative_equals_the_differentiable_one():
     keep[1, 7] = False  # row 1's token is off the support
     g = torch.linspace(-1.0, 1.5, 12, dtype=torch.float64).reshape(3, 4)
     xg, yg = x.detach().requires_grad_(), y.detach().requires_grad_()
-    out = streaming.token_stats(xg, yg, tokens, None, keep, None, 0.9, want=15, check=False)
+    out = views.streaming.token_stats(xg, yg, tokens, None, keep, None, 0.9, want=15, check=False)
     assert torch.isneginf(out[1, 1])
     first = torch.autograd.grad(out, (xg, yg), g)
-    out = streaming.token_stats(xg, yg, tokens, None, keep, None, 0.9, want=15, check=False)
+    out = views.streaming.token_stats(xg, yg, tokens, None, keep, None, 0.9, want=15, check=False)
     second = torch.autograd.grad(out, (xg, yg), g, create_graph=True)
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-12)
@@ -173,7 +157,7 @@ def test_fullgraph_compile_gives_the_same_numbers():
     y = c["y"].contiguous()
 
     def step(x, y, tokens, mask, keep, tau):
-        out = streaming.token_stats(x, y, tokens, mask, keep, tau, 0.9, want=15, check=True)
+        out = views.streaming.token_stats(x, y, tokens, mask, keep, tau, 0.9, want=15, check=True)
         return (out * torch.tensor([1.0, -0.5, 0.25, 0.1])).sum()
 
     args = (x, y, c["tokens"], c["mask"], c["keep"], c["tau"])
@@ -193,7 +177,7 @@ def test_accelerator_path_syncs_only_once(monkeypatch, check, expected):
     x = c["x"].requires_grad_()
     with monkeypatch.context() as patch:
         counter = _CountSyncs(patch)
-        out = streaming.token_stats(
+        out = views.streaming.token_stats(
             x, c["y"], c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, want=15, check=check,
             vocab_chunk=8,
         )
@@ -216,7 +200,7 @@ def test_forward_with_a_support_allocates_nothing_of_size_rows_by_vocab():
     tile = 1 << 12  # 16 KiB of float32 per buffer
     with torch.no_grad():
         peak, largest = alloc_profile(
-            lambda: streaming.token_stats(
+            lambda: views.streaming.token_stats(
                 x, y, tokens, None, keep, tau, 0.7, want=15, tile_elements=tile
             )
         )
@@ -224,15 +208,3 @@ def test_forward_with_a_support_allocates_nothing_of_size_rows_by_vocab():
     assert largest <= tile * 4
     assert peak <= 8 * tile * 4 + 64 * n * 16
     assert peak < n * v / 2  # below half of the smallest (N, V) tensor there is, a bool mask
-
-
-def test_every_backend_has_the_token_stats_entry_with_the_streaming_signature():
-    import inspect
-
-    from klpenalty.ops import dispatch
-
-    want = inspect.signature(streaming.token_stats)
-    for name, module in dispatch.BACKENDS.items():
-        got = inspect.signature(module.token_stats)
-        assert list(got.parameters) == list(want.parameters), name
-        assert [p.kind for p in got.parameters.values()] == [p.kind for p in want.parameters.values()]

@@ -24,8 +24,10 @@ import klpenalty
 from klpenalty.ops import dispatch, streaming
 from klpenalty.ops import triton_kernels as tk
 from klpenalty.ops.reference import entropy_reference, full_kl_reference
-from tests.conftest import grad_tol, make_logits, tol, triton_interpreter_env
+from tests.helpers import grad_tol, make_logits, tol, triton_interpreter_env
+from tests.helpers import views
 from tests.ops.cases import (
+    TOKEN_STATS_SCENARIOS,
     check_kl_and_grads,
     check_minus_inf_patterns,
     check_token_logprobs_and_grads,
@@ -81,7 +83,7 @@ def _garbage_row(x, y, leading, vocab):
 # --------------------------------------------------------------------------- one-pass token stats
 def _run(vocab_chunk):
     def run(x, y, tokens, mask, keep, tau, temperature, want, **kw):
-        return tk.token_stats(
+        return views.triton.token_stats(
             _on(x), *(None if t is None else _on(t) for t in (y, tokens, mask, keep, tau)),
             temperature, want=want, vocab_chunk=vocab_chunk, **kw,
         )
@@ -100,15 +102,16 @@ GRID = [
 ]
 
 
+@pytest.mark.parametrize("scenario", TOKEN_STATS_SCENARIOS)
 @pytest.mark.parametrize("dtype,vocab_chunk", GRID, ids=lambda p: str(p).replace("torch.", ""))
-def test_token_stats_shared_grid(dtype, vocab_chunk):
+def test_token_stats_shared_grid(dtype, vocab_chunk, scenario):
     """The shared grid (tests/ops/cases.py) on the kernels: one program per row as the split
     heuristic chooses for these few short rows (0), and forced splits of 16 columns (V = 37:
     three partial states merged per row). Float64 runs the streaming op."""
     if vocab_chunk == 0:
         n, vocab = token_stats_case(torch.float32)["x"].reshape(-1, 37).shape
         assert tk.split_columns(n, vocab, DEVICE)[1] >= vocab or CUDA
-    check_token_stats(_run(vocab_chunk), dtype, device=DEVICE)
+    check_token_stats(_run(vocab_chunk), dtype, device=DEVICE, scenario=scenario)
 
 
 def test_public_token_stats_with_a_sampler_support_matches_streaming():
@@ -163,11 +166,11 @@ def test_full_kl_values_and_gradients(dtype, leading, vocab, temperature, vocab_
     mask = _garbage_row(x, y, leading, vocab)
     x.requires_grad_()
     y.requires_grad_()
-    kl = tk.full_kl(x, y, mask, temperature, check=True, vocab_chunk=vocab_chunk)
+    kl = views.triton.full_kl(x, y, mask, temperature, check=True, vocab_chunk=vocab_chunk)
     gx, gy, grad_out = check_kl_and_grads(kl, x, y, mask, temperature, dtype)
     # one gradient asked for: the other is not computed, the asked one is the same
     (gx_only,) = torch.autograd.grad(
-        tk.full_kl(x, y.detach(), mask, temperature, vocab_chunk=vocab_chunk), (x,), grad_out
+        views.triton.full_kl(x, y.detach(), mask, temperature, vocab_chunk=vocab_chunk), (x,), grad_out
     )
     assert torch.equal(gx_only, gx)
 
@@ -176,11 +179,11 @@ def test_full_kl_values_and_gradients(dtype, leading, vocab, temperature, vocab_
 @pytest.mark.parametrize("vocab_chunk", [0, 32], ids=["one-program", "split"])
 def test_minus_inf_patterns(dtype, vocab_chunk):
     kl, gx, gy, xp, yp, grad_out = check_minus_inf_patterns(
-        lambda a, b: tk.full_kl(a, b, None, 1.0, vocab_chunk=vocab_chunk),
+        lambda a, b: views.triton.full_kl(a, b, None, 1.0, vocab_chunk=vocab_chunk),
         100, dtype, [2, 7, 40, 99], device=DEVICE,
     )
     # the same results as the streaming backend
-    ks = streaming.full_kl(xp, yp, None, 1.0)
+    ks = views.streaming.full_kl(xp, yp, None, 1.0)
     torch.testing.assert_close(kl, ks, **tol(dtype))
     sx, sy = torch.autograd.grad(ks, (xp, yp), grad_out)
     torch.testing.assert_close(gx, sx, **grad_tol(dtype))
@@ -189,19 +192,19 @@ def test_minus_inf_patterns(dtype, vocab_chunk):
 
 def test_hand_values_identical_logits_and_rows_without_a_distribution():
     t = lambda rows: torch.tensor(rows, device=DEVICE)  # noqa: E731
-    assert tk.full_kl(t([[0.0, NINF]]), t([[0.0, 0.0]]), None, 1.0).item() == pytest.approx(
+    assert views.triton.full_kl(t([[0.0, NINF]]), t([[0.0, 0.0]]), None, 1.0).item() == pytest.approx(
         0.6931471805599453
     )
-    assert tk.full_kl(t([[0.0, 0.0, NINF]]), t([[0.0, NINF, NINF]]), None, 1.0).item() == float("inf")
+    assert views.triton.full_kl(t([[0.0, 0.0, NINF]]), t([[0.0, NINF, NINF]]), None, 1.0).item() == float("inf")
     x, _ = make_logits((3, 4, 77), torch.float32, seed=12)
     x = _on(x)
     for chunk in (0, 16):  # exactly 0, bit for bit, also merged across splits
-        assert torch.all(tk.full_kl(x, x.clone(), None, 0.3, vocab_chunk=chunk) == 0)
+        assert torch.all(views.triton.full_kl(x, x.clone(), None, 0.3, vocab_chunk=chunk) == 0)
     rows = torch.zeros(4, 5, device=DEVICE)
     rows[0] = NINF  # no policy mass
     rows[1, 2] = float("inf")
     rows[2, 3] = float("nan")
-    kl = tk.full_kl(rows, torch.zeros(4, 5, device=DEVICE), None, 1.0)
+    kl = views.triton.full_kl(rows, torch.zeros(4, 5, device=DEVICE), None, 1.0)
     assert torch.isnan(kl[:3]).all() and kl[3].item() == 0.0
 
 
@@ -211,7 +214,7 @@ def test_large_opposite_offsets_keep_float32_accuracy(offset_x, offset_y):
     xs, ys = _on((x + offset_x).float(), (y + offset_y).float())
     want = full_kl_reference(xs, ys, 0.7)
     for chunk in (0, 64):
-        got = tk.full_kl(xs, ys, None, 0.7, vocab_chunk=chunk)
+        got = views.triton.full_kl(xs, ys, None, 0.7, vocab_chunk=chunk)
         torch.testing.assert_close(got.double(), want, **tol(torch.float32))
 
 
@@ -236,24 +239,25 @@ def test_stats_match_the_streaming_ops():
 
 def test_non_contiguous_inputs_give_the_contiguous_results():
     x, y = _on(*make_logits((2, 4, 65), torch.float32, seed=21))
-    views = [
+    layouts = [
         (x[:, :-1], y[:, :-1]),  # rows with a gap: copied by reshape
         (x[..., :-1], y[..., :-1]),  # vocabulary slice: row stride V + 1, read in place
         (x.transpose(0, 1), y.transpose(0, 1)),
         (x.transpose(-1, -2).contiguous().transpose(-1, -2), y),  # column stride ≠ 1: copied
     ]
-    for a, b in views:
-        assert torch.equal(tk.full_kl(a, b, None, 1.0), tk.full_kl(a.contiguous(), b.contiguous(), None, 1.0))
-        assert torch.equal(tk.entropy(a, None, 1.0), tk.entropy(a.contiguous(), None, 1.0))
+    for a, b in layouts:
+        got = views.triton.full_kl(a, b, None, 1.0)
+        assert torch.equal(got, views.triton.full_kl(a.contiguous(), b.contiguous(), None, 1.0))
+        assert torch.equal(views.triton.entropy(a, None, 1.0), views.triton.entropy(a.contiguous(), None, 1.0))
         tokens = torch.zeros(a.shape[:-1], dtype=torch.long, device=DEVICE)
         assert torch.equal(
-            tk.token_logprobs(a, tokens, 0.8), tk.token_logprobs(a.contiguous(), tokens, 0.8)
+            views.triton.token_logprobs(a, tokens, 0.8), views.triton.token_logprobs(a.contiguous(), tokens, 0.8)
         )
     xs = x.clone().requires_grad_()
     view = xs[..., :-1]  # strided rows inside autograd
-    (g,) = torch.autograd.grad(tk.full_kl(view, y[..., :-1], None, 1.0).sum(), (xs,))
+    (g,) = torch.autograd.grad(views.triton.full_kl(view, y[..., :-1], None, 1.0).sum(), (xs,))
     (g_ref,) = torch.autograd.grad(
-        tk.full_kl(view.contiguous(), y[..., :-1].contiguous(), None, 1.0).sum(), (xs,)
+        views.triton.full_kl(view.contiguous(), y[..., :-1].contiguous(), None, 1.0).sum(), (xs,)
     )
     assert torch.equal(g, g_ref) and torch.all(g[..., -1] == 0)
 
@@ -262,20 +266,20 @@ def test_mixed_dtypes_float64_and_the_empty_batch():
     x, y = _on(*make_logits((3, 50), torch.float32, seed=2))
     xb = x.bfloat16().requires_grad_()
     y.requires_grad_()
-    kl = tk.full_kl(xb, y, None, 1.0)
+    kl = views.triton.full_kl(xb, y, None, 1.0)
     torch.testing.assert_close(kl.double(), full_kl_reference(xb.detach(), y.detach()), **tol(torch.float32))
     gx, gy = torch.autograd.grad(kl.sum(), (xb, y))
     assert gx.dtype == torch.bfloat16 and gy.dtype == torch.float32
     xd, yd = x.detach().double(), y.detach().double()  # float64: the streaming ops, float64 math
-    assert tk.full_kl(xd, yd, None, 1.0).dtype == torch.float64
-    torch.testing.assert_close(tk.full_kl(xd, yd, None, 1.0), full_kl_reference(xd, yd), **tol(torch.float64))
+    assert views.triton.full_kl(xd, yd, None, 1.0).dtype == torch.float64
+    torch.testing.assert_close(views.triton.full_kl(xd, yd, None, 1.0), full_kl_reference(xd, yd), **tol(torch.float64))
     empty = torch.zeros(0, 7, device=DEVICE, requires_grad=True)
-    out = tk.full_kl(empty, empty, None, 1.0)
+    out = views.triton.full_kl(empty, empty, None, 1.0)
     assert out.shape == (0,)
     (g,) = torch.autograd.grad(out.sum(), empty)
     assert g.shape == (0, 7)
-    assert tk.entropy(empty, None, 1.0).shape == (0,)
-    assert tk.token_logprobs(empty, torch.zeros(0, dtype=torch.long, device=DEVICE), 1.0).shape == (0,)
+    assert views.triton.entropy(empty, None, 1.0).shape == (0,)
+    assert views.triton.token_logprobs(empty, torch.zeros(0, dtype=torch.long, device=DEVICE), 1.0).shape == (0,)
 
 
 def test_double_backward_matches_the_streaming_backend():
@@ -301,7 +305,7 @@ def test_token_logprobs_values_and_gradients(dtype, leading, vocab, temperature,
     tokens = _on(torch.randint(0, vocab, leading, generator=gen))
     tokens.view(-1)[0] = -100  # ignored position
     tokens.view(-1)[-1] = vocab - 1  # the last column, in the last block
-    out = tk.token_logprobs(
+    out = views.triton.token_logprobs(
         x, tokens, temperature, ignore_index=-100, check=True, vocab_chunk=vocab_chunk
     )
     gx = check_token_logprobs_and_grads(out, x, tokens, temperature, dtype)
@@ -314,12 +318,12 @@ def test_token_logprobs_with_minus_inf_and_a_row_without_a_distribution():
     x[0, 5:] = NINF
     x[2] = NINF
     tokens = torch.tensor([1, 2, 0], device=DEVICE)
-    got = tk.token_logprobs(x, tokens, 1.0)
-    want = streaming.token_logprobs(x, tokens, 1.0)
+    got = views.triton.token_logprobs(x, tokens, 1.0)
+    want = views.streaming.token_logprobs(x, tokens, 1.0)
     torch.testing.assert_close(got, want, equal_nan=True, **tol(torch.float32))
     assert torch.isnan(got[2])
     xs = x[:2].clone().requires_grad_()
-    (g,) = torch.autograd.grad(tk.token_logprobs(xs, tokens[:2], 1.0).sum(), xs)
+    (g,) = torch.autograd.grad(views.triton.token_logprobs(xs, tokens[:2], 1.0).sum(), xs)
     assert torch.isfinite(g).all() and torch.all(g[0, 5:] == 0)
 
 
@@ -332,7 +336,7 @@ def test_entropy_values_and_gradients(dtype, leading, vocab, temperature, vocab_
     if vocab > 8:
         x.view(-1, vocab)[0, 3:8] = NINF  # −inf entries in a counted row
     x.requires_grad_()
-    h = tk.entropy(x, mask, temperature, check=True, vocab_chunk=vocab_chunk)
+    h = views.triton.entropy(x, mask, temperature, check=True, vocab_chunk=vocab_chunk)
     assert h.shape == leading and h.dtype == torch.float32
     xr = x.detach().double().requires_grad_()
     keep = mask.unsqueeze(-1)
@@ -373,10 +377,10 @@ def test_check_errors_read_exactly_like_the_streaming_ones():
         lambda b: b.token_logprobs(x, tokens, 1.0, check=True),
     ]
     for case in cases:
-        assert _message(lambda: case(tk)) == _message(lambda: case(streaming))
-    assert torch.isnan(tk.full_kl(bad_x, y, None, 1.0, check=False)[-1])
+        assert _message(lambda: case(views.triton)) == _message(lambda: case(views.streaming))
+    assert torch.isnan(views.triton.full_kl(bad_x, y, None, 1.0, check=False)[-1])
     mask = torch.tensor([True, False], device=DEVICE)
-    assert tk.full_kl(bad_x, no_mass, mask, 1.0, check=True)[-1].item() == 0.0
+    assert views.triton.full_kl(bad_x, no_mass, mask, 1.0, check=True)[-1].item() == 0.0
 
 
 @pytest.mark.slow
@@ -403,12 +407,12 @@ def test_torch_compile_fullgraph_traces_through_the_ops():
 # --------------------------------------------------------------------------- dispatch
 def test_dispatch_forces_triton_and_auto_picks_it_on_cuda():
     assert "triton" in dispatch.available_backends()
-    assert dispatch.get_backend("triton", DEVICE) is tk
+    assert dispatch.get_backend("triton", DEVICE).module is tk
     x, y = _on(*make_logits((2, 30), torch.float32, seed=8))
     got = klpenalty.full_kl(x, y, backend="triton")
     torch.testing.assert_close(got.double(), full_kl_reference(x, y), **tol(torch.float32))
     if CUDA:
-        assert dispatch.get_backend("auto", DEVICE) is tk
+        assert dispatch.get_backend("auto", DEVICE).module is tk
         assert "triton" in dispatch.device_backends(DEVICE)
     else:
         assert "triton" not in dispatch.device_backends(DEVICE)
@@ -431,8 +435,8 @@ def test_auto_on_cuda_without_triton_notes_the_fallback_once(monkeypatch):
     monkeypatch.setattr(tk, "_warned", False)
     cuda = torch.device("cuda")  # no tensor is made: only the choice is tested
     with pytest.warns(RuntimeWarning, match="simulated") as record:
-        assert dispatch.get_backend("auto", cuda) is streaming
-        assert dispatch.get_backend("auto", cuda) is streaming
+        assert dispatch.get_backend("auto", cuda).module is streaming
+        assert dispatch.get_backend("auto", cuda).module is streaming
     assert len(record) == 1 and "klpenalty[triton]" in str(record[0].message)
     with pytest.raises(ValueError, match="needs Triton"):
         dispatch.get_backend("triton", cuda)
@@ -516,9 +520,10 @@ bwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32
        "gy_ptr": "*fp32", "stats_ptr": "*fp32", "g_ptr": "*fp32", "tok_ptr": "*i64",
        "at_tok_ptr": "*fp32", "stride_x": "i64", "stride_y": "i64", "stride_keep": "i64",
        "V": "i32", "inv_t": "fp32", "c2": "fp32"}}
+cols_f, cols_b = {tk.column_constexprs("stats")!r}, {tk.column_constexprs("grad")!r}
 for f, b in {specs!r}:
-    for fn, sig, c in [(k.stats_kernel, fwd, {{**f, "BLOCK": 4096}}),
-                       (k.grad_kernel, bwd, {{**b, "BLOCK": 1024}})]:
+    for fn, sig, c in [(k.stats_kernel, fwd, {{**f, **cols_f, "BLOCK": 4096}}),
+                       (k.grad_kernel, bwd, {{**b, **cols_b, "BLOCK": 1024}})]:
         s = {{**sig, **{{name: "constexpr" for name in c}}}}
         assert ".entry" in triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=t).asm["ptx"]
 print("OK", len({specs!r}))

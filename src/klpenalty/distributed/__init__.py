@@ -40,11 +40,18 @@ from .data_parallel import (
     global_sequence_mean,
     update_controller_globally,
 )
-from .vocab_parallel import vocab_parallel_full_kl, vocab_parallel_token_logprobs
+from .vocab_parallel import (
+    vocab_parallel_entropy,
+    vocab_parallel_full_kl,
+    vocab_parallel_token_logprobs,
+    vocab_parallel_token_stats,
+)
 
 __all__ = [
     "vocab_parallel_full_kl",
     "vocab_parallel_token_logprobs",
+    "vocab_parallel_entropy",
+    "vocab_parallel_token_stats",
     "global_masked_mean",
     "global_sequence_mean",
     "update_controller_globally",

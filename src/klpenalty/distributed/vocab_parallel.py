@@ -1,14 +1,20 @@
-"""Vocabulary-parallel exact KL and token log-probs: autograd Functions and public functions.
+"""Vocabulary-parallel per-token statistics on the backends' ops.
 
 Every rank holds the same positions and a contiguous slice of the vocabulary; see the package
-docstring for the layout and the communication per call. The per-shard math is the
-engine's (:mod:`klpenalty.ops.engine`): each rank computes the per-row state of its slice with
-the streaming tile loop, and the merge across ranks is an all-reduce MAX of the maxima followed
-by an all-reduce SUM of the rescaled sums. The configuration check lives in :mod:`._config`.
+docstring for the layout and the communication per call. Each rank runs the selected backend's
+state op (:mod:`klpenalty.ops.contract`) on its slice; the merge is an all-reduce MAX of the
+maxima, then an all-reduce SUM of the states rescaled to them (:func:`.engine.stats_rescale`)
+and of the token terms; the finalize is the engine's (:func:`.engine.stats_finalize`). The
+backward is the backend's own backward op on the slice, fed the global stats, with the
+``owned`` input False where the token lies in another rank's slice. The configuration check
+lives in :mod:`._config`.
+
+Shape letters: N rows (positions), V_r this rank's vocabulary slice, V the whole vocabulary.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -16,32 +22,109 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .. import _validation as v
+from ..functional import TokenStats
+from ..ops import contract, engine
+from ..ops.dispatch import get_backend as _op_backend  # the op backend (not c10d's)
+from ..ops.contract import Want
+from ..sampling import RowReduce, check_sampler, threshold_rows
 from ._config import _CHECK_DOC, _TOK_MAX, _TOK_MIN, _VR, _check_vocab_start, _config_check
 from ._group import _all_reduce, _device_of, _group_info
-from ..ops import engine, streaming
-from ..ops.autograd import masked_grad
 
-__all__ = ["vocab_parallel_full_kl", "vocab_parallel_token_logprobs"]
+__all__ = [
+    "vocab_parallel_full_kl",
+    "vocab_parallel_token_logprobs",
+    "vocab_parallel_entropy",
+    "vocab_parallel_token_stats",
+]
 
-
-# ---------------------------------------------------------------------------------------------
-# Autograd Functions
-# ---------------------------------------------------------------------------------------------
-
-
-def _tile(n: int, width: int) -> tuple[int, int]:
-    return streaming.tile_shape(n, width, streaming.TILE_ELEMENTS)
+# the local ignore value handed to the backend ops (never a column index)
+_IGNORED = -1
 
 
-def _raise_if_nan(
-    out: torch.Tensor, sums: dict[str, torch.Tensor], caller: str
-) -> None:
-    """NaN in the (global) result → a ValueError saying why; the same on every rank.
+class _RankReduce(RowReduce):
+    """The threshold reductions across the ranks of ``group`` (see :mod:`klpenalty.sampling`)."""
+
+    def __init__(self, group: Any, world: int, vocab: int):
+        self.group, self.world, self._vocab = group, world, vocab
+
+    def vocab(self, width: int) -> int:
+        return self._vocab
+
+    def amax(self, t):
+        m = t.amax(-1, keepdim=True) if t.shape[-1] else t.new_full((t.shape[0], 1), -math.inf)
+        _all_reduce(m, dist.ReduceOp.MAX, self.group)
+        return m
+
+    def amin(self, t):
+        return -self.amax(-t).squeeze(-1)
+
+    def sum64(self, t):
+        s = t.sum(-1, keepdim=True, dtype=torch.float64)
+        _all_reduce(s, dist.ReduceOp.SUM, self.group)
+        return s
+
+    def any(self, t):
+        a = t.any(-1).to(torch.float32)
+        _all_reduce(a, dist.ReduceOp.MAX, self.group)
+        return a > 0
+
+    def topk(self, key, value, k):
+        kk = min(k, key.shape[-1])
+        keys, idx = key.topk(kk, -1)
+        pair = torch.stack([keys, value.gather(-1, idx)], -1)  # (R, kk, 2)
+        if kk < k:  # a slice narrower than k: pad with −inf (never among the k largest)
+            pad = pair.new_full((pair.shape[0], k - kk, 2), -math.inf)
+            pair = torch.cat([pair, pad], 1)
+        if pair.numel():
+            parts = [torch.empty_like(pair) for _ in range(self.world)]
+            dist.all_gather(parts, pair.contiguous(), group=self.group)
+            pair = torch.cat(parts, 1)  # (R, W·k, 2)
+        top, at = pair[..., 0].topk(k, -1)
+        return top, pair[..., 1].gather(-1, at)
+
+
+def _local_keep(support, x: torch.Tensor, vocab_start: int | None, caller: str):
+    """The kept set of this slice as a (..., V_r) bool mask, from ``support``: the slice of a
+    bool mask as is, or the global ids of a compact ``(ids, offsets)`` that fall in it."""
+    if isinstance(support, torch.Tensor):
+        if support.dtype != torch.bool or support.shape != x.shape:
+            raise ValueError(
+                f"{caller}: support must be this rank's slice of the kept set, a bool tensor of "
+                f"the shard's shape {tuple(x.shape)}, or a pair (ids, offsets); got "
+                f"{v.describe(support)}"
+            )
+        if support.device != x.device:
+            raise ValueError(f"{caller}: support must be on {x.device}, got {support.device}")
+        return support
+    if isinstance(support, (tuple, list)) and len(support) == 2:
+        if vocab_start is None:
+            raise ValueError(f"{caller}: support=(ids, offsets) needs vocab_start")
+        from ..sampling import _check_compact
+
+        ids, offsets = support
+        leading, width = x.shape[:-1], x.shape[-1]
+        n = math.prod(leading)
+        _check_compact(ids, offsets, n, 1 << 62, x.device)
+        counts = offsets[1:] - offsets[:-1]  # (N,)
+        rows = torch.repeat_interleave(torch.arange(n, device=ids.device), counts)  # (K,)
+        local = ids.long() - vocab_start
+        here = (local >= 0) & (local < width)
+        keep = torch.zeros(n, width, dtype=torch.bool, device=x.device)
+        keep[rows[here], local[here]] = True
+        return keep.reshape(x.shape)
+    raise TypeError(
+        f"{caller}: support must be a bool tensor (..., V_r) or a pair (ids, offsets), got "
+        f"{type(support).__name__}"
+    )
+
+
+def _raise_if_nan(out, want: int, sums: dict[str, torch.Tensor], caller: str) -> None:
+    """NaN in a wanted (global) column → a ValueError saying why; the same on every rank.
 
     ``out`` and the all-reduced sums (name → (N,) Σ e^u of that input) are identical on every
     rank, so the decision and the message are too, with no extra communication.
     """
-    bad = torch.isnan(out)
+    bad = torch.isnan(out[:, Want(want).columns()]).any(-1)
     if not bool(bad.any()):
         return
     rows = bad.nonzero().flatten()
@@ -59,81 +142,197 @@ def _raise_if_nan(
     )
 
 
-class _VocabParallelFullKL(torch.autograd.Function):
+class _VocabParallelTokenStats(torch.autograd.Function):
+    """out (N, 4) of the whole vocabulary from (N, V_r) slices; see the module docstring."""
+
     @staticmethod
-    def forward(ctx, x, y, mask, temperature: float, check: bool, group, caller: str):
-        # x, y: (N, V_r) this rank's slice
-        rows, cols = _tile(*x.shape)
-        local, careful = streaming.kl_state(x, y, temperature, rows, cols)
-        maxes = torch.stack([local.m_x, local.m_y], dim=-1)  # (N, 2)
-        _all_reduce(maxes, dist.ReduceOp.MAX, group)
-        mine = engine.kl_rescale(local, maxes[:, 0], maxes[:, 1], temperature)
-        sums = torch.stack([mine.s_x, mine.s_y, mine.a], dim=-1)  # (N, 3)
+    def forward(ctx, x, y, tokens, owned, mask, keep, tau, opts):
+        temperature, want, backend, group, check, caller, names = opts
+        has_y = y is not None and bool(want & (Want.KL | Want.REF_LOGP))
+        state, careful = backend.state_op(x, y if has_y else None, keep, tau, temperature,
+                                          want, 0, 0)  # (N, 6), (N,)
+        local = engine.state_from_tensor(state, want)
+        maxes = state[:, [contract.SX_M_X, contract.SX_M_Y] if has_y else [contract.SX_M_X]]
+        _all_reduce(maxes, dist.ReduceOp.MAX, group)  # (N, 1 or 2)
+        m_x, m_y = maxes[:, 0], (maxes[:, 1] if has_y else None)
+        mine = engine.stats_rescale(local, m_x, m_y, temperature)
+        cols = [f for f in (mine.s_x, mine.s_y, mine.a, mine.b) if f is not None]
+        logp, ref_logp = bool(want & Want.LOGP), bool(want & Want.REF_LOGP)
+        tok = ignored = None
+        if logp or ref_logp:  # the token's tempered logit against the global max, on its owner
+            tok, ignored = contract.safe_tokens(tokens, _IGNORED)
+            zero = m_x.new_zeros(())
+            if logp:
+                x_t = contract.token_logits(x, tok, keep, tau, m_x.dtype)
+                cols.append(torch.where(owned, (x_t - engine.finite_or_zero(m_x)) / temperature,
+                                        zero))
+            if ref_logp:
+                y_t = y.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(m_x.dtype)
+                cols.append(torch.where(owned, (y_t - engine.finite_or_zero(m_y)) / temperature,
+                                        zero))
+        sums = torch.stack(cols, -1)  # (N, k)
         _all_reduce(sums, dist.ReduceOp.SUM, group)
-        merged = engine.KLState(maxes[:, 0], sums[:, 0], maxes[:, 1], sums[:, 1], sums[:, 2])
-        kl, stats = engine.kl_finalize(merged, careful)
+        it = iter(sums.unbind(-1))
+        s_x = next(it)
+        s_y = next(it) if has_y else None
+        a = next(it) if mine.a is not None else None
+        b = next(it) if mine.b is not None else None
+        merged = engine.StatsState(m_x, s_x, b, m_y, s_y, a)
+        kl, h, stats = engine.stats_finalize(merged, careful)
+        out = stats.new_zeros(stats.shape[0], contract.OUT_COLS)
+        if kl is not None:
+            out[:, contract.OUT_KL] = kl
+        if h is not None:
+            out[:, contract.OUT_ENTROPY] = h
+        for flag, col, st_col, s in (
+            (logp, contract.OUT_LOGP, contract.ST_LOGP, s_x),
+            (ref_logp, contract.OUT_REF_LOGP, contract.ST_REF_LOGP, s_y),
+        ):
+            if flag:
+                lp = (next(it) - torch.log(s)).masked_fill(s == 0, math.nan)
+                out[:, col] = stats[:, st_col] = lp.masked_fill(ignored, 0.0)
         if mask is not None:
-            kl = kl.masked_fill(~mask, 0.0)
+            out.masked_fill_(~mask.unsqueeze(-1), 0.0)
         if check:
-            _raise_if_nan(kl, {"policy_logits": sums[:, 0], "ref_logits": sums[:, 1]}, caller)
-        ctx.save_for_backward(x, y, stats, mask)
-        ctx.temperature = temperature
-        return kl
+            named = {names[0].removesuffix("_shard"): s_x}
+            if has_y:
+                named[names[1].removesuffix("_shard")] = s_y
+            _raise_if_nan(out, want, named, caller)
+        ctx.save_for_backward(x, y if has_y else None, tokens, owned, stats, mask, keep, tau)
+        ctx.opts = opts
+        ctx.has_y = has_y
+        ctx.mark_non_differentiable(stats)
+        return out, stats
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_kl):  # grad_kl: (N,)
-        x, y, stats, mask = ctx.saved_tensors
-        need_x, need_y = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g = masked_grad(grad_kl, mask, stats.dtype)  # (N,)
-        rows, cols = _tile(*x.shape)
-        grad_x, grad_y = streaming.kl_grads(
-            g, x, y, stats, ctx.temperature, need_x, need_y, rows, cols
+    def backward(ctx, grad_out, _grad_stats):  # grad_out: (N, 4)
+        x, y, tokens, owned, stats, mask, keep, tau = ctx.saved_tensors
+        temperature, want, backend, *_ = ctx.opts
+        need_x = ctx.needs_input_grad[0]
+        need_y = ctx.has_y and ctx.needs_input_grad[1]
+        gx, gy = backend.backward_op(
+            grad_out.contiguous(), x, y, tokens, owned, stats, mask, keep, tau, temperature,
+            _IGNORED, want, need_x, need_y, 0, 0,
         )
-        return grad_x, grad_y, None, None, None, None, None
+        return (gx if need_x else None), (gy if need_y else None), *([None] * 6)
 
 
-class _VocabParallelTokenLogprobs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, tokens, vocab_start: int, temperature: float, check: bool, group, caller):
-        n, width = x.shape  # (N, V_r)
-        rows, cols = _tile(n, width)
-        local = streaming.lse_state(x, temperature, rows, cols)
-        m = local.m.clone()  # (N,)
-        _all_reduce(m, dist.ReduceOp.MAX, group)
-        shift = engine.finite_or_zero(m)
-        idx = tokens - vocab_start  # (N,) position in this slice
-        owned = (idx >= 0) & (idx < width)
-        idx = idx.clamp(0, width - 1)
-        picked = x.gather(-1, idx.unsqueeze(-1)).squeeze(-1).to(shift.dtype)  # (N,)
-        # (x_t − M)/T on the rank that owns the token, 0 elsewhere: the SUM is the target
-        target = torch.where(owned, (picked - shift) / temperature, torch.zeros_like(shift))
-        sums = torch.stack([engine.lse_rescale(local, m, temperature).s, target], dim=-1)
-        _all_reduce(sums, dist.ReduceOp.SUM, group)  # (N, 2)
-        log_s = torch.log(sums[:, 0])
-        out = sums[:, 1] - log_s
-        out = out.masked_fill(sums[:, 0] == 0, float("nan"))
-        if check:
-            _raise_if_nan(out, {"logits": sums[:, 0]}, caller)
-        ctx.save_for_backward(x, idx, owned, shift, engine.finite_or_zero(log_s))
-        ctx.temperature = temperature
-        return out
+def _token_stats(
+    caller: str,
+    x_shard: torch.Tensor,
+    y_shard: torch.Tensor | None,
+    tokens: torch.Tensor | None,
+    *,
+    want: int,
+    group: Any,
+    temperature: float,
+    mask: torch.Tensor | None,
+    vocab_start: int | None,
+    support: Any,
+    top_k: Any,
+    top_p: Any,
+    min_p: Any,
+    ignore_index: int,
+    backend: str,
+    check: bool,
+) -> torch.Tensor:
+    """The one validation, configuration check and call of the public functions: (..., 4)."""
+    world, _ = _group_info(group, caller)
+    names = ("policy_logits_shard", "ref_logits_shard") if y_shard is not None else (
+        "logits_shard", "")
+    device = _device_of(x_shard, caller=caller)
+    local_error: Exception | None = None
+    leading: tuple[int, ...] = ()
+    width = 0
+    impl = None
+    sampler: dict = {}
+    try:
+        if y_shard is not None:
+            v.check_logits_pair(x_shard, y_shard)
+        else:
+            v.check_logits(names[0], x_shard)
+        leading = tuple(x_shard.shape[:-1])
+        width = x_shard.shape[-1]
+        if tokens is not None:
+            v.check_tokens(tokens, leading)
+            if tokens.device != device:
+                raise ValueError(f"tokens must be on {device}, got {tokens.device}")
+            ignore_index = v.check_ignore_index(ignore_index)
+        temperature = v.check_temperature(temperature)
+        if mask is not None:
+            mask = v.check_mask(mask, leading, device)
+        vocab_start = _check_vocab_start(vocab_start, required=tokens is not None)
+        sampler = check_sampler(top_k, top_p, min_p)
+        if support is not None and any(val is not None for val in sampler.values()):
+            raise ValueError(
+                "support and the sampler settings both given: pass either the kept set "
+                "(support=) or the sampler settings that build it"
+            )
+        impl = _op_backend(backend, device)
+    except (TypeError, ValueError) as err:
+        local_error = err
+    tok_rec = None if tokens is None else tokens.masked_fill(tokens == ignore_index, 0)
+    vocab = None
+    if check:
+        recs = _config_check(
+            caller, group, world, device, local_error, names=names,
+            policy=x_shard, ref=y_shard, leading=leading, vocab_start=vocab_start,
+            width=width, temperature=temperature, mask=mask, tokens=tok_rec,
+        )  # fmt: skip
+        vocab = sum(rec[_VR] for rec in recs)
+        if tokens is not None:
+            lo, hi = recs[0][_TOK_MIN], recs[0][_TOK_MAX]
+            if tokens.numel() and (lo < 0 or hi >= vocab):
+                raise ValueError(
+                    f"{caller}: tokens must lie in [0, {vocab}) (the whole vocabulary, Σ V_r) "
+                    f"or equal ignore_index={ignore_index}, got values in [{lo}, {hi}] "
+                    f"({v.describe(tokens)})"
+                )
+    elif local_error is not None:
+        raise local_error
+    x = x_shard.reshape(-1, width)  # (N, V_r)
+    y = None if y_shard is None else y_shard.reshape(-1, width)
+    keep = tau = None
+    if support is not None:
+        keep = _local_keep(support, x_shard, vocab_start, caller).reshape(x.shape)
+    elif any(val is not None for val in sampler.values()):
+        if vocab is None:
+            total = torch.tensor([width], dtype=torch.float64, device=device)
+            _all_reduce(total, dist.ReduceOp.SUM, group)
+            vocab = int(total.item())
+        chunk = max(1, (1 << 21) // max(vocab, 1))  # the same row chunks on every rank
+        tau = threshold_rows(x, sampler["top_k"], sampler["top_p"], sampler["min_p"],
+                             temperature, chunk, _RankReduce(group, world, vocab))
+        if bool(torch.isneginf(tau).all()):
+            tau = None  # nothing cut anywhere: the untruncated policy
+    tok = owned = None
+    if tokens is not None:
+        flat = tokens.reshape(-1).long()
+        ignored = flat == ignore_index
+        local = flat - vocab_start
+        owned = (local >= 0) & (local < width) & ~ignored
+        tok = torch.where(owned, local, torch.where(ignored, _IGNORED, 0))
+    flat_mask = mask.reshape(-1) if mask is not None else None
+    opts = (temperature, int(want), impl, group, check, caller, names)
+    out, _ = _VocabParallelTokenStats.apply(x, y, tok, owned, flat_mask, keep, tau, opts)
+    if check and want & Want.LOGP and (keep is not None or tau is not None):
+        # log π̃(t) = −inf at a counted token: off the support (the same on every rank)
+        outside = torch.isneginf(out[:, contract.OUT_LOGP])
+        if bool(outside.any()):
+            raise contract.outside_support_error(outside.reshape(tokens.shape), tokens)
+    return out.reshape(*leading, contract.OUT_COLS)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):  # grad_out: (N,)
-        x, idx, owned, shift, log_s = ctx.saved_tensors
-        t = ctx.temperature
-        g = grad_out.to(log_s.dtype)  # (N,)
-        grad_x = streaming.lse_grads(g, x, shift, log_s, t, *_tile(*x.shape))  # −π·g/T
-        at_token = torch.where(owned, g / t, torch.zeros_like(g)).to(grad_x.dtype)
-        grad_x.scatter_add_(-1, idx.unsqueeze(-1), at_token.unsqueeze(-1))
-        return grad_x, None, None, None, None, None, None
 
+_SUPPORT_DOC = """support, top_k, top_p, min_p: the policy that sampled, truncated (as in
+            :func:`klpenalty.token_stats`): ``support`` is this rank's slice (..., V_r) of the
+            kept set as a bool tensor, or the global ``(ids, offsets)`` (needs
+            ``vocab_start``); top-k/top-p/min-p thresholds are computed across the ranks, the
+            same on every rank (top-k, top-p: an all-gather of each rank's largest k logits
+            per position, k growing as in :func:`klpenalty.sampling.sampling_threshold`)."""
 
-# ---------------------------------------------------------------------------------------------
-# Public functions
-# ---------------------------------------------------------------------------------------------
+_BACKEND_DOC = """backend: the backend of each rank's local work (``"auto"``, ``"streaming"``,
+            ``"native"``, ``"triton"``; :mod:`klpenalty.ops.dispatch`)."""
 
 
 def vocab_parallel_full_kl(
@@ -144,26 +343,27 @@ def vocab_parallel_full_kl(
     temperature: float = 1.0,
     mask: torch.Tensor | None = None,
     vocab_start: int | None = None,
+    backend: str = "auto",
     check: bool = True,
+    support: Any = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """Exact full-vocabulary KL(π‖ρ) per position when each rank holds a slice of the vocabulary.
 
     Every rank of ``group`` holds the same positions and a contiguous vocabulary slice (uneven
     widths V_r allowed) of both models' logits; rank 0 holds the first slice. Every rank gets
     the same result, equal to :func:`klpenalty.full_kl` on the logits gathered along the last
-    dim in rank order. The local passes run in row chunks (no (N, V_r) float32 temporary).
+    dim in rank order.
 
     Communication per call: an all-reduce MAX of the per-row maxima (N, 2), then an all-reduce
-    SUM of (s_x, s_y, A) against the global maxima (N, 3): 20 bytes per position for float32
+    SUM of (s_x, s_y, a) against the global maxima (N, 3): 20 bytes per position for float32
     math (40 for float64 inputs), never the logits. The backward is local: each rank gets the
-    gradient of its own shard, π·((log π − log ρ) − KL)/T, from the global log-sum-exps and KL
-    saved in the forward, with no communication.
+    gradient of its own shard from the global stats saved in the forward.
 
-    Numerics as :func:`klpenalty.full_kl`: float32 math for float16/bfloat16/float32 inputs
-    (float64 for float64); 0·log 0 = 0 (a shard may be -inf over a whole row); KL = +inf where
-    the policy has mass the reference lacks; clamped at 0; exactly 0 for identical logits.
-    Non-finite results are diagnosed from the all-reduced sums, so the same ValueError is raised
-    on every rank.
+    Numerics as :func:`klpenalty.full_kl`. Non-finite results are diagnosed from the
+    all-reduced sums, so the same ValueError is raised on every rank.
 
     {check}
     Args:
@@ -176,51 +376,29 @@ def vocab_parallel_full_kl(
         temperature: > 0, divides both models' logits before the softmax.
         mask: optional (...) bool, True = counts, the same on every rank. Masked positions return
             0 and get zero gradient; their logits may hold anything.
-        vocab_start: optional int, where this rank's slice starts in the vocabulary. Only used
-            by the configuration check (the KL does not depend on the vocabulary order).
+        vocab_start: optional int, where this rank's slice starts in the vocabulary (checked by
+            the configuration check; needed by ``support=(ids, offsets)``).
+        {backend}
         check: run the configuration check described above, and raise when a counted
             position's result is NaN (one more host read of an (N,) tensor).
+        {support}
 
     Returns:
         (...) float32 (float64 if either input is float64), identical on every rank,
-        differentiable; gradients come back in the inputs' dtypes.
+        differentiable once; gradients come back in the inputs' dtypes.
 
     Raises:
         RuntimeError: torch.distributed is not initialized.
         TypeError / ValueError: invalid arguments on some rank, ranks that disagree, NaN in a
             counted position (all on every rank, see above).
     """
-    caller = "vocab_parallel_full_kl"
-    world, _ = _group_info(group, caller)
-    device = _device_of(policy_logits_shard, ref_logits_shard, caller=caller)
-    local_error: Exception | None = None
-    leading: tuple[int, ...] = ()
-    width = 0
-    try:
-        v.check_logits_pair(policy_logits_shard, ref_logits_shard)
-        temperature = v.check_temperature(temperature)
-        leading = tuple(policy_logits_shard.shape[:-1])
-        width = policy_logits_shard.shape[-1]
-        if mask is not None:
-            mask = v.check_mask(mask, leading, device)
-        vocab_start = _check_vocab_start(vocab_start, required=False)
-    except (TypeError, ValueError) as err:
-        local_error = err
-    if check:
-        _config_check(
-            caller, group, world, device, local_error,
-            names=("policy_logits_shard", "ref_logits_shard"),
-            policy=policy_logits_shard, ref=ref_logits_shard, leading=leading,
-            vocab_start=vocab_start, width=width, temperature=temperature, mask=mask,
-            tokens=None,
-        )  # fmt: skip
-    elif local_error is not None:
-        raise local_error
-    x = policy_logits_shard.reshape(-1, width)  # (N, V_r)
-    y = ref_logits_shard.reshape(-1, width)  # (N, V_r)
-    flat_mask = mask.reshape(-1) if mask is not None else None  # (N,)
-    kl = _VocabParallelFullKL.apply(x, y, flat_mask, temperature, check, group, caller)  # (N,)
-    return kl.reshape(leading)
+    out = _token_stats(
+        "vocab_parallel_full_kl", policy_logits_shard, ref_logits_shard, None, want=Want.KL,
+        group=group, temperature=temperature, mask=mask, vocab_start=vocab_start,
+        support=support, top_k=top_k, top_p=top_p, min_p=min_p, ignore_index=-100,
+        backend=backend, check=check,
+    )
+    return out[..., contract.OUT_KL].contiguous()
 
 
 def vocab_parallel_token_logprobs(
@@ -230,6 +408,8 @@ def vocab_parallel_token_logprobs(
     vocab_start: int,
     group: Any = None,
     temperature: float = 1.0,
+    ignore_index: int = -100,
+    backend: str = "auto",
     check: bool = True,
 ) -> torch.Tensor:
     """log π(token) per position when each rank holds a slice of the vocabulary.
@@ -250,57 +430,114 @@ def vocab_parallel_token_logprobs(
             [vocab_start, vocab_start + V_r). The slices must tile [0, V) in rank order.
         group: the process group the vocabulary is split over; None = the default group.
         temperature: > 0; use the temperature the tokens were sampled with.
+        ignore_index: positions holding it give 0 and zero gradient.
+        {backend}
         check: run the configuration check described above, and raise when a counted
             position's result is NaN (one more host read of an (N,) tensor).
 
     Returns:
         (...) float32 (float64 for float64 logits), ≤ 0, identical on every rank,
-        differentiable with respect to ``logits_shard``.
+        differentiable once with respect to ``logits_shard``.
     """
-    caller = "vocab_parallel_token_logprobs"
-    world, _ = _group_info(group, caller)
-    device = _device_of(logits_shard, caller=caller)
-    local_error: Exception | None = None
-    leading: tuple[int, ...] = ()
-    width = 0
-    try:
-        v.check_logits("logits_shard", logits_shard)
-        leading = tuple(logits_shard.shape[:-1])
-        width = logits_shard.shape[-1]
-        # ids are checked against the whole vocabulary after the gather; here dtype and shape
-        v.check_tokens(tokens, leading)
-        if tokens.device != device:
-            raise ValueError(f"tokens must be on {device}, got {tokens.device}")
-        temperature = v.check_temperature(temperature)
-        vocab_start = _check_vocab_start(vocab_start, required=True)
-    except (TypeError, ValueError) as err:
-        local_error = err
-    if check:
-        recs = _config_check(
-            caller, group, world, device, local_error,
-            names=("logits_shard", ""),
-            policy=logits_shard, ref=None, leading=leading, vocab_start=vocab_start,
-            width=width, temperature=temperature, mask=None, tokens=tokens,
-        )  # fmt: skip
-        vocab = sum(rec[_VR] for rec in recs)
-        lo, hi = recs[0][_TOK_MIN], recs[0][_TOK_MAX]
-        if tokens.numel() and (lo < 0 or hi >= vocab):
-            raise ValueError(
-                f"{caller}: tokens must lie in [0, {vocab}) (the whole vocabulary, Σ V_r), "
-                f"got values in [{lo}, {hi}] ({v.describe(tokens)})"
-            )
-    elif local_error is not None:
-        raise local_error
-    x = logits_shard.reshape(-1, width)  # (N, V_r)
-    tok = tokens.reshape(-1).long()  # (N,)
-    out = _VocabParallelTokenLogprobs.apply(
-        x, tok, vocab_start, temperature, check, group, caller
+    out = _token_stats(
+        "vocab_parallel_token_logprobs", logits_shard, None, tokens, want=Want.LOGP,
+        group=group, temperature=temperature, mask=None, vocab_start=vocab_start, support=None,
+        top_k=None, top_p=None, min_p=None, ignore_index=ignore_index, backend=backend,
+        check=check,
     )
-    return out.reshape(leading)
+    return out[..., contract.OUT_LOGP].contiguous()
+
+
+def vocab_parallel_entropy(
+    logits_shard: torch.Tensor,
+    *,
+    group: Any = None,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+    vocab_start: int | None = None,
+    backend: str = "auto",
+    check: bool = True,
+    support: Any = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> torch.Tensor:
+    """Policy entropy H(π) per position when each rank holds a slice of the vocabulary.
+
+    Equal to :func:`klpenalty.entropy` on the gathered logits, on every rank. Communication per
+    call: an all-reduce MAX (N,), then an all-reduce SUM of (s_x, b) (N, 2): 12 bytes per
+    position for float32 math. Arguments as :func:`vocab_parallel_full_kl`.
+
+    Returns:
+        (...) float32 (float64 for float64 logits), ≥ 0, identical on every rank,
+        differentiable once.
+    """
+    out = _token_stats(
+        "vocab_parallel_entropy", logits_shard, None, None, want=Want.ENTROPY, group=group,
+        temperature=temperature, mask=mask, vocab_start=vocab_start, support=support,
+        top_k=top_k, top_p=top_p, min_p=min_p, ignore_index=-100, backend=backend, check=check,
+    )
+    return out[..., contract.OUT_ENTROPY].contiguous()
+
+
+def vocab_parallel_token_stats(
+    policy_logits_shard: torch.Tensor,
+    ref_logits_shard: torch.Tensor | None = None,
+    tokens: torch.Tensor | None = None,
+    *,
+    vocab_start: int | None = None,
+    group: Any = None,
+    entropy: bool = False,
+    temperature: float = 1.0,
+    mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    backend: str = "auto",
+    check: bool = True,
+    support: Any = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> TokenStats:
+    """KL(π̃‖ρ), log π̃(token), log ρ(token) and H(π̃) in one pass over each rank's slice.
+
+    Equal to :func:`klpenalty.token_stats` on the gathered logits, on every rank: the KL with
+    ``ref_logits_shard``, the log-probs with ``tokens`` (the reference's with both), the
+    entropy with ``entropy=True``. Communication per call: an all-reduce MAX of the maxima
+    (N, 1 or 2), then one all-reduce SUM of (s_x[, s_y][, a][, b][, x_t][, y_t]) (N, k): 20
+    bytes per position for the KL, 4 more for each of the entropy, the log-prob and the
+    reference log-prob (float32 math). Arguments as :func:`vocab_parallel_full_kl` and
+    :func:`vocab_parallel_token_logprobs` (``vocab_start`` is required with tokens).
+
+    Returns:
+        :class:`klpenalty.TokenStats`, fields (...) or None where not requested, identical on
+        every rank, differentiable once.
+    """
+    if ref_logits_shard is None and tokens is None and not entropy:
+        raise ValueError(
+            "vocab_parallel_token_stats has nothing to compute: give ref_logits_shard (KL), "
+            "tokens (log-probs) or entropy=True"
+        )
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
+    want = (
+        Want.KL * (ref_logits_shard is not None) | Want.LOGP * (tokens is not None)
+        | Want.REF_LOGP * (ref_logits_shard is not None and tokens is not None)
+        | Want.ENTROPY * entropy
+    )
+    out = _token_stats(
+        "vocab_parallel_token_stats", policy_logits_shard, ref_logits_shard, tokens, want=want,
+        group=group, temperature=temperature, mask=mask, vocab_start=vocab_start,
+        support=support, top_k=top_k, top_p=top_p, min_p=min_p, ignore_index=ignore_index,
+        backend=backend, check=check,
+    )
+    return TokenStats(
+        *(out[..., col].contiguous() if want & bit else None for col, bit in enumerate(Want))
+    )
 
 
 _CHECK_TEXT = _CHECK_DOC.strip() + "\n"  # first line takes the placeholder's indentation
-vocab_parallel_full_kl.__doc__ = vocab_parallel_full_kl.__doc__.replace("{check}", _CHECK_TEXT)
-vocab_parallel_token_logprobs.__doc__ = vocab_parallel_token_logprobs.__doc__.replace(
-    "{check}", _CHECK_TEXT
-)
+for _fn in (vocab_parallel_full_kl, vocab_parallel_token_logprobs):
+    _fn.__doc__ = (
+        _fn.__doc__.replace("{check}", _CHECK_TEXT).replace("{support}", _SUPPORT_DOC)
+        .replace("{backend}", _BACKEND_DOC)
+    )

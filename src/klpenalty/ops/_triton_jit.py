@@ -1,14 +1,14 @@
 """The Triton kernels of the ``"triton"`` backend (imported only by :mod:`.triton_kernels`, lazily:
 importing this module imports Triton).
 
-Two kernels serve every op of the backend (the one-pass ``token_stats`` op and the
-``full_kl`` / ``token_logprobs`` / ``entropy`` views of it), specialised by ``tl.constexpr``
-flags so that each call reads and computes only what it needs:
+Two kernels serve the three ops of the backend, specialised by ``tl.constexpr`` flags so that
+each call reads and computes only what it needs; the column layouts of :mod:`.contract` come in
+as constexprs too (:func:`.triton_kernels.column_constexprs`):
 
 - :func:`stats_kernel` (forward): program (row, split) walks columns
   [split·cols, (split + 1)·cols) in ``BLOCK`` chunks, reading each logit once in its own dtype,
   with the engine's state of both models in float32 scalars, and writes its partial state
-  (m_x, s_x, m_y, s_y, a, b) to ``out[row, split, :]``. The states of a row's splits are merged
+  (the state columns m_x, s_x, m_y, s_y, a, b) to ``out[row, split, :]``. The states of a row's splits are merged
   by the engine's merge in torch (:mod:`.triton_kernels`).
 - :func:`grad_kernel` (backward): one (row, block) tile of ∂/∂x and ∂/∂y of Σ g·out for all
   wanted outputs together, recomputed from the saved per-row stats, written once in the
@@ -23,10 +23,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["stats_kernel", "grad_kernel", "STATE_FIELDS", "INTERPRETED"]
+__all__ = ["stats_kernel", "grad_kernel", "INTERPRETED"]
 
-# fields of the forward's partial state: m_x, s_x, m_y, s_y, a = Σ e^u (u − w), b = Σ e^u u
-STATE_FIELDS = 6
 _LOG2E = 1.4426950408889634
 
 
@@ -77,7 +75,8 @@ def stats_kernel(
     stride_x, stride_y, stride_keep, V, cols, n_splits, inv_t, c2,
     X_STATE: tl.constexpr, Y_STATE: tl.constexpr, MOMENT_A: tl.constexpr,
     MOMENT_B: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, STATE_COLS: tl.constexpr, SX_M_X: tl.constexpr, SX_S_X: tl.constexpr,
+    SX_M_Y: tl.constexpr, SX_S_Y: tl.constexpr, SX_A: tl.constexpr, SX_B: tl.constexpr,
 ):
     """out[row, split] ← (m_x, s_x, m_y, s_y, a, b) over the split's columns; c2 = log2(e)/T.
 
@@ -136,13 +135,13 @@ def stats_kernel(
             if MOMENT_B:
                 b += tl.sum(tl.where(eu > 0, eu * dx, 0.0), 0) * inv_t
             m_x = mx_new
-    out = out_ptr + (row * n_splits + split) * 6
-    tl.store(out, m_x)
-    tl.store(out + 1, s_x)
-    tl.store(out + 2, m_y)
-    tl.store(out + 3, s_y)
-    tl.store(out + 4, a)
-    tl.store(out + 5, b)
+    out = out_ptr + (row * n_splits + split) * STATE_COLS
+    tl.store(out + SX_M_X, m_x)
+    tl.store(out + SX_S_X, s_x)
+    tl.store(out + SX_M_Y, m_y)
+    tl.store(out + SX_S_Y, s_y)
+    tl.store(out + SX_A, a)
+    tl.store(out + SX_B, b)
 
 
 @triton.jit
@@ -152,6 +151,9 @@ def grad_kernel(
     KL: tl.constexpr, LOGP: tl.constexpr, REF_LOGP: tl.constexpr, ENTROPY: tl.constexpr,
     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_P: tl.constexpr, NEED_Q: tl.constexpr,
     HAS_TOKEN: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr, BLOCK: tl.constexpr,
+    OUT_COLS: tl.constexpr, STATS_COLS: tl.constexpr, ST_SHIFT_X: tl.constexpr,
+    ST_LOG_S_X: tl.constexpr, ST_SHIFT_Y: tl.constexpr, ST_LOG_S_Y: tl.constexpr,
+    ST_MEAN_D: tl.constexpr, ST_MEAN_U: tl.constexpr,
 ):
     """One (row, block) tile of ∂/∂x and ∂/∂y of Σ g·out from the (N, 9) stats.
 
@@ -169,8 +171,8 @@ def grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = col < V
-    st = stats_ptr + row * 9
-    gr = g_ptr + row * 4
+    st = stats_ptr + row * STATS_COLS
+    gr = g_ptr + row * OUT_COLS
     g_kl = tl.load(gr)
     g_lp = tl.load(gr + 1)
     g_rl = tl.load(gr + 2)
@@ -183,20 +185,20 @@ def grad_kernel(
             tau = tl.load(tau_ptr + row).to(tl.float32)
         x = _kept_x(x_ptr + row * stride_x, keep_ptr + row * stride_keep, tau, col, inside,
                     HAS_KEEP, HAS_TAU)
-        dx = x - tl.load(st)  # logit units
-        p = tl.exp2(dx * c2 - tl.load(st + 1) * 1.4426950408889634)
+        dx = x - tl.load(st + ST_SHIFT_X)  # logit units
+        p = tl.exp2(dx * c2 - tl.load(st + ST_LOG_S_X) * 1.4426950408889634)
         live = p > 0
     if NEED_Q:  # the reference's (KL or REF_LOGP)
         y = tl.load(y_ptr + row * stride_y + col, mask=inside, other=float("-inf")).to(tl.float32)
-        dy = y - tl.load(st + 2)
-        q = tl.exp2(dy * c2 - tl.load(st + 3) * 1.4426950408889634)
+        dy = y - tl.load(st + ST_SHIFT_Y)
+        q = tl.exp2(dy * c2 - tl.load(st + ST_LOG_S_Y) * 1.4426950408889634)
     if NEED_X:
         gx = tl.zeros([BLOCK], dtype=tl.float32)
         if KL:
-            t_kl = p * ((dx - dy) * inv_t - tl.load(st + 4))
+            t_kl = p * ((dx - dy) * inv_t - tl.load(st + ST_MEAN_D))
             gx += _term(live, t_kl, g_kl)
         if ENTROPY:
-            t_h = p * (dx * inv_t - tl.load(st + 6))
+            t_h = p * (dx * inv_t - tl.load(st + ST_MEAN_U))
             gx -= _term(live, t_h, g_h)
         if LOGP:
             gx += tl.where(is_tok, tl.load(at_tok_ptr + row * 2), _term(live, -p, g_lp))

@@ -1,16 +1,10 @@
-"""Backend choice for the exact-KL ops.
+"""The backends as data: a registry of :class:`Backend` entries and the choice for a device.
 
-A backend is a module with three functions on (..., V) tensors, already validated:
-
-- ``full_kl(x, y, mask, temperature, *, check) -> (...)``;
-- ``token_logprobs(x, tokens, temperature, *, ignore_index, check) -> (...)``;
-- ``entropy(x, mask, temperature, *, check) -> (...)``;
-- ``token_stats(x, y, tokens, mask, keep, tau, temperature, *, ignore_index, want, check, ...)
-  -> (..., 4)``: the one-pass KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃) (the op contract of
-  :mod:`.autograd`).
-
-All return float32 (float64 for float64 inputs), are differentiable (twice), and are built
-on the per-row state of :mod:`.engine` through ``torch.library`` custom ops.
+A backend is a module implementing the three ops of :mod:`.contract` (``<name>_token_stats``,
+``_backward`` and ``_state``) plus one :class:`Backend` line in :data:`REGISTRY`; the public
+functions, ``linear_kl`` and the vocabulary-parallel path all call the ops through
+:func:`get_backend` and :func:`token_stats`. The ops take validated (..., V) tensors and return
+float32 (float64 for float64 inputs).
 
 Backends:
 
@@ -30,57 +24,145 @@ warning per process), else ``"streaming"``. It never reads environment variables
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+from torch import Tensor
 
 from . import native, streaming, triton_kernels
 
-__all__ = ["BACKENDS", "get_backend", "available_backends", "device_backends"]
+__all__ = [
+    "Backend",
+    "REGISTRY",
+    "get_backend",
+    "available_backends",
+    "device_backends",
+    "token_stats",
+]
 
-# name -> backend module (native builds its kernel lazily, at its first call; triton_kernels
-# imports Triton at its first call)
-BACKENDS: dict[str, ModuleType] = {
-    "streaming": streaming,
-    "native": native,
-    "triton": triton_kernels,
+
+@dataclass(frozen=True)
+class Backend:
+    """One backend: where it runs and its three ops.
+
+    Attributes:
+        name: the ``backend=`` name, and the prefix of its ops ``klpenalty::<name>_*``.
+        devices: the device types it runs on (``"*"``: any).
+        module: the module that implements its ops (importing it registers them; a compiled
+            kernel may load at the first :meth:`available`).
+        fallback: the backend run instead where :meth:`available` is False (None: raise).
+    """
+
+    name: str
+    devices: tuple[str, ...]
+    module: ModuleType
+    fallback: str | None = None
+
+    def available(self) -> bool:
+        """Whether the ops can run in this process (the module's ``available()``, if any)."""
+        check = getattr(self.module, "available", None)
+        return True if check is None else bool(check())
+
+    def _op(self, op: str):
+        return getattr(torch.ops.klpenalty, f"{self.name}_{op}").default
+
+    @property
+    def forward_op(self):
+        """``<name>_token_stats``: out (..., 4) and stats (..., 9)."""
+        return self._op("token_stats")
+
+    @property
+    def backward_op(self):
+        """``<name>_token_stats_backward``: ∂/∂x and ∂/∂y from the stats."""
+        return self._op("token_stats_backward")
+
+    @property
+    def state_op(self):
+        """``<name>_token_stats_state``: the per-shard state (N, 6) and careful flags (N,)."""
+        return self._op("token_stats_state")
+
+
+# name -> backend; a new backend is one module and one line here
+REGISTRY: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend("streaming", ("*",), streaming),
+        Backend("native", ("cpu",), native, fallback="streaming"),
+        Backend("triton", ("cuda",), triton_kernels),
+    )
 }
 
 
 def available_backends() -> list[str]:
     """Names accepted by ``backend=`` (besides ``"auto"``)."""
-    return list(BACKENDS)
+    return list(REGISTRY)
 
 
 def device_backends(device: torch.device) -> list[str]:
-    """The backends that run natively on tensors of ``device`` in this process: ``"streaming"``
-    everywhere, ``"native"`` on CPU, ``"triton"`` on CUDA where Triton imports (the interpreter
-    on CPU is a test mode, not listed)."""
-    names = ["streaming"]
-    if device.type == "cpu":
-        names.append("native")
-    elif device.type == "cuda" and triton_kernels.available() and not triton_kernels.interpreted():
-        names.append("triton")
+    """The backends that run natively on tensors of ``device`` in this process (the Triton
+    interpreter on CPU is a test mode, not listed)."""
+    names = []
+    for b in REGISTRY.values():
+        if "*" in b.devices or device.type in b.devices:
+            if b.name == "triton" and not (triton_kernels.available() and not triton_kernels.interpreted()):
+                continue
+            names.append(b.name)
     return names
 
 
-def get_backend(name: str, device: torch.device) -> ModuleType:
-    """Resolve ``name`` (``"auto"`` or one of :func:`available_backends`) for ``device``."""
+def get_backend(name: str, device: torch.device) -> Backend:
+    """Resolve ``name`` (``"auto"`` or one of :func:`available_backends`) for ``device``: the
+    :class:`Backend` whose ops run (a backend's fallback where it is unavailable)."""
     if name == "auto":
         if device.type == "cpu":
-            return native if native.available() else streaming
+            return get_backend("native", device)
         if device.type == "cuda":
             if triton_kernels.available() and not triton_kernels.interpreted():
-                return triton_kernels
+                return REGISTRY["triton"]
             triton_kernels.note_fallback()
-        return streaming
-    if name not in BACKENDS:
-        raise ValueError(f"backend must be one of {['auto', *BACKENDS]}, got {name!r}")
-    if name == "native" and device.type != "cpu":
-        raise ValueError(
-            f"backend 'native' runs on CPU tensors only, got tensors on {device}; "
-            "use backend='auto' or 'streaming'"
-        )
+        return REGISTRY["streaming"]
+    if name not in REGISTRY:
+        raise ValueError(f"backend must be one of {['auto', *REGISTRY]}, got {name!r}")
+    backend = REGISTRY[name]
     if name == "triton":
         triton_kernels.check_device(device)
-    return BACKENDS[name]
+        return backend
+    if "*" not in backend.devices and device.type not in backend.devices:
+        raise ValueError(
+            f"backend {name!r} runs on {'/'.join(d.upper() for d in backend.devices)} tensors "
+            f"only, got "
+            f"tensors on {device}; use backend='auto' or 'streaming'"
+        )
+    if backend.fallback is not None and not backend.available():
+        return get_backend(backend.fallback, device)
+    return backend
+
+
+def token_stats(
+    backend: Backend,
+    x: Tensor,
+    y: Tensor | None,
+    tokens: Tensor | None,
+    mask: Tensor | None,
+    keep: Tensor | None,
+    tau: Tensor | None,
+    temperature: float,
+    *,
+    ignore_index: int = -100,
+    want: int,
+    check: bool = False,
+    tile_rows: int = 0,
+    tile_cols: int = 0,
+) -> Tensor:
+    """out (..., 4) of ``backend``'s forward op on validated tensors: KL(π̃‖ρ), log π̃(t),
+    log ρ(t), H(π̃), 0 in the columns not in ``want``; differentiable (also twice).
+
+    Shapes: x, y, keep (..., V); tokens, mask, tau (...). ``tile_rows``/``tile_cols``: a
+    backend's tile (0 = its default; the native kernel ignores both).
+    """
+    out, _ = backend.forward_op(
+        x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
+        bool(check), int(tile_rows), int(tile_cols),
+    )
+    return out

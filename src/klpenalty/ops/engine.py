@@ -1,67 +1,39 @@
 """The one engine: per-row partial state → associative merge → finalize.
 
 Every exact-KL path of klpenalty computes the same per-row state over a slice of the vocabulary
-(a cache-sized tile in :mod:`.streaming`, one rank's shard in :mod:`klpenalty.distributed`),
-merges the states of the slices, and turns the merged state into the KL and the few per-row
-numbers its backward needs. This module owns that math; the backends own only the loop.
+(a cache-sized tile of a backend's loop, or one rank's shard in
+:mod:`klpenalty.distributed.vocab_parallel`), merges the states of the slices and finalizes the
+merged state into the statistics and the per-row numbers their backward needs. The math is
+here; the derivations are in docs/numerics.md. This module depends only on the column
+constants of :mod:`.contract`.
 
 Shape letters: N rows (positions), C columns of one vocabulary slice, V the whole vocabulary.
 
-**KL state** of a row over a slice S, for temperature T (:class:`KLState`)::
+**State** of a row over a slice S, temperature T (:class:`StatsState`)::
 
-    m_x = max_S x,   m_y = max_S y                      (maxima in logit units; −inf if none)
-    u = (x − m_x)/T, w = (y − m_y)/T                     (shifted, tempered: O(spread of the row))
-    s_x = Σ_S e^u,   s_y = Σ_S e^w,   a = Σ_S e^u·(u − w)
+    m_x = max_S x,   m_y = max_S y                  (logit units; −inf if none)
+    u = (x − m_x)/T, w = (y − m_y)/T
+    s_x = Σ_S e^u,  s_y = Σ_S e^w,  a = Σ_S e^u·(u − w),  b = Σ_S e^u·u
 
-with 0·log 0 = 0 (an entry whose policy logit is −inf adds nothing to ``a``) and a = +inf
-where the policy has mass and the reference has none: a finite x where y = −inf, decided from
-the logits, also where e^u underflows to 0 (softmax of a finite logit is > 0).
+with 0·log 0 = 0 (an entry whose policy logit is −inf adds nothing to ``a`` or ``b``) and
+a = +inf where the policy has mass and the reference has none: a finite x where y = −inf,
+decided from the logits, also where e^u underflows to 0 (softmax of a finite logit is > 0).
+:func:`stats_partial` computes it for one tile in one read.
 
-**Merge** (associative, commutative): rescale both states to the common maxima M and add.
-With δ = (m − M)/T ≤ 0 and α = e^{δ_x}, β = e^{δ_y}::
+**Merge** (associative, commutative; :func:`stats_merge`): rescale both states to the common
+maxima M (δ = (m − M)/T ≤ 0, α = e^{δ_x}, β = e^{δ_y}) and add::
 
-    s_x ← α·s_x,   s_y ← β·s_y,   a ← α·(a + (δ_x − δ_y)·s_x)   (a = +inf stays +inf)
+    s_x ← α·s_x,   s_y ← β·s_y,   a ← α·(a + (δ_x − δ_y)·s_x),   b ← α·(b + δ_x·s_x)
 
-so every term stays of the size of the row's spread, never of its offset: policy and reference
-logits at opposite offsets of ±1e4 lose nothing. On one process the merge runs across tiles
-(:func:`kl_merge`); across ranks it is an all-reduce MAX of (m_x, m_y), :func:`kl_rescale`, and
-an all-reduce SUM of (s_x, s_y, a).
+(a = +inf stays +inf, whatever α).
 
-**Finalize** (:func:`kl_finalize`)::
+Across ranks this is an all-reduce MAX of the maxima, :func:`stats_rescale`, and an all-reduce
+SUM of the sums.
 
-    KL = a/s_x − log s_x + log s_y            (= E_π[u − w] − log s_x + log s_y, all O(spread))
-
-clamped at 0; exactly 0 for identical logits (then u ≡ w, a = 0 and s_x = s_y bit for bit).
-A row whose policy or reference has no mass (all −inf) or holds +inf/NaN defines no
-distribution: its KL is NaN (the public functions turn that into an error unless masked).
-
-**Stats for the backward**, (N, 6) in the compute dtype (:data:`STATS`): the shifts (finite
-maxima), log s_x, log s_y, E_π[u − w] = a/s_x and a flag for rows that need the careful
-0·log 0 arithmetic. With them a backend recomputes each tile of the gradient::
-
-    ∂KL/∂x = π·((u − w) − E_π[u − w])/T,      ∂KL/∂y = (ρ − π)/T
-
-**Log-sum-exp state** (:class:`LSEState`, for token log-probs): (m, s = Σ e^{(x − m)/T}), merged
-the same way; log π(t) = (x_t − m)/T − log s.
-
-**Entropy state** (:class:`EntropyState`, for H(π) = −Σ π log π): the log-sum-exp state and
-b = Σ e^u·u (0·log 0 = 0: entries with e^u = 0 add nothing), merged like ``a`` of the KL state
-(b ← α·(b + δ·s)); finalize H = log s − b/s, clamped at 0, NaN where the row has no
-distribution. Stats (N, 3): shift, log s, E_π[u] = b/s; ∂H/∂x = −π·(u − E_π[u])/T.
-
-**Token-stats state** (:class:`StatsState`, for the one-pass ``token_stats`` op): the policy's
-(m_x, s_x), with b = Σ e^u·u when the entropy is wanted, and the reference's (m_y, s_y), with
-a = Σ e^u·(u − w) when the KL is wanted: one read of a tile gives all of them
-(:func:`stats_partial`; :func:`kl_partial` and :func:`lse_partial` are
-its special cases), merged and finalized with the KL and entropy rules above
-(:func:`stats_merge`, :func:`stats_finalize`). Its gradient tile (:func:`stats_grad_tile`)
-writes ∂/∂x and ∂/∂y of Σ g·(KL, log π(t), log ρ(t), H) in one pass::
-
-    T²·∂/∂x = π·[g_kl·T·((u − w) − E_π[u − w]) − g_h·T·(u − E_π[u]) − T·g_lp]   (+ token term)
-    T·∂/∂y  = (g_kl − g_rl)·ρ − g_kl·π                                           (+ token term)
-
-the token terms (g_lp·(1 − π_t)/T and g_rl·(1 − ρ_t)/T, exact through −expm1 of the
-log-probs) being the caller's, on (N,) values.
+**Finalize** (:func:`stats_finalize`): KL = a/s_x − log s_x + log s_y, H = log s_x − b/s_x
+(both clamped at 0, NaN for a row without a distribution), and the (N, 9) stats of
+:mod:`.contract` (``ST_*``). :func:`stats_grad_tile` writes one gradient tile from them;
+:func:`stats_token_grads` the entries at the sampled tokens.
 
 Numerics: math in float32 for float16/bfloat16/float32 inputs, float64 for float64 inputs
 (:func:`klpenalty._validation.compute_dtype`).
@@ -74,7 +46,9 @@ from typing import NamedTuple
 
 import torch
 
-from .autograd import (
+from .contract import (
+    STATE_COLS,
+    ST_CAREFUL,
     ST_LOG_S_X,
     ST_LOG_S_Y,
     ST_LOGP,
@@ -84,28 +58,19 @@ from .autograd import (
     ST_SHIFT_X,
     ST_SHIFT_Y,
     STATS_COLS,
-    WANT_ENTROPY,
-    WANT_KL,
+    Want,
 )
 
 __all__ = [
     "KLState",
     "LSEState",
-    "STATS",
     "Workspace",
     "finite_or_zero",
-    "kl_partial",
     "kl_rescale",
-    "kl_merge",
     "kl_finalize",
-    "kl_grad_tile",
-    "lse_partial",
     "lse_rescale",
-    "lse_merge",
-    "lse_grad_tile",
     "EntropyState",
     "entropy_rescale",
-    "entropy_merge",
     "entropy_finalize",
     "StatsState",
     "stats_partial",
@@ -114,14 +79,12 @@ __all__ = [
     "stats_finalize",
     "stats_grad_tile",
     "stats_token_grads",
+    "state_to_tensor",
+    "state_from_tensor",
 ]
 
 _LOG2E = math.log2(math.e)
 _INF = float("inf")
-
-# Columns of the (N, 6) backward stats.
-STATS = ("shift_x", "log_s_x", "shift_y", "log_s_y", "mean_d", "careful")
-SHIFT_X, LOG_S_X, SHIFT_Y, LOG_S_Y, MEAN_D, CAREFUL = range(6)
 
 
 class KLState(NamedTuple):
@@ -211,26 +174,6 @@ def _exp_tempered(
 
 
 # ------------------------------------------------------------------------------------ KL
-def kl_partial(
-    x: torch.Tensor, y: torch.Tensor, temperature: float, ws: Workspace, careful: bool | None
-) -> tuple[KLState, torch.Tensor | None]:
-    """KL state of one (r, c) tile of raw logits (any float dtype; math in ``ws.dtype``).
-
-    Args:
-        x: (r, c) policy logits.  y: (r, c) reference logits.
-        temperature: > 0.
-        ws: workspace of the compute dtype, at least r·c elements.
-        careful: True = always use the 0·log 0 arithmetic; None = check on the host whether
-            the tile needs it (free on CPU, a sync on accelerators).
-
-    Returns:
-        (state, flags): the tile's :class:`KLState` and (r,) bool flags of the rows that
-        needed the careful arithmetic (None if no row did).
-    """
-    st, flags = stats_partial(x, y, temperature, ws, careful, kl=True, entropy=False)
-    return KLState(st.m_x, st.s_x, st.m_y, st.s_y, st.a), flags
-
-
 def _moment_sum(
     d: torch.Tensor, e: torch.Tensor, temperature: float, careful: bool | None, out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -290,15 +233,6 @@ def _rescale_moment(
     return torch.where(torch.isposinf(a), a, out)
 
 
-def kl_merge(s0: KLState, s1: KLState, temperature: float) -> KLState:
-    """Merge the states of two disjoint vocabulary slices of the same rows."""
-    m_x = torch.maximum(s0.m_x, s1.m_x)
-    m_y = torch.maximum(s0.m_y, s1.m_y)
-    r0 = kl_rescale(s0, m_x, m_y, temperature)
-    r1 = kl_rescale(s1, m_x, m_y, temperature)
-    return KLState(m_x, r0.s_x + r1.s_x, m_y, r0.s_y + r1.s_y, r0.a + r1.a)
-
-
 def kl_finalize(
     state: KLState, careful: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,85 +264,11 @@ def kl_finalize(
     return kl, stats
 
 
-def kl_grad_tile(
-    x: torch.Tensor,
-    y: torch.Tensor,
-    stats: torch.Tensor,
-    g: torch.Tensor,
-    temperature: float,
-    ws: Workspace,
-    gx: torch.Tensor | None,
-    gy: torch.Tensor | None,
-    careful: bool,
-) -> None:
-    """Write the gradient tiles of Σ_rows g·KL.
-
-    Args:
-        x, y: (r, c) raw logits.  stats: (r, 6) from :func:`kl_finalize`.
-        g: (r,) upstream gradient in the compute dtype, 0 on rows that get no gradient.
-        gx, gy: (r, c) outputs in the inputs' dtypes, or None when not needed.
-        careful: the 0·log 0 arithmetic (rows with −inf entries, masked garbage rows).
-
-    gx ← π·((u − w) − E_π[u − w])·g/T,  gy ← (ρ − π)·g/T.
-    """
-    r, c = x.shape
-    shift_x, log_s_x, shift_y, log_s_y, mean_d = stats[:, :5].unbind(-1)
-    d = _shifted(ws.get("d", r, c), x, shift_x)
-    w = _shifted(ws.get("w", r, c), y, shift_y)
-    p = _exp_tempered(ws.get("e", r, c), d, temperature, log_s_x)
-    zero_rows = (g == 0).unsqueeze(-1) if careful else None
-    if gx is not None:
-        # (x − m_x) − (y − m_y) − T·E[u − w] = T·((u − w) − E[u − w])
-        d.sub_(w).sub_((mean_d * temperature).unsqueeze(-1)).mul_(p)
-        scale = (g / (temperature * temperature)).unsqueeze(-1)
-        if careful:
-            d.masked_fill_(p == 0, 0.0).mul_(scale).masked_fill_(zero_rows, 0.0)
-            gx.copy_(d)
-        else:
-            torch.mul(d, scale, out=gx)
-    if gy is not None:
-        q = _exp_tempered(w, w, temperature, log_s_y).sub_(p)  # ρ − π
-        scale = (g / temperature).unsqueeze(-1)
-        if careful:
-            q.nan_to_num_(nan=0.0).mul_(scale).masked_fill_(zero_rows, 0.0)
-            gy.copy_(q)
-        else:
-            torch.mul(q, scale, out=gy)
-
-
 # ------------------------------------------------------------------------------------ LSE
-def lse_partial(x: torch.Tensor, temperature: float, ws: Workspace) -> LSEState:
-    """Log-sum-exp state of one (r, c) tile of raw logits."""
-    st, _ = stats_partial(x, None, temperature, ws, None, kl=False, entropy=False)
-    return LSEState(st.m_x, st.s_x)
-
-
 def lse_rescale(state: LSEState, m: torch.Tensor, temperature: float) -> LSEState:
     """The same state against the (larger or equal) max ``m`` (N,)."""
     _, alpha = _scales(state.m, m, temperature)
     return LSEState(m, alpha * state.s)
-
-
-def lse_merge(s0: LSEState, s1: LSEState, temperature: float) -> LSEState:
-    """Merge the log-sum-exp states of two disjoint vocabulary slices."""
-    m = torch.maximum(s0.m, s1.m)
-    return LSEState(m, lse_rescale(s0, m, temperature).s + lse_rescale(s1, m, temperature).s)
-
-
-def lse_grad_tile(
-    x: torch.Tensor,
-    shift: torch.Tensor,
-    log_s: torch.Tensor,
-    g: torch.Tensor,
-    temperature: float,
-    ws: Workspace,
-    gx: torch.Tensor,
-) -> None:
-    """gx ← −π·g/T for one (r, c) tile (the caller adds g/T at the token); g, shift, log_s (r,)."""
-    r, c = x.shape
-    d = _shifted(ws.get("d", r, c), x, shift)
-    p = _exp_tempered(d, d, temperature, log_s)
-    torch.mul(p, (-g / temperature).unsqueeze(-1), out=gx)
 
 
 # ------------------------------------------------------------------------------------ entropy
@@ -417,13 +277,6 @@ def entropy_rescale(state: EntropyState, m: torch.Tensor, temperature: float) ->
     """The same state against the (larger or equal) max ``m`` (N,)."""
     delta, alpha = _scales(state.m, m, temperature)
     return EntropyState(m, alpha * state.s, _rescale_moment(state.s, state.b, delta, alpha))
-
-
-def entropy_merge(s0: EntropyState, s1: EntropyState, temperature: float) -> EntropyState:
-    """Merge the entropy states of two disjoint vocabulary slices."""
-    m = torch.maximum(s0.m, s1.m)
-    r0, r1 = entropy_rescale(s0, m, temperature), entropy_rescale(s1, m, temperature)
-    return EntropyState(m, r0.s + r1.s, r0.b + r1.b)
 
 
 def entropy_finalize(state: EntropyState) -> tuple[torch.Tensor, torch.Tensor]:
@@ -460,7 +313,8 @@ def stats_partial(
         x: (r, c) policy logits (−inf off the support).  y: (r, c) reference logits or None.
         temperature: > 0.
         ws: workspace of the compute dtype, at least r·c elements.
-        careful: as in :func:`kl_partial`.
+        careful: True = always use the 0·log 0 arithmetic; None = check on the host whether
+            the tile needs it (free on CPU, a sync on accelerators).
         kl: compute a = Σ e^u·(u − w) (needs ``y``).  entropy: compute b = Σ e^u·u.
 
     Returns:
@@ -523,7 +377,7 @@ def stats_finalize(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
     """(KL (N,) or None, H (N,) or None, stats (N, 9)) from the merged state of whole rows.
 
-    The stats columns are those of ``ops/autograd.py`` (``ST_*``): the KL's six
+    The stats columns are those of :mod:`.contract` (``ST_*``): the KL's six
     (:func:`kl_finalize`; without the KL the shifts and log-sums alone, the careful flag for
     rows without a distribution or with ``careful``), E_π[u] (:func:`entropy_finalize`) when
     the entropy is wanted; the token log-probs (columns 7, 8) are the caller's; 0 elsewhere.
@@ -544,7 +398,7 @@ def stats_finalize(
                 stats[:, shift_col] = finite_or_zero(m)
                 stats[:, log_col] = finite_or_zero(torch.log(s))
                 flag = flag | ~((s > 0) & torch.isfinite(s))
-        stats[:, 5] = flag.to(stats.dtype)
+        stats[:, ST_CAREFUL] = flag.to(stats.dtype)
     if state.b is not None:
         h, ent = entropy_finalize(EntropyState(state.m_x, state.s_x, state.b))
         stats[:, ST_MEAN_U] = ent[:, 2]
@@ -570,7 +424,7 @@ def stats_grad_tile(
         stats: (r, 9) from :func:`stats_finalize`.
         g: (r, 4) upstream gradient in the compute dtype, 0 where a column gets no gradient
             (masked rows, ignored tokens, columns not in ``want``).
-        want: the ``WANT_*`` bits: the KL and entropy terms are computed only when wanted.
+        want: the :class:`.contract.Want` bits: the KL and entropy terms are computed only when wanted.
         gx, gy: (r, c) outputs in the inputs' dtypes, or None when not needed (``gy`` needs y).
         careful: True = zero the entries where π = 0 (−inf logits, off the support), the
             rows with g = 0 (masked rows may hold garbage) and the KL term of rows with
@@ -590,13 +444,13 @@ def stats_grad_tile(
     if gx is not None:
         acc = ws.get("acc", r, c)
         const = -t * g_lp  # (r, 1): the row constant of T·[...]
-        if w is not None and want & WANT_KL:  # g_kl·T·((u − w) − E_π[u − w])
+        if w is not None and want & Want.KL:  # g_kl·T·((u − w) − E_π[u − w])
             torch.sub(d, w, out=acc).sub_(stats[:, ST_MEAN_D : ST_MEAN_D + 1] * t).mul_(g_kl)
             if careful is not False:  # a row with KL = +inf and g_kl = 0: no NaN from 0·inf
                 acc.masked_fill_(g_kl == 0, 0.0)
         else:
             acc.zero_()
-        if want & WANT_ENTROPY:  # − g_h·T·(u − E_π[u])
+        if want & Want.ENTROPY:  # − g_h·T·(u − E_π[u])
             acc.addcmul_(d, -g_h)
             const = const + t * g_h * stats[:, ST_MEAN_U : ST_MEAN_U + 1]
         acc.add_(const).mul_(p).mul_(1.0 / (t * t))
@@ -640,10 +494,10 @@ def stats_token_grads(
     p_t = torch.exp(lp)
     u_t = (x_t - stats[:, ST_SHIFT_X]) / t
     inner = torch.zeros_like(u_t)
-    if y_t is not None and want & WANT_KL:
+    if y_t is not None and want & Want.KL:
         w_t = (y_t - stats[:, ST_SHIFT_Y]) / t
         inner = torch.where(g_kl == 0, 0.0, g_kl * ((u_t - w_t) - stats[:, ST_MEAN_D]))
-    if want & WANT_ENTROPY:
+    if want & Want.ENTROPY:
         inner = inner - torch.where(g_h == 0, 0.0, g_h * (u_t - stats[:, ST_MEAN_U]))
     on_token = torch.where(p_t > 0, p_t * inner, torch.zeros_like(inner))
     # no gradient into a log-prob of −inf: a token off the support (or of logit −inf) is not
@@ -655,3 +509,23 @@ def stats_token_grads(
         lq = stats[:, ST_REF_LOGP]
         gy_t = (g_kl * (torch.exp(lq) - p_t) - g_rl * torch.expm1(lq)) / t
     return gx_t, gy_t
+
+
+def state_to_tensor(state: StatsState) -> torch.Tensor:
+    """The (N, 6) state columns of :mod:`.contract` (``SX_*``); fields that are None give 0."""
+    n = state.s_x.shape[0]
+    out = state.s_x.new_zeros(n, STATE_COLS)
+    for col, f in enumerate((state.m_x, state.s_x, state.m_y, state.s_y, state.a, state.b)):
+        if f is not None:
+            out[:, col] = f
+    return out
+
+
+def state_from_tensor(t: torch.Tensor, want: int) -> StatsState:
+    """:class:`StatsState` of the (N, 6) state columns, with the fields ``want`` needs."""
+    m_x, s_x, m_y, s_y, a, b = t.unbind(-1)
+    has_y = bool(want & (Want.KL | Want.REF_LOGP))
+    return StatsState(
+        m_x, s_x, b if want & Want.ENTROPY else None, m_y if has_y else None,
+        s_y if has_y else None, a if want & Want.KL else None,
+    )

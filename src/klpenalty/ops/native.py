@@ -1,14 +1,13 @@
 """Native CPU backend: the engine's per-row state in one fused C++ pass per row.
 
-The kernel (``csrc/klpenalty_native.cpp``) is one op pair, ``klpenalty::native_token_stats``
-and its backward, with the token_stats contract of :mod:`.autograd` (which gives it the shared
-fake implementations and autograd formula): the KL, the token log-probs under both models and
+The kernel (``csrc/klpenalty_native.cpp``) implements the three ops of :mod:`.contract`
+(``klpenalty::native_token_stats``, ``_backward`` and ``_state``; the schemas, fakes and autograd
+are the contract's): the KL, the token log-probs under both models and
 the entropy, of the policy truncated to a support or not, in one read of each row. It computes
 the same per-row state, merge and finalize as :mod:`.engine` (an L1-sized chunk at a time: its
 maxima, then the exps and sums) with one row walker specialised on what is wanted, in float32
 vectors (``at::vec::Vectorized``) with a polynomial exp2 (float64 inputs in double), reads
-bf16/fp16 directly, and uses one ``at::parallel_for`` over rows per call. :func:`full_kl`,
-:func:`token_logprobs` and :func:`entropy` are views of :func:`token_stats`.
+bf16/fp16 directly, and uses one ``at::parallel_for`` over rows per call.
 
 **Build.** At the first use in a process (never at ``pip install``), with
 ``torch.utils.cpp_extension.load`` and ninja, into ``<root>/<name>`` where ``<root>`` is torch's
@@ -21,8 +20,8 @@ e.g. on Arm), passed as explicit flags, never ``-march=native``. One line goes t
 compiling.
 
 **Fallback.** No compiler, no ninja, a failed build, an unsupported platform: :func:`available`
-is False, one ``RuntimeWarning`` says why and how to get the fast path, and :func:`token_stats`,
-:func:`full_kl`, :func:`token_logprobs` and :func:`entropy` run the streaming backend. ``klpenalty env`` shows the active path.
+is False, one ``RuntimeWarning`` says why and how to get the fast path, and the backend registry
+(:mod:`.dispatch`) runs the streaming backend instead. ``klpenalty env`` shows the active path.
 """
 
 from __future__ import annotations
@@ -39,15 +38,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import autograd as ag
-from . import streaming, views
+from . import contract
 
 __all__ = [
-    "token_stats",
-    "full_kl",
-    "token_logprobs",
-    "entropy",
-    "token_stats",
     "available",
     "status",
     "build_dir",
@@ -57,6 +50,8 @@ __all__ = [
 ]
 
 SOURCE = Path(__file__).with_name("csrc") / "klpenalty_native.cpp"
+
+contract.define_ops("native")  # the schemas; the C++ library registers the CPU kernels
 
 # A build lock older than this is left over from a killed build: ``cpp_extension.load`` would
 # wait on it forever.
@@ -191,8 +186,6 @@ def _load() -> None:
         torch.ops.load_library(str(library))
     else:
         _compile(directory, instruction_set)  # also loads it
-    ops = torch.ops.klpenalty
-    ag.register_token_stats(ops.native_token_stats.default, ops.native_token_stats_backward.default)
 
 
 def _reason(exc: BaseException) -> str:
@@ -232,46 +225,3 @@ def status() -> str:
     if ok:
         return f"native ({isa()}), cache {where}"
     return f"streaming (native unavailable: {_error}), cache {where}"
-
-
-# ------------------------------------------------------------------------------ entry points
-def token_stats(
-    x: Tensor,
-    y: Tensor | None,
-    tokens: Tensor | None,
-    mask: Tensor | None,
-    keep: Tensor | None,
-    tau: Tensor | None,
-    temperature: float,
-    *,
-    ignore_index: int = -100,
-    want: int,
-    check: bool = False,
-    chunk_rows: int | None = None,
-    vocab_chunk: int | None = None,
-    tile_elements: int = streaming.TILE_ELEMENTS,
-) -> Tensor:
-    """The one-pass per-token statistics with the native CPU kernel: out (..., 4).
-
-    Columns KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃) (:data:`.autograd.OUT_KL` ...), 0 where
-    not in ``want`` (a sum of the :data:`.autograd.WANT_KL` ... bits). Shapes: x, y, keep (..., V);
-    tokens, mask, tau (...). π̃ is the policy on its support (``keep`` and/or ``x >= tau``; both
-    None: π̃ = π). The contract of ``register_token_stats`` in :mod:`.autograd` (unchecked internal
-    entry point on validated CPU tensors); falls back to the streaming backend, with one warning,
-    when the kernel is unavailable. ``chunk_rows``, ``vocab_chunk``, ``tile_elements``: the
-    streaming backend's tiles, used only by that fallback (the kernel walks its own L1 chunks).
-    """
-    if not available():
-        return streaming.token_stats(
-            x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
-            check=check, chunk_rows=chunk_rows, vocab_chunk=vocab_chunk,
-            tile_elements=tile_elements,
-        )
-    out, _ = torch.ops.klpenalty.native_token_stats(
-        x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
-        bool(check), 0, 0,
-    )
-    return out
-
-
-full_kl, token_logprobs, entropy = views.backend_views(token_stats)

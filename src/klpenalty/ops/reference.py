@@ -111,13 +111,13 @@ def token_stats_reference(
 ) -> torch.Tensor:
     """The token_stats op's out (..., 4) in float64: KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃).
 
-    π̃ is softmax(x/T) on the support (``ops.autograd.kept_logits``: keep and x ≥ tau, compared
+    π̃ is softmax(x/T) on the support (``ops.contract.kept_logits``: keep and x ≥ tau, compared
     in tau's dtype), ρ = softmax(y/T). Columns not in ``want`` (bits KL 1, LOGP 2, REF_LOGP 4,
     ENTROPY 8), masked positions (``mask`` False) and the log-prob columns at ignored tokens
     are 0. Masked rows are replaced by zeros before any arithmetic, so float64 autograd
     through this function gives exact zeros there.
     """
-    from .autograd import kept_logits, safe_tokens  # the contract's support rule, one copy
+    from .contract import kept_logits, safe_tokens  # the contract's support rule, one copy
 
     xs = kept_logits(x.double(), keep, tau)
     ys = None if y is None else y.double()

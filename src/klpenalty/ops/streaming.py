@@ -3,17 +3,14 @@
 The (N, V) logits are walked in tiles of ``rows × cols`` elements (a few MiB, cache-sized).
 Each tile gives the per-row state of :mod:`.engine`, the states of a row's vocabulary tiles are
 merged, and the merged state is finalized; the backward recomputes each tile from the saved
-logits and the (N, 6) stats and writes the gradient straight into a buffer of the input's dtype.
+logits and the (N, 9) stats and writes the gradient straight into a buffer of the input's dtype.
 Temporaries are tile-sized buffers reused for every tile: nothing of size (N, V) is allocated.
 
 On CPU the tile loop runs on one intra-op thread (see :func:`_cpu_threads`); on accelerators it
 makes no host synchronisation (the careful 0·log 0 arithmetic always runs there).
 
-The backend is one custom op pair, the one-pass ``torch.ops.klpenalty.streaming_token_stats``
-(with its fake implementation and autograd from :mod:`.autograd`), wrapped by
-:func:`token_stats` on (..., V) tensors; :func:`full_kl`, :func:`token_logprobs` and
-:func:`entropy` are its single-column views (:mod:`.views`). :func:`kl_state`, :func:`kl_grads`,
-:func:`lse_state` and :func:`lse_grads` are the tile loops of the vocabulary-parallel path.
+The backend implements the three ops of :mod:`.contract` (``klpenalty::streaming_token_stats``,
+``_backward`` and ``_state``) for every device.
 """
 
 from __future__ import annotations
@@ -26,20 +23,12 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._validation import compute_dtype
-from . import autograd as ag
-from . import views
+from . import contract
+from .contract import Want
 from .engine import (
-    KLState,
-    LSEState,
     Workspace,
-    finite_or_zero,
-    kl_grad_tile,
-    kl_merge,
-    kl_partial,
-    lse_grad_tile,
-    lse_merge,
-    lse_partial,
     StatsState,
+    state_to_tensor,
     stats_finalize,
     stats_grad_tile,
     stats_merge,
@@ -47,20 +36,7 @@ from .engine import (
     stats_token_grads,
 )
 
-__all__ = [
-    "full_kl",
-    "token_logprobs",
-    "entropy",
-    "token_stats",
-    "token_stats_state",
-    "token_stats_upstream",
-    "tile_shape",
-    "kl_state",
-    "lse_state",
-    "kl_grads",
-    "lse_grads",
-    "TILE_ELEMENTS",
-]
+__all__ = ["token_stats_state", "support_tile", "tile_shape", "TILE_ELEMENTS"]
 
 # Elements per tile: 2**18 = 1 MiB of float32 per buffer; three buffers live at once. That
 # stays in L2/L3 and is ~1-3% of one input at the sizes this library is for. 2**17-2**19
@@ -121,120 +97,6 @@ def _host_checks(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-# ------------------------------------------------------------------------------ tile loops
-def kl_state(
-    x: Tensor, y: Tensor, temperature: float, rows: int, cols: int
-) -> tuple[KLState, Tensor]:
-    """Per-row KL state of (N, C) logits over all their columns, and (N,) careful flags."""
-    n, c = x.shape
-    dtype = compute_dtype(x, y)
-    careful_mode = None if _host_checks(x.device) else True
-    ws = Workspace(rows, cols, dtype, x.device)
-    out = KLState(*(torch.empty(n, dtype=dtype, device=x.device) for _ in range(5)))
-    flags = torch.zeros(n, dtype=torch.bool, device=x.device)
-    for r0, r1, col_ranges in _tiles(n, c, rows, cols):
-        state = None
-        for c0, c1 in col_ranges:
-            part, bad = kl_partial(x[r0:r1, c0:c1], y[r0:r1, c0:c1], temperature, ws, careful_mode)
-            state = part if state is None else kl_merge(state, part, temperature)
-            if bad is not None:
-                flags[r0:r1] |= bad
-        for dst, src in zip(out, state):
-            dst[r0:r1] = src
-    return out, flags
-
-
-def kl_grads(
-    g: Tensor,
-    x: Tensor,
-    y: Tensor,
-    stats: Tensor,
-    temperature: float,
-    need_x: bool,
-    need_y: bool,
-    rows: int,
-    cols: int,
-) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients of Σ g·KL for (N, C) logits from the (N, 6) stats; g (N,) compute dtype."""
-    n, c = x.shape
-    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format) if need_x else None
-    grad_y = torch.empty_like(y, memory_format=torch.contiguous_format) if need_y else None
-    ws = Workspace(rows, cols, stats.dtype, x.device)
-    careful_rows = stats[:, 5] != 0
-    host = _host_checks(x.device)
-    any_careful = bool(careful_rows.any()) if host else True
-    for r0, r1, col_ranges in _tiles(n, c, rows, cols):
-        careful = any_careful and (not host or bool(careful_rows[r0:r1].any()))
-        for c0, c1 in col_ranges:
-            kl_grad_tile(
-                x[r0:r1, c0:c1],
-                y[r0:r1, c0:c1],
-                stats[r0:r1],
-                g[r0:r1],
-                temperature,
-                ws,
-                grad_x[r0:r1, c0:c1] if need_x else None,
-                grad_y[r0:r1, c0:c1] if need_y else None,
-                careful,
-            )
-    return grad_x, grad_y
-
-
-def _row_states(x: Tensor, rows: int, cols: int, cls, partial, merge):
-    """Per-row ``cls`` state of (N, C) logits over all their columns: ``partial(tile, ws)`` per
-    tile, ``merge(a, b)`` across a row's tiles."""
-    n, c = x.shape
-    dtype = compute_dtype(x)
-    ws = Workspace(rows, cols, dtype, x.device)
-    out = cls(*(torch.empty(n, dtype=dtype, device=x.device) for _ in cls._fields))
-    for r0, r1, col_ranges in _tiles(n, c, rows, cols):
-        state = None
-        for c0, c1 in col_ranges:
-            part = partial(x[r0:r1, c0:c1], ws)
-            state = part if state is None else merge(state, part)
-        for dst, src in zip(out, state):
-            dst[r0:r1] = src
-    return out
-
-
-def lse_state(x: Tensor, temperature: float, rows: int, cols: int) -> LSEState:
-    """Per-row log-sum-exp state of (N, C) logits over all their columns."""
-    return _row_states(
-        x,
-        rows,
-        cols,
-        LSEState,
-        lambda tile, ws: lse_partial(tile, temperature, ws),
-        lambda a, b: lse_merge(a, b, temperature),
-    )
-
-
-
-def _grad_tiles(x: Tensor, dtype: torch.dtype, rows: int, cols: int, tile_grad) -> Tensor:
-    """A gradient buffer like (N, C) ``x``, filled by ``tile_grad(r0, r1, c0, c1, ws, out)``."""
-    n, c = x.shape
-    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-    ws = Workspace(rows, cols, dtype, x.device)
-    for r0, r1, col_ranges in _tiles(n, c, rows, cols):
-        for c0, c1 in col_ranges:
-            tile_grad(r0, r1, c0, c1, ws, grad_x[r0:r1, c0:c1])
-    return grad_x
-
-
-def lse_grads(
-    g: Tensor, x: Tensor, shift: Tensor, log_s: Tensor, temperature: float, rows: int, cols: int
-) -> Tensor:
-    """−π·g/T for (N, C) logits, without the token term; g, shift, log_s (N,)."""
-
-    def tile_grad(r0, r1, c0, c1, ws, out):
-        lse_grad_tile(
-            x[r0:r1, c0:c1], shift[r0:r1], log_s[r0:r1], g[r0:r1], temperature, ws, out
-        )
-
-    return _grad_tiles(x, g.dtype, rows, cols, tile_grad)
-
-
-
 # ------------------------------------------------------------------------------ custom ops
 def _rows_and_tiles(x: Tensor, tile_rows: int, tile_cols: int) -> tuple[Tensor, int, int]:
     """(..., V) logits as (N, V) rows, and the (rows, cols) of a tile (0 = the default)."""
@@ -249,7 +111,7 @@ def support_tile(
 ) -> Tensor:
     """The (r, c) tile ``xt`` with −inf off the support, in ``ws.dtype`` (``xt`` itself when
     there is no support): kept(v) = keep[v] and x_v ≥ tau, compared in tau's dtype, exactly
-    as :func:`.autograd.kept_logits` does on the whole tensor. Never an (N, V) copy."""
+    as :func:`.contract.kept_logits` does on the whole tensor. Never an (N, V) copy."""
     if keep_t is None and tau_t is None:
         return xt
     r, c = xt.shape
@@ -326,94 +188,49 @@ def token_stats_state(
     return out, flags
 
 
-def _token_logits(
-    xf: Tensor, tok: Tensor, keep: Tensor | None, tau: Tensor | None, dtype: torch.dtype
-) -> Tensor:
-    """(N,) policy logit at each token in ``dtype``, −inf where the token is off the support."""
-    x_t = xf.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-    kept = None
-    if tau is not None:
-        kept = x_t.to(tau.dtype) >= tau
-    if keep is not None:
-        at = keep.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-        kept = at if kept is None else kept & at
-    x_t = x_t.to(dtype)
-    return x_t if kept is None else x_t.masked_fill(~kept, float("-inf"))
+contract.define_ops("streaming")
 
 
-def _token_logp(logit_t: Tensor, m: Tensor, s: Tensor, temperature: float) -> Tensor:
-    """log-prob (N,) of the token: (x_t − m)/T − log s, NaN for a row without mass (s = 0)."""
-    out = (logit_t - finite_or_zero(m)) / temperature - torch.log(s)
-    return out.masked_fill(s == 0, float("nan"))
+def _wants_y(y: Tensor | None, want: int) -> bool:
+    """Whether the reference logits are read: the KL or the reference log-probs."""
+    return y is not None and bool(want & (Want.KL | Want.REF_LOGP))
 
 
-def token_stats_upstream(
-    grad: Tensor,
-    mask: Tensor | None,
-    tokens: Tensor | None,
-    ignore_index: int,
-    want: int,
-    dtype: torch.dtype,
-) -> Tensor:
-    """The upstream gradient (..., 4) as (N, 4) in ``dtype``: 0 in the columns not in ``want``,
-    on masked rows, and in the two log-prob columns at ignored tokens."""
-    g = grad.reshape(-1, 4).to(dtype)
-    cols = torch.tensor(
-        [bool(want & bit) for bit in (ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY)],
-        device=g.device,
-    )
-    g = g.masked_fill(~cols, 0.0)
-    if mask is not None:
-        g = g.masked_fill(~mask.reshape(-1, 1), 0.0)
-    if tokens is not None:
-        ignored = (tokens.reshape(-1) == ignore_index).unsqueeze(-1)
-        g = g.masked_fill(ignored & torch.tensor([False, True, True, False], device=g.device), 0.0)
-    return g
+def _rows_state(x, y, keep, tau, temperature, want, tile_rows, tile_cols):
+    """(xf, yf, keepf, tauf, state, careful flags or None) of (..., V) logits: the rows, the
+    support as rows and the merged per-row state, in one read of each tile."""
+    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
+    dtype = compute_dtype(x) if y is None else compute_dtype(x, y)
+    yf = y.reshape(xf.shape) if _wants_y(y, want) else None  # (N, V)
+    keepf, tauf = _support_rows(keep, tau, xf)
+    with _cpu_threads(x.device):
+        state, careful = token_stats_state(
+            xf, yf, keepf, tauf, temperature, dtype, rows, cols,
+            kl=bool(want & Want.KL), entropy=bool(want & Want.ENTROPY),
+        )
+    return xf, yf, keepf, tauf, state, careful
 
 
-def outside_support_error(bad: Tensor, tokens: Tensor) -> ValueError:
-    """The error for sampled tokens off the support; ``bad`` (...) bool like ``tokens``."""
-    flat = bad.reshape(-1).nonzero()
-    first = tuple(int(i) for i in torch.unravel_index(flat[0, 0], bad.shape)) if bad.dim() else ()
-    return ValueError(
-        f"sampled token {int(tokens[first])} at position {first} is outside the support "
-        f"(log-prob -inf under the truncated policy; {flat.shape[0]} position(s) in all): the "
-        "support must contain the token that was sampled; build it with the sampler's own "
-        "top_k/top_p/min_p and temperature, or pass the sampler's kept set"
-    )
-
-
-def _check_token_stats(
-    out: Tensor,
+def token_stats_state_op(
     x: Tensor,
-    y: Tensor | None,
-    tokens: Tensor | None,
-    range_bad: Tensor | None,
-    outside: Tensor | None,
+    y: Optional[Tensor],
+    keep: Optional[Tensor],
+    tau: Optional[Tensor],
+    temperature: float,
     want: int,
-    ignore_index: int,
-) -> None:
-    """The checks of ``check=True`` with one host read: token range, NaN in a counted row's
-    wanted outputs, sampled tokens off the support (in this order)."""
-    wanted = [c for c, bit in enumerate(_WANT_BITS) if want & bit]
-    nan_rows = out[:, wanted].isnan().any(-1)  # (N,); masked rows hold 0
-    flags = [nan_rows.any()]
-    flags += [t.any() for t in (range_bad, outside) if t is not None]
-    found = torch.stack(flags).tolist()  # the one host read
-    if range_bad is not None and found[1]:
-        v.check_token_range(tokens, x.shape[-1], ignore_index)
-    if found[0]:
-        named = {"logits": x} if y is None else {"policy_logits": x, "ref_logits": y}
-        v.raise_if_nan(torch.where(nan_rows, float("nan"), 0.0), named)
-    if outside is not None and found[-1]:
-        raise outside_support_error(outside.reshape(tokens.shape), tokens)
+    tile_rows: int,
+    tile_cols: int,
+) -> tuple[Tensor, Tensor]:
+    """(..., V) logits → the unfinalized state (N, 6) over these columns and (N,) careful flags
+    (the state op of :mod:`.contract`)."""
+    xf, _, _, _, state, careful = _rows_state(x, y, keep, tau, temperature, want, tile_rows,
+                                              tile_cols)
+    if careful is None:
+        careful = torch.zeros(xf.shape[0], dtype=torch.bool, device=x.device)
+    return state_to_tensor(state), careful
 
 
-_WANT_BITS = (ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP, ag.WANT_ENTROPY)
-
-
-@torch.library.custom_op("klpenalty::streaming_token_stats", mutates_args=())
-def _token_stats_op(
+def token_stats_op(
     x: Tensor,
     y: Optional[Tensor],
     tokens: Optional[Tensor],
@@ -427,97 +244,25 @@ def _token_stats_op(
     tile_rows: int,
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
-    """(..., V) logits → out (..., 4): KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃), and stats (..., 9).
-
-    The op contract of ``ops/autograd.py`` (docs/design.md): one read of each logit for all the
-    wanted outputs; the support (``keep``, ``tau``) applied per tile.
-    """
+    """(..., V) logits → out (..., 4): KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃), and stats (..., 9)
+    (the forward op of :mod:`.contract`): one read of each logit for all the wanted outputs;
+    the support (``keep``, ``tau``) applied per tile."""
     v.check_want(want, y is not None, tokens is not None)
-    xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
-    dtype = compute_dtype(x) if y is None else compute_dtype(x, y)
-    use_y = y is not None and bool(want & (ag.WANT_KL | ag.WANT_REF_LOGP))
-    yf = y.reshape(xf.shape) if use_y else None  # (N, V)
-    keepf, tauf = _support_rows(keep, tau, xf)
-    with _cpu_threads(x.device):
-        state, careful = token_stats_state(
-            xf, yf, keepf, tauf, temperature, dtype, rows, cols,
-            kl=bool(want & ag.WANT_KL), entropy=bool(want & ag.WANT_ENTROPY),
-        )
-        kl, h, stats = stats_finalize(state, careful)
-    return token_stats_finish(
+    xf, yf, keepf, tauf, state, careful = _rows_state(x, y, keep, tau, temperature, want,
+                                                      tile_rows, tile_cols)
+    kl, h, stats = stats_finalize(state, careful)
+    return contract.finish(
         x, y, xf, yf, tokens, mask, keep, tau, keepf, tauf, state, kl, h, stats, temperature,
         ignore_index, want, check,
     )
 
 
-def token_stats_finish(
-    x: Tensor,
-    y: Optional[Tensor],
-    xf: Tensor,
-    yf: Optional[Tensor],
-    tokens: Optional[Tensor],
-    mask: Optional[Tensor],
-    keep: Optional[Tensor],
-    tau: Optional[Tensor],
-    keep_rows: Optional[Tensor],
-    tau_rows: Optional[Tensor],
-    state: StatsState,
-    kl: Optional[Tensor],
-    h: Optional[Tensor],
-    stats: Tensor,
-    temperature: float,
-    ignore_index: int,
-    want: int,
-    check: bool,
-) -> tuple[Tensor, Tensor]:
-    """out (..., 4) and stats (..., 9) of the token_stats op from a backend's merged row state:
-    the KL and entropy columns, the sampled tokens' log-probs (a gather of N logits), masked
-    rows zeroed, and every check with one host read. Shared by the backends whose ops compute
-    the state in their own loop.
-
-    Args:
-        x, y: the op's (..., V) inputs; xf, yf: their (N, V) rows (yf None when not read).
-        tokens, mask, keep, tau: the op's inputs; keep_rows (N, V) bool, tau_rows (N,): the
-            support as rows (None where not given).
-        state: the merged :class:`StatsState` (N,); kl, h, stats: :func:`stats_finalize`'s.
-    """
-    leading, vocab = x.shape[:-1], x.shape[-1]
-    n = xf.shape[0]
-    out = stats.new_zeros(n, 4)
-    if kl is not None:
-        out[:, ag.OUT_KL] = kl
-    if h is not None:
-        out[:, ag.OUT_ENTROPY] = h
-    range_bad = outside = None
-    logp, ref_logp = bool(want & ag.WANT_LOGP), bool(want & ag.WANT_REF_LOGP)
-    if tokens is not None and (logp or ref_logp):
-        tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)  # (N,)
-        if check:  # gather safely; the range error is raised below, with the other checks
-            range_bad = (tok < 0) | (tok >= vocab)
-            tok = tok.masked_fill(range_bad, 0)
-        if logp:
-            x_t = _token_logits(xf, tok, keep_rows, tau_rows, stats.dtype)
-            lp = _token_logp(x_t, state.m_x, state.s_x, temperature).masked_fill(ignored, 0.0)
-            out[:, ag.OUT_LOGP] = stats[:, ag.ST_LOGP] = lp
-        if ref_logp:
-            y_t = yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(stats.dtype)
-            lq = _token_logp(y_t, state.m_y, state.s_y, temperature).masked_fill(ignored, 0.0)
-            out[:, ag.OUT_REF_LOGP] = stats[:, ag.ST_REF_LOGP] = lq
-    if mask is not None:
-        out.masked_fill_(~mask.reshape(-1, 1), 0.0)
-    if check:  # one host read for all the checks
-        if (keep is not None or tau is not None) and logp:
-            outside = torch.isneginf(out[:, ag.OUT_LOGP])  # counted, non-ignored, off the support
-        _check_token_stats(out, x, y, tokens, range_bad, outside, want, ignore_index)
-    return out.reshape(*leading, 4), stats.reshape(*leading, ag.STATS_COLS)
-
-
-@torch.library.custom_op("klpenalty::streaming_token_stats_backward", mutates_args=())
-def _token_stats_backward_op(
+def token_stats_backward_op(
     grad: Tensor,
     x: Tensor,
     y: Optional[Tensor],
     tokens: Optional[Tensor],
+    owned: Optional[Tensor],
     stats: Tensor,
     mask: Optional[Tensor],
     keep: Optional[Tensor],
@@ -531,16 +276,17 @@ def _token_stats_backward_op(
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
     """Gradients (..., V) of Σ grad·out w.r.t. x and y (empty when not needed), written once per
-    tile for all the wanted outputs; the sampled tokens' entries exact (see the engine)."""
+    tile for all the wanted outputs; the sampled tokens' entries exact (see the engine), where
+    ``owned`` (if given) is True (the backward op of :mod:`.contract`)."""
     xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
     n, vocab = xf.shape
-    st = stats.reshape(-1, ag.STATS_COLS)  # (N, 9)
+    st = stats.reshape(-1, contract.STATS_COLS)  # (N, 9)
     dtype = st.dtype
     need_y = need_y and y is not None
-    use_y = y is not None and bool(want & (ag.WANT_KL | ag.WANT_REF_LOGP))
+    use_y = _wants_y(y, want)
     yf = y.reshape(xf.shape) if use_y else None  # (N, V)
     keepf, tauf = _support_rows(keep, tau, xf)
-    g = token_stats_upstream(grad, mask, tokens, ignore_index, want, dtype)  # (N, 4)
+    g = contract.token_upstream(grad, mask, tokens, ignore_index, want, dtype)  # (N, 4)
     gx = torch.empty_like(xf, memory_format=torch.contiguous_format) if need_x else None
     gy = None
     if need_y:
@@ -555,7 +301,7 @@ def _token_stats_backward_op(
         # row of a truncated policy. On accelerators: always (no host read).
         suspect = None
         if _host_checks(x.device) and keepf is None and tauf is None:
-            suspect = (st[:, ag.ST_CAREFUL] != 0) | (g == 0).all(-1) | ~torch.isfinite(st).all(-1)
+            suspect = (st[:, contract.ST_CAREFUL] != 0) | (g == 0).all(-1) | ~torch.isfinite(st).all(-1)
         with _cpu_threads(x.device):
             for r0, r1, col_ranges in _tiles(n, vocab, rows, cols):
                 careful = True if suspect is None else bool(suspect[r0:r1].any())
@@ -568,12 +314,14 @@ def _token_stats_backward_op(
                         ws, _slice(gx, r0, r1, c0, c1),
                         _slice(gy if use_y else None, r0, r1, c0, c1), careful,
                     )
-    fix_x = need_x and bool(want & ag.WANT_LOGP)
-    fix_y = need_y and use_y and bool(want & ag.WANT_REF_LOGP)
+    fix_x = need_x and bool(want & Want.LOGP)
+    fix_y = need_y and use_y and bool(want & Want.REF_LOGP)
     if tokens is not None and n and (fix_x or fix_y):  # the sampled tokens' own entries
-        tok, ignored = ag.safe_tokens(tokens.reshape(-1), ignore_index)
+        tok, ignored = contract.safe_tokens(tokens.reshape(-1), ignore_index)
         update = ~ignored if mask is None else ~ignored & mask.reshape(-1)
-        x_t = _token_logits(xf, tok, keepf, tauf, dtype)
+        if owned is not None:
+            update = update & owned.reshape(-1)
+        x_t = contract.token_logits(xf, tok, keepf, tauf, dtype)
         y_t = None if yf is None else yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(dtype)
         gx_t, gy_t = stats_token_grads(x_t, y_t, st, g, temperature, want)
         for out, new, fix in ((gx, gx_t, fix_x), (gy, gy_t, fix_y)):
@@ -587,61 +335,7 @@ def _token_stats_backward_op(
     )
 
 
-ag.register_token_stats(_token_stats_op, _token_stats_backward_op)
-
-
-# ------------------------------------------------------------------------------ entry points
-
-def token_stats(
-    x: Tensor,
-    y: Tensor | None,
-    tokens: Tensor | None,
-    mask: Tensor | None,
-    keep: Tensor | None,
-    tau: Tensor | None,
-    temperature: float,
-    *,
-    ignore_index: int = -100,
-    want: int,
-    check: bool = False,
-    chunk_rows: int | None = None,
-    vocab_chunk: int | None = None,
-    tile_elements: int = TILE_ELEMENTS,
-) -> Tensor:
-    """The one-pass per-token statistics, streamed over cache-sized tiles (unchecked inputs).
-
-    Args:
-        x: (..., V) float policy logits.  y: (..., V) reference logits or None.
-        tokens: (...) int64 ids in [0, V) or ``ignore_index``, or None.
-        mask: (...) bool or None; False positions give 0 and zero gradients.
-        keep: (..., V) bool support of the policy (True = kept) or None.
-        tau: (...) in the compute dtype, kept iff x_v ≥ tau, or None.
-        temperature: > 0.
-        ignore_index: tokens equal to it give 0 (and zero gradient) in the log-prob columns.
-        want: ``WANT_*`` bits of ``ops/autograd.py`` (KL and the ref log-prob need ``y``, the
-            log-probs need ``tokens``).
-        check: the token range, NaN and outside-the-support checks (one host read).
-        chunk_rows, vocab_chunk, tile_elements: as in :func:`full_kl`.
-
-    Returns:
-        (..., 4) float32 (float64 for float64 inputs): KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃),
-        0 in the columns not wanted; differentiable w.r.t. x and y (also twice).
-    """
-    rows, cols = _tile_args(x, tile_elements, chunk_rows, vocab_chunk)
-    out, _ = _token_stats_op(
-        x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
-        bool(check), rows, cols,
-    )
-    return out
-
-
-def _tile_args(x: Tensor, tile_elements: int, chunk_rows, vocab_chunk) -> tuple[int, int]:
-    """(rows, cols) passed to the ops: 0 = the op's default for that dimension."""
-    if tile_elements == TILE_ELEMENTS:
-        return int(chunk_rows or 0), int(vocab_chunk or 0)
-    vocab = x.shape[-1]
-    n = x.numel() // vocab if vocab else 0
-    return tile_shape(n, vocab, tile_elements, chunk_rows, vocab_chunk)
-
-
-full_kl, token_logprobs, entropy = views.backend_views(token_stats)
+contract.implement(
+    "streaming", "CompositeExplicitAutograd", token_stats=token_stats_op,
+    token_stats_backward=token_stats_backward_op, token_stats_state=token_stats_state_op,
+)

@@ -4,10 +4,9 @@ state in fused GPU kernels.
 The kernels live in :mod:`._triton_jit`, imported at the first call (Triton is an optional
 dependency: ``pip install 'klpenalty[triton]'``; this module imports without it).
 
-One op pair, ``klpenalty::triton_token_stats[_backward]`` (the contract of
-:func:`.autograd.register_token_stats`), computes every per-token statistic — KL(π̃‖ρ),
-log π̃(token), log ρ(token), H(π̃) — in one read of the logits; :func:`full_kl`,
-:func:`token_logprobs` and :func:`entropy` are views of it (one column of ``want``).
+The three ops of :mod:`.contract`, ``klpenalty::triton_token_stats``, ``_backward`` and
+``_state``, compute every per-token statistic — KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃) —
+in one read of the logits.
 
 **Forward.** One kernel (:func:`._triton_jit.stats_kernel`) specialised by ``tl.constexpr``
 flags (the policy's state, the reference's, the KL moment a, the entropy moment b, a support
@@ -17,10 +16,9 @@ float32 — maxima in logit units, s_x = Σ e^u over the support, s_y = Σ e^w,
 a = Σ e^u·(u − w), b = Σ e^u·u — and rescales it when a block raises a max (the engine's
 merge). It writes its partial state to an (N, splits, 6) float32 buffer; the splits of a row
 are merged with the engine's rescale-and-add in torch, and the (N,) merged state is finalized
-by :func:`.engine.kl_finalize` / :func:`.engine.entropy_finalize`, so the numerics and the
-stats columns are the engine's. log π̃(t) and log ρ(t) come from the merged state and the
+by :func:`.engine.stats_finalize`, so the numerics and the stats columns are the engine's. log π̃(t) and log ρ(t) come from the merged state and the
 token's logit (one gather per row). One split per row unless the rows are too few to fill the
-GPU (:func:`split_columns`); ``vocab_chunk`` forces the split. Float64 inputs run the streaming
+GPU (:func:`split_columns`); ``tile_cols`` forces the split. Float64 inputs run the streaming
 op (the kernels compute in float32).
 
 **Backward.** One kernel (:func:`._triton_jit.grad_kernel`) over a (rows, vocabulary blocks)
@@ -47,21 +45,18 @@ import torch
 from torch import Tensor
 
 from .. import _validation as v
-from . import autograd as ag
-from . import streaming, views
-from .engine import StatsState, stats_finalize, stats_rescale
+from . import contract, streaming
+from .contract import Want
+from .engine import StatsState, state_to_tensor, stats_finalize, stats_rescale
 
 __all__ = [
-    "token_stats",
-    "full_kl",
-    "token_logprobs",
-    "entropy",
     "available",
     "interpreted",
     "check_device",
     "split_columns",
     "forward_constexprs",
     "backward_constexprs",
+    "column_constexprs",
     "MAX_BLOCK",
     "INSTALL_HINT",
 ]
@@ -192,8 +187,18 @@ def _portable(*tensors: Tensor | None) -> bool:
 
 def _wanted(want: int) -> tuple[bool, bool, bool, bool]:
     """(kl, logp, ref_logp, entropy): the outputs asked for by the ``want`` bits."""
-    return tuple(bool(want & bit) for bit in (ag.WANT_KL, ag.WANT_LOGP, ag.WANT_REF_LOGP,
-                                              ag.WANT_ENTROPY))
+    return tuple(bool(want & bit) for bit in Want)
+
+
+def column_constexprs(kernel: str) -> dict[str, int]:
+    """The column layout of :mod:`.contract` as the ``tl.constexpr`` s of a kernel
+    (``"stats"``: the state columns; ``"grad"``: the out and stats columns)."""
+    if kernel == "stats":
+        names = ("STATE_COLS", "SX_M_X", "SX_S_X", "SX_M_Y", "SX_S_Y", "SX_A", "SX_B")
+    else:
+        names = ("OUT_COLS", "STATS_COLS", "ST_SHIFT_X", "ST_LOG_S_X", "ST_SHIFT_Y",
+                 "ST_LOG_S_Y", "ST_MEAN_D", "ST_MEAN_U")
+    return {name: getattr(contract, name) for name in names}
 
 
 def forward_constexprs(flags, has_keep: bool, has_tau: bool) -> dict[str, bool]:
@@ -235,7 +240,7 @@ def _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature: float, 
     device = xf.device
     block, cols = split_columns(n, vocab, device, vocab_chunk)
     splits = max(1, -(-vocab // cols))
-    parts = torch.empty((n, splits, _kernels().STATE_FIELDS), dtype=torch.float32, device=device)
+    parts = torch.empty((n, splits, contract.STATE_COLS), dtype=torch.float32, device=device)
     constexprs = forward_constexprs(flags, keepf is not None, tauf is not None)
     if n:
         inv_t = 1.0 / temperature
@@ -244,7 +249,7 @@ def _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature: float, 
             parts if tauf is None else tauf, parts,
             xf.stride(0), 0 if yf is None else yf.stride(0), stride_keep,
             vocab, cols, splits, inv_t, inv_t * 1.4426950408889634,
-            **constexprs, BLOCK=block, num_warps=_warps(block),
+            **constexprs, **column_constexprs("stats"), BLOCK=block, num_warps=_warps(block),
         )
     m_x, s_x, m_y, s_y, a, b = parts.unbind(-1)  # (N, splits) each
     has_y = constexprs["Y_STATE"]
@@ -261,7 +266,40 @@ def _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature: float, 
     return state
 
 
-@torch.library.custom_op("klpenalty::triton_token_stats", mutates_args=())
+contract.define_ops("triton")
+
+
+def _rows_state(x, y, keep, tau, temperature: float, want: int, tile_cols: int):
+    """(xf, yf, keep rows as uint8, tau rows, merged state) of (..., V) logits: the forward
+    kernel over (N, splits) programs and the merge of the splits."""
+    flags = kl, _, ref_logp, _ = _wanted(want)
+    xf = _rows(x)  # (N, V)
+    yf = _rows(y) if kl or ref_logp else None  # (N, V)
+    keepf, stride_keep, tauf = _support_args(keep, tau, xf.shape[0])
+    state = _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature, tile_cols)
+    return xf, yf, keepf, tauf, state
+
+
+def _token_stats_state_op(
+    x: Tensor,
+    y: Optional[Tensor],
+    keep: Optional[Tensor],
+    tau: Optional[Tensor],
+    temperature: float,
+    want: int,
+    tile_rows: int,
+    tile_cols: int,
+) -> tuple[Tensor, Tensor]:
+    """The unfinalized state (N, 6) of (..., V) logits over these columns and (N,) careful
+    flags (the state op of :mod:`.contract`), from the forward kernel."""
+    if _portable(x, y):
+        return streaming.token_stats_state_op(
+            x, y, keep, tau, temperature, want, tile_rows, tile_cols
+        )
+    xf, _, _, _, state = _rows_state(x, y, keep, tau, temperature, want, tile_cols)
+    return state_to_tensor(state), torch.zeros(xf.shape[0], dtype=torch.bool, device=x.device)
+
+
 def _token_stats_op(
     x: Tensor,
     y: Optional[Tensor],
@@ -277,34 +315,29 @@ def _token_stats_op(
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
     """(..., V) logits → out (..., 4) = (KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃)) and stats (..., 9)
-    (the contract of :mod:`.autograd`), in one read of each logit; ``tile_cols`` > 0 forces the
-    split width (``tile_rows`` is unused: one program per row)."""
+    (the forward op of :mod:`.contract`), in one read of each logit; ``tile_cols`` > 0 forces
+    the split width (``tile_rows`` is unused: one program per row)."""
     if _portable(x, y):
-        return streaming._token_stats_op(
+        return streaming.token_stats_op(
             x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
             tile_cols,
         )
     v.check_want(want, y is not None, tokens is not None)
-    flags = kl, logp, ref_logp, ent = _wanted(want)
-    xf = _rows(x)  # (N, V)
-    n = xf.shape[0]
-    yf = _rows(y) if kl or ref_logp else None  # (N, V)
-    keepf, stride_keep, tauf = _support_args(keep, tau, n)
-    state = _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature, tile_cols)
+    xf, yf, keepf, tauf, state = _rows_state(x, y, keep, tau, temperature, want, tile_cols)
     kl_val, h, stats = stats_finalize(state, None)  # (N,), (N,), (N, 9)
     keep_rows = None if keepf is None else keepf.view(torch.bool)
-    return streaming.token_stats_finish(
+    return contract.finish(
         x, y, xf, yf, tokens, mask, keep, tau, keep_rows, tauf, state, kl_val, h, stats,
         temperature, ignore_index, want, check,
     )
 
 
-@torch.library.custom_op("klpenalty::triton_token_stats_backward", mutates_args=())
 def _token_stats_backward_op(
     grad: Tensor,
     x: Tensor,
     y: Optional[Tensor],
     tokens: Optional[Tensor],
+    owned: Optional[Tensor],
     stats: Tensor,
     mask: Optional[Tensor],
     keep: Optional[Tensor],
@@ -318,10 +351,11 @@ def _token_stats_backward_op(
     tile_cols: int,
 ) -> tuple[Tensor, Tensor]:
     """∂/∂x (..., V) and ∂/∂y (..., V) of Σ grad·out (grad (..., 4)) in one read of the
-    logits, in their dtypes (an empty tensor for one that is not needed)."""
+    logits, in their dtypes (an empty tensor for one that is not needed); the backward op of
+    :mod:`.contract` (where ``owned`` is False the token's own entry is not added)."""
     if _portable(x, y):
-        return streaming._token_stats_backward_op(
-            grad, x, y, tokens, stats, mask, keep, tau, temperature, ignore_index, want,
+        return streaming.token_stats_backward_op(
+            grad, x, y, tokens, owned, stats, mask, keep, tau, temperature, ignore_index, want,
             need_x, need_y, tile_rows, tile_cols,
         )
     flags = kl, logp, ref_logp, ent = _wanted(want)
@@ -329,13 +363,15 @@ def _token_stats_backward_op(
     xf = _rows(x)  # (N, V)
     n, vocab = xf.shape
     yf = _rows(y) if (kl or ref_logp) and y is not None else None  # (N, V)
-    st = stats.reshape(n, ag.STATS_COLS).contiguous()  # (N, 9)
-    g = streaming.token_stats_upstream(grad, mask, tokens, ignore_index, want, st.dtype)  # (N, 4)
+    st = stats.reshape(n, contract.STATS_COLS).contiguous()  # (N, 9)
+    g = contract.token_upstream(grad, mask, tokens, ignore_index, want, st.dtype)  # (N, 4)
     tok = None
     at_tok = st.new_zeros(n, 2)
     if logp or ref_logp:
-        tok, _ = ag.safe_tokens(tokens.reshape(-1), ignore_index)
-        lp, lq = st[:, ag.ST_LOGP], st[:, ag.ST_REF_LOGP]
+        tok, _ = contract.safe_tokens(tokens.reshape(-1), ignore_index)
+        if owned is not None:  # a token in another rank's columns: no entry of its own here
+            tok = tok.masked_fill(~owned.reshape(-1), -1)
+        lp, lq = st[:, contract.ST_LOGP], st[:, contract.ST_REF_LOGP]
         # at the token: (1 − p_t)·g = −expm1(log p_t)·g, exact for p_t near 1; 0 for a token
         # off the support (its logit, fixed at −inf by keep/tau, does not move log π̃(t))
         at_tok = torch.stack([-torch.expm1(lp) * g[:, 1], -torch.expm1(lq) * g[:, 2]], -1)
@@ -358,7 +394,7 @@ def _token_stats_backward_op(
             xf.stride(0), 0 if yf is None else yf.stride(0), stride_keep,
             vocab, inv_t, inv_t * 1.4426950408889634,
             **backward_constexprs(flags, need_x, write_y, keepf is not None, tauf is not None),
-            BLOCK=block, num_warps=_warps(block),
+            **column_constexprs("grad"), BLOCK=block, num_warps=_warps(block),
         )
     return (
         gx.view(x.shape) if need_x else x.new_empty(0),
@@ -366,47 +402,7 @@ def _token_stats_backward_op(
     )
 
 
-ag.register_token_stats(_token_stats_op, _token_stats_backward_op)
-
-
-# ------------------------------------------------------------------------------ entry points
-def token_stats(
-    x: Tensor,
-    y: Tensor | None,
-    tokens: Tensor | None,
-    mask: Tensor | None,
-    keep: Tensor | None,
-    tau: Tensor | None,
-    temperature: float,
-    *,
-    ignore_index: int = -100,
-    want: int,
-    check: bool = False,
-    chunk_rows: int | None = None,
-    vocab_chunk: int | None = None,
-    tile_elements: int = streaming.TILE_ELEMENTS,
-) -> Tensor:
-    """KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃) per position, (..., 4), in one pass of the
-    Triton kernels: the contract of :func:`.streaming.token_stats` (unchecked inputs; columns
-    not in ``want`` hold 0).
-
-    Shapes: x, y, keep (..., V); tokens, mask, tau (...). ``vocab_chunk`` > 0 forces the
-    split-vocabulary forward with programs of that many columns; ``chunk_rows`` and
-    ``tile_elements`` (the streaming tiles) apply only where the streaming op runs (float64).
-    Raises ValueError where the kernels cannot run on the tensors' device (:func:`check_device`).
-    """
-    check_device(x.device)
-    if _portable(x, y):
-        return streaming.token_stats(
-            x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
-            check=check, chunk_rows=chunk_rows, vocab_chunk=vocab_chunk,
-            tile_elements=tile_elements,
-        )
-    out, _ = _token_stats_op(
-        x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
-        bool(check), 0, int(vocab_chunk or 0),
-    )
-    return out
-
-
-full_kl, token_logprobs, entropy = views.backend_views(token_stats)
+contract.implement(
+    "triton", "CompositeExplicitAutograd", token_stats=_token_stats_op,
+    token_stats_backward=_token_stats_backward_op, token_stats_state=_token_stats_state_op,
+)

@@ -1,16 +1,19 @@
 // klpenalty native CPU kernel: the engine of klpenalty/ops/engine.py in one fused pass per row.
 //
-// Ops (torch.ops.klpenalty.*), the one-pass token statistics of the op contract in
-// klpenalty/ops/autograd.py (register_token_stats):
+// Implements the three ops of the contract in klpenalty/ops/contract.py, whose schemas are
+// defined there (this file only registers CPU implementations):
 //   native_token_stats(x, y?, tokens?, mask?, keep?, tau?, temperature, ignore_index, want,
 //                      check, tile_rows, tile_cols) -> (out (..., 4), stats (..., 9))
 //     out: KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃), 0 where not in `want`
-//   native_token_stats_backward(grad (..., 4), x, y?, tokens?, stats, mask?, keep?, tau?,
+//   native_token_stats_backward(grad (..., 4), x, y?, tokens?, owned?, stats, mask?, keep?, tau?,
 //                               temperature, ignore_index, want, need_x, need_y, tile_rows,
 //                               tile_cols) -> (grad_x (..., V) or empty, grad_y (..., V) or empty)
+//   native_token_stats_state(x, y?, keep?, tau?, temperature, want, tile_rows, tile_cols)
+//     -> (state (N, 6): m_x, s_x, m_y, s_y, a, b unfinalized; careful (N,) bool)
 // π̃ is the policy restricted to its support: kept(v) = keep[v] and x_v >= tau (either optional).
-// tile_rows/tile_cols are accepted for a common signature and ignored: a row is walked in
-// L1-sized chunks (kChunk elements).
+// `owned` (bool, optional): where false the row's token is not in these columns: its own entry
+// is not added (the dense terms of the log-prob columns are). tile_rows/tile_cols are accepted
+// for the common signature and ignored: a row is walked in L1-sized chunks (kChunk elements).
 //
 // Per row, in one read of the row from memory, ONE row walker (walk_row) computes whatever is
 // wanted, specialised at compile time: the log-sum-exp of x (log-probs), with the entropy's
@@ -55,12 +58,13 @@ constexpr int64_t kBlock = 2 * VF::size();  // elements per inner step: two floa
 constexpr int64_t kChunk = 2048;            // elements of one row kept in L1 between the passes
 constexpr int64_t kGrainElements = 1 << 16; // work per parallel task, in elements
 
-// the want bits and the stats columns of klpenalty/ops/autograd.py
+// the want bits and the out / stats / state columns of klpenalty/ops/contract.py
 constexpr int64_t kWantKL = 1, kWantLogp = 2, kWantRefLogp = 4, kWantEntropy = 8;
 constexpr int64_t kOutCols = 4, kStatsCols = 9;
 enum StatsCol : int {
   kShiftX, kLogSX, kShiftY, kLogSY, kMeanD, kCareful, kMeanU, kLogpT, kRefLogpT
 };
+constexpr int64_t kStateCols = 6;  // m_x, s_x, m_y, s_y, a, b
 
 // ------------------------------------------------------------------------------ fast exp2
 // 2^t = 2^n · 2^f, n = round(t), f in [-1/2, 1/2]; 2^f by a degree-6 polynomial fitted for
@@ -950,6 +954,56 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
   return {out, stats};
 }
 
+// The unfinalized state of every row over these columns (the vocabulary-parallel merge):
+// (N, 6) m_x, s_x, m_y, s_y, a, b in the compute dtype (0 in the fields not wanted), and the
+// rows that needed the 0·log 0 arithmetic.
+std::tuple<at::Tensor, at::Tensor> token_stats_state(
+    const at::Tensor& x_arg, const std::optional<at::Tensor>& y_arg,
+    const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& tau, double T,
+    int64_t want, int64_t /*tile_rows*/, int64_t /*tile_cols*/) {
+  const std::optional<at::Tensor> none;
+  // the tokens are not read here: the state does not depend on them
+  const StatsArgs a(x_arg, y_arg, none, none, keep, tau, T, want & (kWantKL | kWantEntropy)
+                                                            ? want & (kWantKL | kWantEntropy)
+                                                            : kWantEntropy);
+  const RowAccess ra(a);
+  const bool kY = a.y.defined() && (want & (kWantKL | kWantRefLogp));
+  const bool kB = want & kWantEntropy;
+  at::Tensor state = at::zeros({a.N, kStateCols}, a.x.options().dtype(a.ct));
+  at::Tensor careful = at::zeros({a.N}, a.x.options().dtype(at::kBool));
+  bool* cp = careful.mutable_data_ptr<bool>();
+  const int64_t V = a.V;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, a.x.scalar_type(), "native_token_stats_state", [&] {
+    using T_in = scalar_t;
+    const T_in* px = a.x.const_data_ptr<T_in>();
+    const T_in* py = a.y.defined() ? a.y.const_data_ptr<T_in>() : nullptr;
+    auto run = [&](auto* stp) {
+      using O = std::remove_pointer_t<decltype(stp)>;
+      parallel_rows(a.N, V, [&](int64_t r0, int64_t r1) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const T_in* xr = px + ra.rx.offset(r);
+          const T_in* yr = py ? py + ra.ry.offset(r) : nullptr;
+          const RowState row = walk(xr, kY ? yr : xr, ra.support(r), V, T, kY, kB);
+          O* s = stp + kStateCols * r;
+          s[0] = static_cast<O>(row.m_x), s[1] = static_cast<O>(row.s_x);
+          if (kY) {
+            s[2] = static_cast<O>(row.m_y), s[3] = static_cast<O>(row.s_y);
+            if (want & kWantKL) s[4] = static_cast<O>(row.a);
+          }
+          if (kB) s[5] = static_cast<O>(row.b);
+          cp[r] = row.careful;
+        }
+      });
+    };
+    if (a.ct == at::kDouble) {
+      run(state.mutable_data_ptr<double>());
+    } else {
+      run(state.mutable_data_ptr<float>());
+    }
+  });
+  return {state, careful};
+}
+
 // ------------------------------------------------------------------------------ backward
 // The per-row coefficients of the gradient, with d_x = x − shift_x = T·u, d_y = y − shift_y:
 //   ∂/∂x_v = p·((d_x − d_y)·ckl + d_x·ch + c0) (+ the token's term), p = π̃_v,
@@ -1117,12 +1171,15 @@ void grad_token(const T* xr, const T* yr, const Support& sup, const GradRow& g, 
 
 std::tuple<at::Tensor, at::Tensor> token_stats_backward(
     const at::Tensor& grad, const at::Tensor& x_arg, const std::optional<at::Tensor>& y_arg,
-    const std::optional<at::Tensor>& tokens, const at::Tensor& stats,
-    const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& keep,
-    const std::optional<at::Tensor>& tau, double T, int64_t ignore_index, int64_t want,
-    bool need_x, bool need_y_arg, int64_t /*tile_rows*/, int64_t /*tile_cols*/) {
+    const std::optional<at::Tensor>& tokens, const std::optional<at::Tensor>& owned,
+    const at::Tensor& stats, const std::optional<at::Tensor>& mask,
+    const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& tau, double T,
+    int64_t ignore_index, int64_t want, bool need_x, bool need_y_arg, int64_t /*tile_rows*/,
+    int64_t /*tile_cols*/) {
   const StatsArgs a(x_arg, y_arg, tokens, mask, keep, tau, T, want);
   const RowAccess ra(a);
+  const at::Tensor own = flat_mask(owned, a.leading);  // where false: no token entry here
+  const bool* op = own.defined() ? own.const_data_ptr<bool>() : nullptr;
   const bool need_y = need_y_arg && a.y.defined();
   const int64_t V = a.V, N = a.N;
   std::vector<int64_t> gshape = a.leading, sshape = a.leading;
@@ -1192,7 +1249,7 @@ std::tuple<at::Tensor, at::Tensor> token_stats_backward(
                 : grad_row_vec<false, false, false>(xr, yr, sup, row, T, gxr, gyr, V);
             }
           }
-          if (t >= 0) grad_token(xr, yr, sup, row, T, t, gxr, gyr);
+          if (t >= 0 && (!op || op[r])) grad_token(xr, yr, sup, row, T, t, gxr, gyr);
         }
       });
     });
@@ -1206,21 +1263,10 @@ std::tuple<at::Tensor, at::Tensor> token_stats_backward(
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(klpenalty, m) {
-  m.def(
-      "native_token_stats(Tensor x, Tensor? y, Tensor? tokens, Tensor? mask, Tensor? keep, "
-      "Tensor? tau, float temperature, int ignore_index, int want, bool check, int tile_rows, "
-      "int tile_cols) -> (Tensor, Tensor)");
-  m.def(
-      "native_token_stats_backward(Tensor grad, Tensor x, Tensor? y, Tensor? tokens, "
-      "Tensor stats, Tensor? mask, Tensor? keep, Tensor? tau, float temperature, "
-      "int ignore_index, int want, bool need_x, bool need_y, int tile_rows, int tile_cols) -> "
-      "(Tensor, Tensor)");
-}
-
 TORCH_LIBRARY_IMPL(klpenalty, CPU, m) {
   m.impl("native_token_stats", &token_stats);
   m.impl("native_token_stats_backward", &token_stats_backward);
+  m.impl("native_token_stats_state", &token_stats_state);
 }
 
 }  // namespace klpenalty_native

@@ -1,0 +1,418 @@
+"""The op contract of every backend: the want flags, the output / stats / state columns, the
+three op schemas (defined here, once), their fake implementations and autograd, and the finish
+and checks that every backend's forward shares.
+
+A backend ``<b>`` implements three ops of ``torch.ops.klpenalty`` with the schemas of
+:data:`SCHEMAS` (see docs/design.md):
+
+- ``<b>_token_stats(x, y?, tokens?, mask?, keep?, tau?, temperature, ignore_index, want, check,
+  tile_rows, tile_cols) -> (out (..., 4), stats (..., 9))``: KL(π̃‖ρ), log π̃(t), log ρ(t),
+  H(π̃), the columns in ``want`` (:class:`Want`), in one read of the logits;
+- ``<b>_token_stats_backward(grad (..., 4), x, y?, tokens?, owned?, stats, mask?, keep?, tau?,
+  temperature, ignore_index, want, need_x, need_y, tile_rows, tile_cols) -> (grad_x or empty,
+  grad_y or empty)``; ``owned`` (...) bool or None: where False the token lies outside these
+  columns (another rank's vocabulary slice), so its own entry is not added, while the dense
+  −π·g/T terms of the log-prob columns are;
+- ``<b>_token_stats_state(x, y?, keep?, tau?, temperature, want, tile_rows, tile_cols) ->
+  (state (N, 6), careful (N,) bool)``: the engine's per-row state over these columns
+  (:data:`STATE_COLS`), unfinalized, for the vocabulary-parallel merge.
+
+:func:`define_ops` defines the three schemas for a backend name and registers the fakes (so
+``torch.compile`` traces through with ``fullgraph=True``) and the autograd formula of the
+forward: the first derivative is the backend's backward op; a second derivative
+(``create_graph=True``) recomputes the first with differentiable PyTorch ops on (..., V)
+(:func:`_token_stats_grads_differentiable`): exact, not fast.
+
+Shape letters: N rows (positions), V vocabulary (the columns of the call).
+"""
+
+from __future__ import annotations
+
+from enum import IntFlag
+
+import torch
+from torch import Tensor
+
+from .. import _validation as v
+from .._validation import compute_dtype
+
+__all__ = [
+    "Want",
+    "OUT_COLS",
+    "STATS_COLS",
+    "STATE_COLS",
+    "SCHEMAS",
+    "define_ops",
+    "implement",
+    "masked_grad",
+    "safe_tokens",
+    "kept_logits",
+    "token_upstream",
+    "finish",
+    "outside_support_error",
+]
+
+
+class Want(IntFlag):
+    """Which columns of ``out`` a call computes; bit i is column i (:data:`OUT_COLS` = 4)."""
+
+    KL = 1  # KL(π̃‖ρ), needs y
+    LOGP = 2  # log π̃(token), needs tokens
+    REF_LOGP = 4  # log ρ(token), needs y and tokens
+    ENTROPY = 8  # H(π̃)
+
+    def columns(self) -> list[int]:
+        """The out columns of the set bits, in column order."""
+        return [c for c, bit in enumerate(Want) if self & bit]
+
+
+# out columns (..., 4): the column of Want bit i is i
+OUT_COLS = 4
+OUT_KL, OUT_LOGP, OUT_REF_LOGP, OUT_ENTROPY = range(OUT_COLS)
+
+# stats columns (..., 9) in the compute dtype: what the backward reads. Columns a call does
+# not need hold 0; rows masked out hold anything (never read).
+STATS_COLS = 9
+(
+    ST_SHIFT_X,  # finite max of the policy logits on the support (0 if none)
+    ST_LOG_S_X,  # log Σ e^u
+    ST_SHIFT_Y,
+    ST_LOG_S_Y,
+    ST_MEAN_D,  # E_π̃[u − w]
+    ST_CAREFUL,  # 1.0 where the row needs the 0·log 0 arithmetic
+    ST_MEAN_U,  # E_π̃[u]
+    ST_LOGP,  # log π̃(t)
+    ST_REF_LOGP,  # log ρ(t)
+) = range(STATS_COLS)
+
+# state columns (N, 6): the engine's unfinalized StatsState (m in logit units; sums against m)
+STATE_COLS = 6
+SX_M_X, SX_S_X, SX_M_Y, SX_S_Y, SX_A, SX_B = range(STATE_COLS)
+
+# The three schemas, "{b}" the backend's name; the C++ backend only implements them.
+SCHEMAS = {
+    "token_stats": (
+        "{b}_token_stats(Tensor x, Tensor? y, Tensor? tokens, Tensor? mask, Tensor? keep, "
+        "Tensor? tau, float temperature, int ignore_index, int want, bool check, int tile_rows, "
+        "int tile_cols) -> (Tensor, Tensor)"
+    ),
+    "token_stats_backward": (
+        "{b}_token_stats_backward(Tensor grad, Tensor x, Tensor? y, Tensor? tokens, "
+        "Tensor? owned, Tensor stats, Tensor? mask, Tensor? keep, Tensor? tau, "
+        "float temperature, int ignore_index, int want, bool need_x, bool need_y, "
+        "int tile_rows, int tile_cols) -> (Tensor, Tensor)"
+    ),
+    "token_stats_state": (
+        "{b}_token_stats_state(Tensor x, Tensor? y, Tensor? keep, Tensor? tau, "
+        "float temperature, int want, int tile_rows, int tile_cols) -> (Tensor, Tensor)"
+    ),
+}
+
+_LIB = torch.library.Library("klpenalty", "FRAGMENT")  # noqa: TOR901 (the schemas live here)
+_DEFINED: set[str] = set()
+
+
+def masked_grad(grad: Tensor, mask: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The upstream gradient in ``dtype``, exactly 0 where ``mask`` is False."""
+    g = grad.to(dtype)
+    return g if mask is None else g.masked_fill(~mask, 0.0)
+
+
+def safe_tokens(tokens: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
+    """(ids usable for gather/scatter, ignored flags): ignored positions read id 0."""
+    ignored = tokens == ignore_index
+    return tokens.masked_fill(ignored, 0).long(), ignored
+
+
+def kept_logits(x: Tensor, keep: Tensor | None, tau: Tensor | None) -> Tensor:
+    """x with −inf outside the support: kept(v) = keep[v] and x_v ≥ tau (either may be None).
+
+    The comparison with ``tau`` is made in the dtype of ``tau`` (the compute dtype), as every
+    backend does. Materialises (..., V): for the reference path and double backward only.
+    """
+    if tau is not None:
+        x = torch.where(x.to(tau.dtype) >= tau.unsqueeze(-1), x, float("-inf"))
+    if keep is not None:
+        x = x.masked_fill(~keep, float("-inf"))
+    return x
+
+
+def token_upstream(
+    grad: Tensor,
+    mask: Tensor | None,
+    tokens: Tensor | None,
+    ignore_index: int,
+    want: int,
+    dtype: torch.dtype,
+) -> Tensor:
+    """The upstream gradient (..., 4) as (N, 4) in ``dtype``: 0 in the columns not in ``want``,
+    on masked rows, and in the two log-prob columns at ignored tokens."""
+    g = grad.reshape(-1, OUT_COLS).to(dtype)
+    cols = torch.tensor([bool(want & bit) for bit in Want], device=g.device)
+    g = g.masked_fill(~cols, 0.0)
+    if mask is not None:
+        g = g.masked_fill(~mask.reshape(-1, 1), 0.0)
+    if tokens is not None:
+        ignored = (tokens.reshape(-1) == ignore_index).unsqueeze(-1)
+        logps = torch.tensor([False, True, True, False], device=g.device)
+        g = g.masked_fill(ignored & logps, 0.0)
+    return g
+
+
+def token_logits(
+    xf: Tensor, tok: Tensor, keep: Tensor | None, tau: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    """(N,) policy logit at each token in ``dtype``, −inf where the token is off the support."""
+    x_t = xf.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+    kept = None
+    if tau is not None:
+        kept = x_t.to(tau.dtype) >= tau
+    if keep is not None:
+        at = keep.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        kept = at if kept is None else kept & at
+    x_t = x_t.to(dtype)
+    return x_t if kept is None else x_t.masked_fill(~kept, float("-inf"))
+
+
+def token_logp(logit_t: Tensor, m: Tensor, s: Tensor, temperature: float) -> Tensor:
+    """log-prob (N,) of the token: (x_t − m)/T − log s, NaN for a row without mass (s = 0)."""
+    shift = torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
+    out = (logit_t - shift) / temperature - torch.log(s)
+    return out.masked_fill(s == 0, float("nan"))
+
+
+def outside_support_error(bad: Tensor, tokens: Tensor) -> ValueError:
+    """The error for sampled tokens off the support; ``bad`` (...) bool like ``tokens``."""
+    flat = bad.reshape(-1).nonzero()
+    first = tuple(int(i) for i in torch.unravel_index(flat[0, 0], bad.shape)) if bad.dim() else ()
+    return ValueError(
+        f"sampled token {int(tokens[first])} at position {first} is outside the support "
+        f"(log-prob -inf under the truncated policy; {flat.shape[0]} position(s) in all): the "
+        "support must contain the token that was sampled; build it with the sampler's own "
+        "top_k/top_p/min_p and temperature, or pass the sampler's kept set"
+    )
+
+
+def check_out(
+    out: Tensor,
+    x: Tensor,
+    y: Tensor | None,
+    tokens: Tensor | None,
+    range_bad: Tensor | None,
+    outside: Tensor | None,
+    want: int,
+    ignore_index: int,
+) -> None:
+    """The checks of ``check=True`` with one host read: token range, NaN in a counted row's
+    wanted outputs, sampled tokens off the support (in this order)."""
+    nan_rows = out[:, Want(want).columns()].isnan().any(-1)  # (N,); masked rows hold 0
+    flags = [nan_rows.any()]
+    flags += [t.any() for t in (range_bad, outside) if t is not None]
+    found = torch.stack(flags).tolist()  # the one host read
+    if range_bad is not None and found[1]:
+        v.check_token_range(tokens, x.shape[-1], ignore_index)
+    if found[0]:
+        named = {"logits": x} if y is None else {"policy_logits": x, "ref_logits": y}
+        v.raise_if_nan(torch.where(nan_rows, float("nan"), 0.0), named)
+    if outside is not None and found[-1]:
+        raise outside_support_error(outside.reshape(tokens.shape), tokens)
+
+
+def finish(
+    x: Tensor,
+    y: Tensor | None,
+    xf: Tensor,
+    yf: Tensor | None,
+    tokens: Tensor | None,
+    mask: Tensor | None,
+    keep: Tensor | None,
+    tau: Tensor | None,
+    keep_rows: Tensor | None,
+    tau_rows: Tensor | None,
+    state,
+    kl: Tensor | None,
+    h: Tensor | None,
+    stats: Tensor,
+    temperature: float,
+    ignore_index: int,
+    want: int,
+    check: bool,
+) -> tuple[Tensor, Tensor]:
+    """out (..., 4) and stats (..., 9) of the token_stats op from a backend's merged row state:
+    the KL and entropy columns, the sampled tokens' log-probs (a gather of N logits), masked
+    rows zeroed, and every check with one host read.
+
+    Args:
+        x, y: the op's (..., V) inputs; xf, yf: their (N, V) rows (yf None when not read).
+        tokens, mask, keep, tau: the op's inputs; keep_rows (N, V) bool, tau_rows (N,): the
+            support as rows (None where not given).
+        state: the merged :class:`.engine.StatsState` (N,); kl, h, stats: its finalize.
+    """
+    leading, vocab = x.shape[:-1], x.shape[-1]
+    n = xf.shape[0]
+    out = stats.new_zeros(n, OUT_COLS)
+    if kl is not None:
+        out[:, OUT_KL] = kl
+    if h is not None:
+        out[:, OUT_ENTROPY] = h
+    range_bad = outside = None
+    logp, ref_logp = bool(want & Want.LOGP), bool(want & Want.REF_LOGP)
+    if tokens is not None and (logp or ref_logp):
+        tok, ignored = safe_tokens(tokens.reshape(-1), ignore_index)  # (N,)
+        if check:  # gather safely; the range error is raised below, with the other checks
+            range_bad = (tok < 0) | (tok >= vocab)
+            tok = tok.masked_fill(range_bad, 0)
+        if logp:
+            x_t = token_logits(xf, tok, keep_rows, tau_rows, stats.dtype)
+            lp = token_logp(x_t, state.m_x, state.s_x, temperature).masked_fill(ignored, 0.0)
+            out[:, OUT_LOGP] = stats[:, ST_LOGP] = lp
+        if ref_logp:
+            y_t = yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(stats.dtype)
+            lq = token_logp(y_t, state.m_y, state.s_y, temperature).masked_fill(ignored, 0.0)
+            out[:, OUT_REF_LOGP] = stats[:, ST_REF_LOGP] = lq
+    if mask is not None:
+        out.masked_fill_(~mask.reshape(-1, 1), 0.0)
+    if check:  # one host read for all the checks
+        if (keep is not None or tau is not None) and logp:
+            outside = torch.isneginf(out[:, OUT_LOGP])  # counted, non-ignored, off the support
+        check_out(out, x, y, tokens, range_bad, outside, want, ignore_index)
+    return out.reshape(*leading, OUT_COLS), stats.reshape(*leading, STATS_COLS)
+
+
+def _grad_like(x: Tensor) -> Tensor:
+    """Fake gradient of ``x``: its shape and dtype, contiguous."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _token_stats_grads_differentiable(
+    grad: Tensor,
+    x: Tensor,
+    y: Tensor | None,
+    tokens: Tensor | None,
+    mask: Tensor | None,
+    keep: Tensor | None,
+    tau: Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    want: int,
+) -> tuple[Tensor, Tensor | None]:
+    """∂/∂x and ∂/∂y of Σ grad·out with differentiable ops on (..., V) (double backward).
+
+    With p = π̃, q = ρ (log-probs lp, lq), KL, H and onehot(t):
+    ∂/∂x = p·[g_kl·((lp − lq) − KL) − g_lp − g_h·(lp + H)]/T + onehot·g_lp/T,
+    ∂/∂y = [g_kl·(q − p) + g_rl·(onehot − q)]/T. ∂/∂x is 0 off the support; for a sampled
+    token off the support (``check=False``, log π̃(t) = −inf) the onehot term is dropped: the
+    limit x_t → −inf of the untruncated derivative, as the backends' first derivative gives.
+    """
+    dtype = compute_dtype(x) if y is None else compute_dtype(x, y)
+    g = masked_grad(grad, None if mask is None else mask.unsqueeze(-1), dtype)  # (..., 4)
+    g_kl, g_lp, g_rl, g_h = (
+        g[..., c] if want & bit else torch.zeros_like(g[..., c]) for c, bit in enumerate(Want)
+    )
+    xs = kept_logits(x.to(dtype), keep, tau) / temperature
+    ys = None if y is None else y.to(dtype) / temperature
+    if mask is not None:  # masked rows may hold garbage (all −inf): keep it out of the graph
+        keep_rows = mask.unsqueeze(-1)
+        xs = torch.where(keep_rows, xs, 0.0)
+        ys = None if ys is None else torch.where(keep_rows, ys, 0.0)
+    lp = torch.log_softmax(xs, -1)
+    p = lp.exp()
+    live = p > 0  # 0·log 0 = 0, with no NaN in the unused branch's gradient either
+    lp0 = torch.where(live, lp, 0.0)
+    onehot = onehot_x = torch.zeros_like(p)
+    if tokens is not None:
+        tok, ignored = safe_tokens(tokens, ignore_index)
+        onehot = onehot.scatter(-1, tok.unsqueeze(-1), 1.0)
+        g_lp, g_rl = g_lp.masked_fill(ignored, 0.0), g_rl.masked_fill(ignored, 0.0)
+        # a token off the support (check=False): log π̃(t) = −inf; its derivative is taken as
+        # the limit x_t → −inf of the untruncated one, −π̃·g/T (0 at the token itself), as the
+        # backends' first derivative gives it
+        off = torch.isneginf(xs.detach().gather(-1, tok.unsqueeze(-1)))
+        onehot_x = onehot.masked_fill(off, 0.0)
+    inner = -g_lp.unsqueeze(-1) - g_h.unsqueeze(-1) * (lp0 + (-(p * lp0).sum(-1, keepdim=True)))
+    grad_y = None
+    if ys is not None:
+        lq = torch.log_softmax(ys, -1)
+        q = lq.exp()
+        diff = lp0 - torch.where(live, lq, 0.0)
+        kl = (p * diff).sum(-1, keepdim=True)
+        inner = inner + g_kl.unsqueeze(-1) * (diff - kl)
+        grad_y = (g_kl.unsqueeze(-1) * (q - p) + g_rl.unsqueeze(-1) * (onehot - q)) / temperature
+        grad_y = grad_y.to(y.dtype)
+    grad_x = (p * inner + onehot_x * g_lp.unsqueeze(-1)) / temperature
+    return grad_x.to(x.dtype), grad_y
+
+
+def op_name(backend: str, op: str) -> str:
+    """The qualified name ``klpenalty::<backend>_<op>`` of one of a backend's ops."""
+    return f"klpenalty::{backend}_{op}"
+
+
+def define_ops(backend: str) -> None:
+    """Define the three ops of ``backend`` from :data:`SCHEMAS` (once per process), with their
+    fakes and the forward's autograd. The backend registers its implementations after."""
+    if backend in _DEFINED:
+        return
+    _DEFINED.add(backend)
+    for schema in SCHEMAS.values():
+        _LIB.define(schema.format(b=backend))
+    fwd, bwd, state = (op_name(backend, op) for op in SCHEMAS)
+
+    @torch.library.register_fake(fwd)
+    def _(x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tr, tc):
+        dtype = compute_dtype(x) if y is None else compute_dtype(x, y)
+        leading = x.shape[:-1]
+        return (
+            x.new_empty((*leading, OUT_COLS), dtype=dtype),
+            x.new_empty((*leading, STATS_COLS), dtype=dtype),
+        )
+
+    @torch.library.register_fake(bwd)
+    def _(grad, x, y, tokens, owned, stats, mask, keep, tau, temperature, ii, want, need_x,
+          need_y, tr, tc):
+        gx = _grad_like(x) if need_x else x.new_empty(0)
+        gy = _grad_like(y) if (need_y and y is not None) else x.new_empty(0)
+        return gx, gy
+
+    @torch.library.register_fake(state)
+    def _(x, y, keep, tau, temperature, want, tr, tc):
+        dtype = compute_dtype(x) if y is None else compute_dtype(x, y)
+        n = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return x.new_empty((n, STATE_COLS), dtype=dtype), x.new_empty(n, dtype=torch.bool)
+
+    def setup_context(ctx, inputs, output):
+        x, y, tokens, mask, keep, tau, temperature, ignore_index, want, _, tr, tc = inputs
+        ctx.save_for_backward(x, y, tokens, mask, keep, tau, output[1])
+        ctx.args = (temperature, ignore_index, want, tr, tc)
+
+    bwd_op = None
+
+    def backward(ctx, grad_out, _grad_stats):
+        nonlocal bwd_op
+        x, y, tokens, mask, keep, tau, stats = ctx.saved_tensors
+        temperature, ignore_index, want, tr, tc = ctx.args
+        need_x = ctx.needs_input_grad[0]
+        need_y = y is not None and ctx.needs_input_grad[1]
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable first derivative
+            gx, gy = _token_stats_grads_differentiable(
+                grad_out, x, y, tokens, mask, keep, tau, temperature, ignore_index, want
+            )
+        else:
+            if bwd_op is None:
+                bwd_op = getattr(torch.ops.klpenalty, f"{backend}_token_stats_backward").default
+            gx, gy = bwd_op(
+                grad_out, x, y, tokens, None, stats, mask, keep, tau, temperature,
+                ignore_index, want, need_x, need_y, tr, tc,
+            )
+        return (gx if need_x else None, gy if need_y else None, *([None] * 10))
+
+    torch.library.register_autograd(fwd, backward, setup_context=setup_context)
+
+
+def implement(backend: str, key: str, **impls) -> None:
+    """Register ``backend``'s implementations of its ops for the dispatch ``key`` (a device
+    type such as ``"CPU"``/``"CUDA"``, or ``"CompositeExplicitAutograd"`` for any device):
+    ``token_stats=``, ``token_stats_backward=``, ``token_stats_state=`` (plain functions with
+    the schemas' arguments)."""
+    for op, fn in impls.items():
+        _LIB.impl(op_name(backend, op).split("::")[1], fn, key)

@@ -1,0 +1,112 @@
+"""The op contract: ``torch.library.opcheck`` (schema, fake, autograd registration, aliasing,
+AOT dispatch) on every op of every registered backend, and the registry itself."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from klpenalty.ops import contract, dispatch
+from klpenalty.ops.contract import Want
+from tests.helpers import make_logits, triton_interpreter_env
+
+
+def _backend(name: str):
+    """The registry entry, skipping where its ops cannot run on CPU tensors in this process."""
+    if name == "native" and not dispatch.REGISTRY["native"].available():
+        pytest.skip("the native kernel cannot be built here (tests/ops/test_native.py says why)")
+    if name == "triton":
+        tk = dispatch.REGISTRY["triton"].module
+        if not (tk.available() and tk.interpreted()):
+            pytest.skip("Triton is not installed, or its kernels are compiled (a GPU run)")
+    return dispatch.REGISTRY[name]
+
+
+def _env(name: str):
+    return triton_interpreter_env() if name == "triton" else contextlib.nullcontext()
+
+
+def _inputs():
+    x, y = make_logits((2, 3, 33), torch.float32, seed=5)
+    tokens = torch.tensor([[0, 5, -100], [32, 7, 1]])
+    mask = torch.tensor([[True, True, True], [True, False, True]])
+    keep = torch.ones(2, 3, 33, dtype=torch.bool)
+    keep[..., 2::3] = False
+    keep[..., 0] = keep[..., 5] = keep[..., 32] = keep[..., 7] = keep[..., 1] = True
+    tau = x.amax(-1) - 6.0
+    tau = torch.minimum(tau, x.gather(-1, tokens.clamp_min(0).unsqueeze(-1)).squeeze(-1))
+    return x, y, tokens, mask, keep, tau
+
+
+BACKENDS = sorted(dispatch.REGISTRY)
+
+
+@pytest.mark.parametrize("support", ["none", "keep_and_tau"])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_opcheck_every_op(name, support):
+    backend = _backend(name)
+    x, y, tokens, mask, keep, tau = _inputs()
+    if support == "none":
+        keep = tau = None
+    want = int(Want.KL | Want.LOGP | Want.REF_LOGP | Want.ENTROPY)
+    with _env(name):
+        fwd = (x.requires_grad_(), y.requires_grad_(), tokens, mask, keep, tau, 0.9, -100, want,
+               True, 0, 0)
+        torch.library.opcheck(backend.forward_op, fwd)
+        _, stats = backend.forward_op(*fwd)
+        grad = torch.randn(2, 3, 4)
+        owned = torch.tensor([[True, False, True], [True, True, False]])
+        for own in (None, owned):
+            bwd = (grad, x.detach(), y.detach(), tokens, own, stats.detach(), mask, keep, tau,
+                   0.9, -100, want, True, True, 0, 0)
+            torch.library.opcheck(backend.backward_op, bwd)
+        state = (x.detach(), y.detach(), keep, tau, 0.9, int(Want.KL | Want.ENTROPY), 0, 0)
+        torch.library.opcheck(backend.state_op, state)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_state_op_is_the_forward_state(name):
+    """The state op's (N, 6) state finalizes to the forward op's values (same backend)."""
+    from klpenalty.ops import engine
+
+    backend = _backend(name)
+    x, y, _, _, keep, tau = _inputs()
+    want = int(Want.KL | Want.ENTROPY)
+    with _env(name):
+        state, careful = backend.state_op(x, y, keep, tau, 0.9, want, 0, 0)
+        out, _ = backend.forward_op(x, y, None, None, keep, tau, 0.9, -100, want, False, 0, 0)
+    assert state.shape == (6, contract.STATE_COLS) and careful.shape == (6,)
+    kl, h, _ = engine.stats_finalize(engine.state_from_tensor(state, want), careful)
+    torch.testing.assert_close(kl, out.reshape(6, 4)[:, contract.OUT_KL])
+    torch.testing.assert_close(h, out.reshape(6, 4)[:, contract.OUT_ENTROPY])
+
+
+def test_owned_false_drops_only_the_token_entry():
+    """With owned False the token's own column gets the dense −π·g/T term like any other."""
+    backend = dispatch.REGISTRY["streaming"]
+    x, _ = make_logits((3, 9), torch.float64, seed=2)
+    tokens = torch.tensor([4, 0, 8])
+    want = int(Want.LOGP)
+    _, stats = backend.forward_op(x, None, tokens, None, None, None, 1.0, -100, want, False, 0, 0)
+    grad = torch.zeros(3, 4, dtype=torch.float64)
+    grad[:, 1] = 1.0
+    args = (grad, x, None, tokens)
+    tail = (stats, None, None, None, 1.0, -100, want, True, False, 0, 0)
+    full, _ = backend.backward_op(*args, None, *tail)
+    part, _ = backend.backward_op(*args, torch.tensor([True, False, True]), *tail)
+    dense = -torch.softmax(x, -1)  # ∂ log π(t)/∂x without the onehot
+    torch.testing.assert_close(part[1], dense[1])
+    torch.testing.assert_close(part[[0, 2]], full[[0, 2]])
+    torch.testing.assert_close(full[1, 0], 1.0 + dense[1, 0])
+
+
+def test_registry_lists_every_backend_with_its_ops():
+    assert list(dispatch.REGISTRY) == dispatch.available_backends() == ["streaming", "native",
+                                                                          "triton"]
+    for name, backend in dispatch.REGISTRY.items():
+        assert backend.name == name
+        ops = (backend.forward_op, backend.backward_op, backend.state_op)
+        for op, schema in zip(ops, contract.SCHEMAS.values()):
+            assert str(op._schema) == "klpenalty::" + schema.format(b=name)

@@ -78,7 +78,8 @@ def full_kl(
         backend: ``"auto"`` (the fastest available for the device) or a name from
             ``klpenalty.ops.dispatch.available_backends()`` (``"streaming"``: the portable
             engine, any device; ``"native"``: the fused C++ CPU kernel, built at its first use,
-            which ``"auto"`` picks on CPU). All give the same result up to float32 rounding.
+            which ``"auto"`` picks on CPU; ``"triton"``: the Triton kernels, which ``"auto"``
+            picks on CUDA). All give the same result up to float32 rounding.
         check: raise ValueError when a counted position's logits hold NaN or define no
             distribution. It reads the (...) result on the host: one device synchronisation
             per call, nothing per tile. ``check=False`` skips it (such positions give NaN).
@@ -287,7 +288,7 @@ def token_stats(
     Returns the exact KL(π̃‖ρ) when ``ref_logits`` is given, log π̃(token) when ``tokens`` is,
     log ρ(token) when both are, and H(π̃) with ``entropy=True``, from one backend call that
     reads each logit once (and once more in the backward, for all the gradients together).
-    :func:`full_kl`, :func:`token_logprobs` and :func:`entropy` are views of it.
+    :func:`full_kl`, :func:`token_logprobs` and :func:`entropy` are one-field calls of it.
 
     π̃ is the policy that really sampled: softmax(policy_logits / T) renormalised on the kept
     set of each position, given as ``support`` or built from ``top_k``/``top_p``/``min_p``

@@ -16,8 +16,6 @@ The backend implements the three ops of :mod:`.contract` (``klpenalty::streaming
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -211,16 +209,7 @@ def _rows_state(x, y, keep, tau, temperature, want, tile_rows, tile_cols):
     return xf, yf, keepf, tauf, state, careful
 
 
-def token_stats_state_op(
-    x: Tensor,
-    y: Optional[Tensor],
-    keep: Optional[Tensor],
-    tau: Optional[Tensor],
-    temperature: float,
-    want: int,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
+def token_stats_state_op(x, y, keep, tau, temperature, want, tile_rows, tile_cols):
     """(..., V) logits → the unfinalized state (N, 6) over these columns and (N,) careful flags
     (the state op of :mod:`.contract`)."""
     xf, _, _, _, state, careful = _rows_state(x, y, keep, tau, temperature, want, tile_rows,
@@ -230,20 +219,10 @@ def token_stats_state_op(
     return state_to_tensor(state), careful
 
 
-def token_stats_op(
-    x: Tensor,
-    y: Optional[Tensor],
-    tokens: Optional[Tensor],
-    mask: Optional[Tensor],
-    keep: Optional[Tensor],
-    tau: Optional[Tensor],
-    temperature: float,
-    ignore_index: int,
-    want: int,
-    check: bool,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
+def token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
+    x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
+    tile_cols,
+):
     """(..., V) logits → out (..., 4): KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃), and stats (..., 9)
     (the forward op of :mod:`.contract`): one read of each logit for all the wanted outputs;
     the support (``keep``, ``tau``) applied per tile."""
@@ -257,24 +236,10 @@ def token_stats_op(
     )
 
 
-def token_stats_backward_op(
-    grad: Tensor,
-    x: Tensor,
-    y: Optional[Tensor],
-    tokens: Optional[Tensor],
-    owned: Optional[Tensor],
-    stats: Tensor,
-    mask: Optional[Tensor],
-    keep: Optional[Tensor],
-    tau: Optional[Tensor],
-    temperature: float,
-    ignore_index: int,
-    want: int,
-    need_x: bool,
-    need_y: bool,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
+def token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backward"]
+    grad, x, y, tokens, owned, stats, mask, keep, tau, temperature, ignore_index, want,
+    need_x, need_y, tile_rows, tile_cols,
+):
     """Gradients (..., V) of Σ grad·out w.r.t. x and y (empty when not needed), written once per
     tile for all the wanted outputs; the sampled tokens' entries exact (see the engine), where
     ``owned`` (if given) is True (the backward op of :mod:`.contract`)."""

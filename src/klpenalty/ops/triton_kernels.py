@@ -39,8 +39,6 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional
-
 import torch
 from torch import Tensor
 
@@ -280,16 +278,7 @@ def _rows_state(x, y, keep, tau, temperature: float, want: int, tile_cols: int):
     return xf, yf, keepf, tauf, state
 
 
-def _token_stats_state_op(
-    x: Tensor,
-    y: Optional[Tensor],
-    keep: Optional[Tensor],
-    tau: Optional[Tensor],
-    temperature: float,
-    want: int,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
+def _token_stats_state_op(x, y, keep, tau, temperature, want, tile_rows, tile_cols):
     """The unfinalized state (N, 6) of (..., V) logits over these columns and (N,) careful
     flags (the state op of :mod:`.contract`), from the forward kernel."""
     if _portable(x, y):
@@ -300,20 +289,10 @@ def _token_stats_state_op(
     return state_to_tensor(state), torch.zeros(xf.shape[0], dtype=torch.bool, device=x.device)
 
 
-def _token_stats_op(
-    x: Tensor,
-    y: Optional[Tensor],
-    tokens: Optional[Tensor],
-    mask: Optional[Tensor],
-    keep: Optional[Tensor],
-    tau: Optional[Tensor],
-    temperature: float,
-    ignore_index: int,
-    want: int,
-    check: bool,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
+def _token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
+    x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
+    tile_cols,
+):
     """(..., V) logits → out (..., 4) = (KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃)) and stats (..., 9)
     (the forward op of :mod:`.contract`), in one read of each logit; ``tile_cols`` > 0 forces
     the split width (``tile_rows`` is unused: one program per row)."""
@@ -332,24 +311,10 @@ def _token_stats_op(
     )
 
 
-def _token_stats_backward_op(
-    grad: Tensor,
-    x: Tensor,
-    y: Optional[Tensor],
-    tokens: Optional[Tensor],
-    owned: Optional[Tensor],
-    stats: Tensor,
-    mask: Optional[Tensor],
-    keep: Optional[Tensor],
-    tau: Optional[Tensor],
-    temperature: float,
-    ignore_index: int,
-    want: int,
-    need_x: bool,
-    need_y: bool,
-    tile_rows: int,
-    tile_cols: int,
-) -> tuple[Tensor, Tensor]:
+def _token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backward"]
+    grad, x, y, tokens, owned, stats, mask, keep, tau, temperature, ignore_index, want,
+    need_x, need_y, tile_rows, tile_cols,
+):
     """∂/∂x (..., V) and ∂/∂y (..., V) of Σ grad·out (grad (..., 4)) in one read of the
     logits, in their dtypes (an empty tensor for one that is not needed); the backward op of
     :mod:`.contract` (where ``owned`` is False the token's own entry is not added)."""

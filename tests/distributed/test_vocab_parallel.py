@@ -15,6 +15,7 @@ VALUE_CHECKS = [
     "check_kl_float64_vs_reference",
     "check_kl_gathered_for_real",
     "check_kl_edge_cases",
+    "check_kl_inf_rule_across_ranks",
     "check_empty_and_one_dim",
     "check_communication_volume",
     "check_token_logprobs_float32",

@@ -220,6 +220,31 @@ def check_kl_edge_cases(ctx: Ctx):
         assert_close(grad, full[..., ctx.start : ctx.end], **grad_tol(torch.float32))
 
 
+def check_kl_inf_rule_across_ranks(ctx: Ctx):
+    """A finite policy logit where the reference is −inf makes the global KL +inf, whichever rank
+    holds it, also where that rank's whole slice lies 800 nats below the row's maximum (its
+    rescale factor underflows to 0 in the merge, in float32 and in float64), on every backend."""
+    for backend, dtype in [(b, d) for b in ("streaming", "native", "triton")
+                           for d in (torch.float32, torch.float64)]:
+        x, y, g = _pair(21, (2 * ctx.world,), dtype)
+        for k, (s0, w) in enumerate(zip(ctx.starts, SPLITS[ctx.world])):
+            x[2 * k, s0 : s0 + w] -= 800.0  # rank k's slice far below the row's maximum
+            x[2 * k + 1, s0 : s0 + w] -= 800.0
+            y[2 * k, s0 + w - 1] = float("-inf")  # row 2k: +inf; row 2k + 1: finite control
+        xs, ys = ctx.shard(x, True), ctx.shard(y, True)
+        kl = kd.vocab_parallel_full_kl(xs, ys, vocab_start=ctx.start, backend=backend)
+        w = torch.randn(2 * ctx.world, generator=g, dtype=dtype)
+        w[0::2] = 0.0  # no upstream gradient on the +inf rows
+        (kl * w).sum().backward()
+        same = gather_equal(kl)
+        ref = full_kl(x, y)
+        assert same, f"{backend}: the KL differs across ranks"
+        assert torch.isposinf(kl[0::2]).all() and torch.isposinf(ref[0::2]).all(), (backend, kl)
+        assert_close(kl[1::2], ref[1::2], **tol(dtype))
+        for grad in (xs.grad, ys.grad):
+            assert torch.isfinite(grad).all() and torch.all(grad[0::2] == 0)
+
+
 def check_empty_and_one_dim(ctx: Ctx):
     """No positions at all (N = 0), and a single leading dim."""
     x = torch.zeros(0, 3, ctx.end - ctx.start, requires_grad=True)

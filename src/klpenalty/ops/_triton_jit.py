@@ -43,8 +43,10 @@ def _scales(m_old, m_new, inv_t):
 
 @triton.jit
 def _rescale_moment(s, a, shift, alpha):
-    """α·(a + shift·s): the shift term only where the slice has mass, 0 where α = 0."""
-    return tl.where(alpha > 0, alpha * (a + tl.where(s > 0, shift * s, 0.0)), 0.0)
+    """α·(a + shift·s): the shift term only where the slice has mass, 0 where α = 0, +inf
+    where a is +inf (KL = +inf whatever α: α may underflow to 0)."""
+    out = tl.where(alpha > 0, alpha * (a + tl.where(s > 0, shift * s, 0.0)), 0.0)
+    return tl.where(a == float("inf"), a, out)
 
 
 @triton.jit
@@ -125,9 +127,11 @@ def stats_kernel(
             dx = x - _finite_or_zero(mx_new)
             eu = tl.exp2(dx * c2)
             s_x += tl.sum(eu, 0)
-            # 0·log 0 = 0: an entry with e^u = 0 adds nothing; +inf where y = −inf under mass
+            # 0·log 0 = 0: an entry with e^u = 0 adds nothing, except where x is finite and
+            # y = −inf (dx − dy = +inf): e^u > 0 exactly there, the term is +inf
             if MOMENT_A:
-                a += tl.sum(tl.where(eu > 0, eu * (dx - dy), 0.0), 0) * inv_t
+                d = dx - dy
+                a += tl.sum(tl.where(eu > 0, eu * d, tl.where(d == float("inf"), d, 0.0)), 0) * inv_t
             if MOMENT_B:
                 b += tl.sum(tl.where(eu > 0, eu * dx, 0.0), 0) * inv_t
             m_x = mx_new

@@ -15,13 +15,17 @@ Shape letters: N rows (positions), C columns of one vocabulary slice, V the whol
     u = (x − m_x)/T, w = (y − m_y)/T
     s_x = Σ_S e^u,  s_y = Σ_S e^w,  a = Σ_S e^u·(u − w),  b = Σ_S e^u·u
 
-with 0·log 0 = 0 (an entry with e^u = 0 adds nothing to ``a`` or ``b``). :func:`stats_partial`
-computes it for one tile in one read.
+with 0·log 0 = 0 (an entry whose policy logit is −inf adds nothing to ``a`` or ``b``) and
+a = +inf where the policy has mass and the reference has none: a finite x where y = −inf,
+decided from the logits, also where e^u underflows to 0 (softmax of a finite logit is > 0).
+:func:`stats_partial` computes it for one tile in one read.
 
 **Merge** (associative, commutative; :func:`stats_merge`): rescale both states to the common
 maxima M (δ = (m − M)/T ≤ 0, α = e^{δ_x}, β = e^{δ_y}) and add::
 
     s_x ← α·s_x,   s_y ← β·s_y,   a ← α·(a + (δ_x − δ_y)·s_x),   b ← α·(b + δ_x·s_x)
+
+(a = +inf stays +inf, whatever α).
 
 Across ranks this is an all-reduce MAX of the maxima, :func:`stats_rescale`, and an all-reduce
 SUM of the sums.
@@ -80,6 +84,9 @@ __all__ = [
 ]
 
 _LOG2E = math.log2(math.e)
+_INF = float("inf")
+
+
 class KLState(NamedTuple):
     """Per-row KL state over a vocabulary slice; each field (N,) in the compute dtype."""
 
@@ -168,25 +175,30 @@ def _exp_tempered(
 
 # ------------------------------------------------------------------------------------ KL
 def _moment_sum(
-    d: torch.Tensor, e: torch.Tensor, temperature: float, careful: bool | None
+    d: torch.Tensor, e: torch.Tensor, temperature: float, careful: bool | None, out: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(Σ_row e·d/T, careful flags) with 0·log 0 = 0; ``d`` (r, c) is overwritten.
+    """(Σ_row e·d/T, careful flags) with 0·log 0 = 0; the products go to ``out`` (r, c).
 
     ``d`` holds T·f(u) for the tile's entries, ``e`` their e^u. Where e^u = 0 a term
-    0·(−inf) or 0·NaN is dropped (0·log 0 = 0); +inf (mass where ρ has none) stays. ``careful``
-    as in :func:`stats_partial`; the flags mark the rows that needed the dropping (None if none).
+    0·(−inf) or 0·NaN is dropped (0·log 0 = 0); a term with f = +inf (a finite policy logit
+    where ρ is −inf) is +inf whether or not e^u underflowed: e^u of a finite u is > 0.
+    ``out`` may be ``d`` itself where f is never +inf on a row with a distribution (the
+    entropy's u). ``careful`` as in :func:`stats_partial`; the flags mark the rows that needed
+    the dropping (None if none).
     """
-    d.mul_(e)
-    flags = None
+    torch.mul(d, e, out=out)
     if careful is None:
-        total = d.sum(-1)
+        total = out.sum(-1)
         if math.isfinite(float(total.sum())):
             return total / temperature, None
         flags = ~torch.isfinite(total)
-    d.masked_fill_(e == 0, 0.0)
-    if flags is None:
+    else:
         flags = torch.ones(d.shape[0], dtype=torch.bool, device=d.device)
-    return d.sum(-1) / temperature, flags
+    out.masked_fill_(e == 0, 0.0)
+    total = out.sum(-1)
+    if out is not d:  # rows with a term f = +inf: the moment is +inf
+        total.masked_fill_(d.isposinf().any(-1), _INF)
+    return total / temperature, flags
 
 
 def _scales(m: torch.Tensor, big: torch.Tensor, temperature: float):
@@ -212,10 +224,13 @@ def _rescale_moment(
     """α·(a + shift·s): a sum Σ e^u·f(u) after u ← u + δ with f shifting by ``shift``.
 
     The KL's ``a`` (shift δ_x − δ_y) and the entropy's ``b`` (shift δ_x). The shift term counts
-    only where the slice has mass (else 0·inf); the result is 0 where α = 0 (no mass).
+    only where the slice has mass (else 0·inf); the result is 0 where α = 0 (no mass), and
+    +inf where ``a`` is +inf: a slice whose policy has mass where ρ has none keeps KL = +inf
+    however far below the common maximum its own maximum lies (α may underflow to 0).
     """
     shift_term = torch.where(s > 0, shift * s, torch.zeros_like(s))
-    return torch.where(alpha > 0, alpha * (a + shift_term), torch.zeros_like(a))
+    out = torch.where(alpha > 0, alpha * (a + shift_term), torch.zeros_like(a))
+    return torch.where(torch.isposinf(a), a, out)
 
 
 def kl_finalize(
@@ -312,8 +327,8 @@ def stats_partial(
     e = _exp_tempered(ws.get("e", r, c), d, temperature)  # e^u
     s_x = e.sum(-1)
     b = flags = None
-    if entropy:  # Σ e^u·u overwrites its first argument: a copy of d when the KL needs d
-        b, flags = _moment_sum(ws.get("h", r, c).copy_(d) if kl else d, e, temperature, careful)
+    if entropy:  # Σ e^u·u, in place unless the KL still needs d
+        b, flags = _moment_sum(d, e, temperature, careful, ws.get("h", r, c) if kl else d)
     if y is None:
         return StatsState(m_x, s_x, b, None, None, None), flags
     m_y = y.amax(-1).to(ws.dtype)  # (r,)
@@ -323,7 +338,7 @@ def stats_partial(
     s_y = _exp_tempered(w, w, temperature).sum(-1)  # e^w (in place)
     a = None
     if kl:
-        a, kl_flags = _moment_sum(d, e, temperature, careful)  # Σ e^u·(u − w)
+        a, kl_flags = _moment_sum(d, e, temperature, careful, w)  # Σ e^u·(u − w); w is free
         if kl_flags is not None:
             flags = kl_flags if flags is None else flags | kl_flags
     return StatsState(m_x, s_x, b, m_y, s_y, a), flags

@@ -29,12 +29,15 @@ def full_kl_reference(
         temperature: > 0, divides both models' logits.
 
     Returns:
-        (...) float64. 0·log 0 = 0; +inf where the policy has mass the reference lacks.
+        (...) float64. 0·log 0 = 0 (an entry whose policy logit is −inf adds nothing); +inf
+        where the policy has mass the reference lacks: a finite policy logit where the
+        reference's is −inf (π > 0 there even where e^{x/T} underflows in float64).
     """
     logp = torch.log_softmax(policy_logits.double() / temperature, dim=-1)
     logq = torch.log_softmax(ref_logits.double() / temperature, dim=-1)
     p = logp.exp()
-    terms = torch.where(p > 0, p * (logp - logq), torch.zeros_like(p))
+    terms = torch.where(logp == float("-inf"), 0.0, p * (logp - logq))
+    terms = torch.where((logp > float("-inf")) & (logq == float("-inf")), float("inf"), terms)
     return terms.sum(-1).clamp_min(0.0)
 
 

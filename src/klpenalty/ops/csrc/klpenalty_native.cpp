@@ -189,15 +189,20 @@ struct WideSum {
   }
 };
 
-// e·d, a term of Σ e^u·f(u); kCareful: 0 where e = 0 (0·log 0 = 0, also for d = ±inf or NaN).
+// e·d, a term of Σ e^u·f(u); kCareful: 0 where e = 0 (0·log 0 = 0, also for d = −inf or NaN),
+// except d = +inf (a finite policy logit where y = −inf: e^u > 0 exactly, the term is +inf).
 template <bool kCareful>
 inline VF moment_term(const VF& e, const VF& d) {
   if constexpr (kCareful) {
-    return VF::blendv(e * d, VF(0.0f), e == VF(0.0f));
+    const VF zero(0.0f), inf(std::numeric_limits<float>::infinity());
+    return VF::blendv(e * d, VF::blendv(zero, inf, d == inf), e == zero);
   } else {
     return e * d;
   }
 }
+
+// The same for one scalar term, in double.
+inline double careful_term(double e, double d) { return e != 0.0 ? e * d : (d == kInf ? kInf : 0.0); }
 
 template <typename T>
 inline double chunk_max(const T* p, int64_t n) {
@@ -420,6 +425,7 @@ struct RowState {
 // engine._rescale_moment: α·(a + shift·s), a sum Σ e^u·f(u) after u ← u + δ (the KL's a with
 // shift δ_x − δ_y, the entropy's b with δ_x); 0 where the slice has no mass.
 inline double rescale_moment(double s, double a, double shift, double alpha) {
+  if (a == kInf) return kInf;  // KL = +inf whatever α (α may underflow to 0)
   const double shift_term = s > 0 ? shift * s : 0.0;
   return alpha > 0 ? alpha * (a + shift_term) : 0.0;
 }
@@ -462,11 +468,8 @@ RowState row_scalar(const T* px, const T* py, const Support& sup, int64_t V, dou
     if (kY) {
       const double dy = static_cast<double>(py[j]) - shy, ew = std::exp(dy / T_);
       row.s_y += ew;
-      if (eu == 0.0) {  // 0·log 0 = 0, also where y = −inf
-        if (!std::isfinite(dx - dy)) row.careful = true;
-      } else {
-        a += eu * (dx - dy);
-      }
+      if (eu == 0.0 && !std::isfinite(dx - dy)) row.careful = true;
+      a += careful_term(eu, dx - dy);  // 0·log 0 = 0; +inf where y = −inf at a finite x
     }
     if (kB && eu != 0.0) b += eu * dx;
   }
@@ -545,7 +548,7 @@ bool chunk_step(RowState& row, const TX* x, const TY* y, int64_t n, double T_) {
     if constexpr (kY) {
       const float dy = static_cast<float>(y[i]) - shy;
       cs_y += std::exp2(dy * c);
-      if (!kCareful || eu != 0.0f) ca += static_cast<double>(eu * (dx - dy));
+      ca += kCareful ? careful_term(eu, static_cast<double>(dx - dy)) : static_cast<double>(eu * (dx - dy));
     }
     if constexpr (kB) {
       if (!kCareful || eu != 0.0f) cb += static_cast<double>(eu * dx);

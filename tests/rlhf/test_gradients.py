@@ -12,7 +12,7 @@ forms); the targets (KL values and their gradients) are computed here with plain
 log_softmax, independently of the library.
 
 Tolerances: float64 sums of at most a few hundred terms of size ≤ ~10, so rounding is ~1e-14;
-1e-12 (single state) and 1e-10 (sequences, as the issue asks) leave a wide margin. A biased
+1e-12 (single state) and 1e-10 (sequences) leave a wide margin. A biased
 form is shown to differ from the reverse-KL gradient by far more (asserted > 1e-3).
 
 Run ``PYTHONPATH=src python tests/rlhf/test_gradients.py`` to print the exact gradient-variance

@@ -270,9 +270,9 @@ def plot_compare(runs: Sequence[dict], path: Path, seed: int) -> Path:
     axes[1, 0].legend(fontsize=6, ncol=2)
     for ax in axes.flat:
         ax.grid(alpha=0.3)
-    fig.suptitle("Where the KL goes: the same task, seed and β grid, one run per recipe")
+    fig.suptitle("Where the KL goes: the same reward, seed and β grid, one run per recipe")
     fig.tight_layout()
-    fig.savefig(path, dpi=72)
+    fig.savefig(path, dpi=60)
     plt.close(fig)
     return path
 

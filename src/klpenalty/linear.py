@@ -6,9 +6,11 @@ one chunk, H hidden size (H_p of the policy, H_r of the reference).
 :func:`linear_kl` never builds the (N, V) logits of either model. It walks the counted rows in
 chunks of R rows: per chunk, z = F.linear(h, W, b) in the input dtype (the matmul accumulates in
 float32, as torch does), the logit transforms (scale, soft-cap), then the backend's engine on the
-(R, V) chunk of both models through one private adapter pair (:func:`_chunk_forward`,
-:func:`_chunk_backward`). The backward recomputes each chunk's logits, gets ∂/∂z from the
-engine, chains it through the transforms and into the hidden states, weights and biases.
+(R, V) chunk of both models through a chunk adapter (:class:`LocalChunks`: the pair
+:func:`_chunk_forward`, :func:`_chunk_backward`; a vocabulary slice's adapter lives in
+:mod:`klpenalty.distributed.vocab_parallel`). The backward recomputes each chunk's logits, gets
+∂/∂z from the engine, chains it through the transforms and into the hidden states, weights and
+biases.
 """
 
 from __future__ import annotations
@@ -88,8 +90,6 @@ def _chunk_forward(
         temperature: > 0.
         want_entropy: compute H(π).
         impl: the :class:`klpenalty.ops.dispatch.Backend` (:func:`~klpenalty.ops.dispatch.get_backend`).
-        keep, tau: the policy's support on these rows, (R, V) bool / (R,) threshold, or None
-            (:func:`klpenalty.sampling.rows_of_support`).
 
     Returns:
         ``out`` (R, 4) in the compute dtype, columns kl, logprobs, ref_logprobs, entropy (0 where
@@ -113,6 +113,8 @@ def _chunk_backward(
     need_p: bool,
     need_r: bool,
     impl,
+    owned: Optional[Tensor] = None,
+    ignore: int = IGNORE,
     keep: Optional[Tensor] = None,
     tau: Optional[Tensor] = None,
 ) -> tuple[Optional[Tensor], Optional[Tensor]]:
@@ -122,11 +124,12 @@ def _chunk_backward(
     Args:
         grad_out: (R, 4) upstream gradients of the columns of ``out`` (0 where unused, and in
             the entropy column when it was not requested).
-        zp, zr, tokens, mask, temperature, impl, keep, tau: as given to
-            :func:`_chunk_forward`; ``zr``
+        zp, zr, tokens, mask, temperature, impl: as given to :func:`_chunk_forward`; ``zr``
             None when no gradient needs the reference (then ``need_r`` is False).
         stats: (R, k) from :func:`_chunk_forward`.
         need_p, need_r: which gradients to compute.
+        owned, ignore: (R,) bool, the token lies in this slice of the vocabulary (None = the
+            whole vocabulary is here), and the ignored id of ``tokens``.
 
     Returns:
         (dzp, dzr): (R, V) in the logits' dtypes, or None where not needed.
@@ -145,10 +148,38 @@ def _chunk_backward(
             torch.zeros_like(zr) if need_r else None,
         )
     gx, gy = impl.backward_op(
-        grad_out, zp, zr, tokens, None, stats, mask, keep, tau, temperature, IGNORE, want,
+        grad_out, zp, zr, tokens, owned, stats, mask, keep, tau, temperature, ignore, want,
         need_p, need_r, 0, 0,
     )
     return (gx if need_p else None), (gy if need_r else None)
+
+
+class LocalChunks:
+    """The chunk adapter of :class:`_LinearKL`: how one chunk's logits become statistics and
+    gradients. This one holds the whole vocabulary (:func:`_chunk_forward`,
+    :func:`_chunk_backward`); :mod:`klpenalty.distributed.vocab_parallel` has the one for a
+    vocabulary slice.
+
+    ``tokens`` are the chunk's (R,) ids in [0, V) or :data:`IGNORE` (or None).
+    """
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    def forward(self, zp, zr, tokens, temperature, want_entropy, keep=None, tau=None):
+        """(out (R, 4), stats (R, k)) as :func:`_chunk_forward`."""
+        return _chunk_forward(zp, zr, tokens, None, temperature, want_entropy, self.impl,
+                              keep, tau)
+
+    def backward(self, grad_out, zp, zr, tokens, stats, temperature, need_p, need_r,
+                 keep=None, tau=None):
+        """(dzp, dzr) as :func:`_chunk_backward`."""
+        return _chunk_backward(grad_out, zp, zr, tokens, None, stats, temperature, need_p,
+                               need_r, self.impl, keep=keep, tau=tau)
+
+    def hidden_grad(self, grad: Tensor) -> Tensor:
+        """The returned gradient of a hidden state from this process's (N, H) part."""
+        return grad
 
 
 # ------------------------------------------------------------------------------ chunked matmul
@@ -245,7 +276,7 @@ class _LinearKL(torch.autograd.Function):
 
     Inputs are already validated; hidden states are (N, H_p) / (N, H_r) rows. ``rows`` (M,)
     int64 are the counted rows (None = all N); ``tokens`` (N,) int64 with ignored positions
-    set to :data:`IGNORE`, or None. ``opts`` ends with the parsed support
+    set to :data:`IGNORE`, or None. ``opts`` ends with the chunk adapter and the parsed support
     (:func:`klpenalty.sampling.parse_support`): each chunk's thresholds are computed on its
     rows' logits (they are per row), saved for the backward, and a kept set is re-read there.
     Outputs: kl, logprobs, ref_logprobs, entropy, each (N,) in the compute dtype (0 for
@@ -254,7 +285,7 @@ class _LinearKL(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hp, wp, bp, hr, wr, br, tokens, rows, opts):
-        temperature, scale_p, cap_p, scale_r, cap_r, want_entropy, chunk, impl, support = opts
+        temperature, scale_p, cap_p, scale_r, cap_r, want_entropy, chunk, adapter, support = opts
         n = hp.shape[0]
         dtype = v.compute_dtype(hp, wp, hr, wr)
         outs = [hp.new_zeros(n, dtype=dtype) for _ in range(4)]
@@ -267,8 +298,7 @@ class _LinearKL(torch.autograd.Function):
             zr = _logits(hr[sel], wr, br, scale_r, cap_r)  # (R, V)
             tok = None if tokens is None else tokens[sel]
             keep, tau = _chunk_support(support, zp, rows, r0, r1, temperature)
-            out, st = _chunk_forward(zp, zr, tok, None, temperature, want_entropy, impl,
-                                     keep, tau)
+            out, st = adapter.forward(zp, zr, tok, temperature, want_entropy, keep, tau)
             del zp, zr, keep
             if stats is None:
                 stats = st.new_empty((m, st.shape[-1]))
@@ -293,7 +323,7 @@ class _LinearKL(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads):
         hp, wp, bp, hr, wr, br, tokens, rows, stats, taus = ctx.saved_tensors
-        temperature, scale_p, cap_p, scale_r, cap_r, _, chunk, impl, support = ctx.opts
+        temperature, scale_p, cap_p, scale_r, cap_r, _, chunk, adapter, support = ctx.opts
         need = ctx.needs_input_grad[:6]
         need_p, need_r = any(need[:3]), any(need[3:6])
         n = hp.shape[0]
@@ -330,9 +360,9 @@ class _LinearKL(torch.autograd.Function):
                     keep, tau = None, taus[r0:r1]
                 else:  # a kept set (or none), re-read for these rows
                     keep, tau = _chunk_support(support, zp, rows, r0, r1, temperature)
-                dzp, dzr = _chunk_backward(
-                    g_all[sel].to(dtype), zp, zr, tok, None, stats[r0:r1], temperature,
-                    need_p, need_r, impl, keep, tau,
+                dzp, dzr = adapter.backward(
+                    g_all[sel].to(dtype), zp, zr, tok, stats[r0:r1], temperature, need_p,
+                    need_r, keep, tau,
                 )
                 del keep
                 # the logits are needed again only for the soft-cap's derivative: free them now
@@ -349,6 +379,8 @@ class _LinearKL(torch.autograd.Function):
                     _head_grads(dzr, hrc, wr, sel, grad_hr, grad_wr, grad_br)
                 # free this chunk's buffers before the next chunk allocates its own
                 del zp, zr, dzp, dzr
+        grad_hp = None if grad_hp is None else adapter.hidden_grad(grad_hp)
+        grad_hr = None if grad_hr is None else adapter.hidden_grad(grad_hr)
         cast = lambda acc, t: None if acc is None else acc.to(t.dtype)  # noqa: E731
         return (
             grad_hp, cast(grad_wp, wp), cast(grad_bp, bp),
@@ -376,9 +408,10 @@ def _check_positive(name: str, value: object) -> float:
     return x
 
 
-def _check_head(side: str, hidden: object, weight: object, bias: object) -> None:
-    """One model's hidden states (..., H), weight (V, H) and bias (V,) or None."""
-    hname, wname, bname = f"{side}_hidden", f"{side}_weight", f"{side}_bias"
+def _check_head(side: str, hidden: object, weight: object, bias: object, suffix: str = "") -> None:
+    """One model's hidden states (..., H), weight (V, H) and bias (V,) or None (``suffix``
+    ends the weight's and the bias's argument names)."""
+    hname, wname, bname = f"{side}_hidden", f"{side}_weight{suffix}", f"{side}_bias{suffix}"
     v.check_float(hname, hidden)
     v.check_float(wname, weight)
     if hidden.dim() < 1:
@@ -524,51 +557,95 @@ def linear_kl(
             settings out of range; with ``check``: token ids out of range, NaN in a counted
             position, a sampled token outside the support.
     """
-    _check_head("policy", policy_hidden, policy_weight, policy_bias)
-    _check_head("ref", ref_hidden, ref_weight, ref_bias)
-    vocab = policy_weight.shape[0]
-    if ref_weight.shape[0] != vocab:
-        raise ValueError(
-            "policy_weight and ref_weight must have the same vocabulary size V (dim 0): "
-            f"policy_weight {v.describe(policy_weight)}, ref_weight {v.describe(ref_weight)}"
-        )
-    leading = policy_hidden.shape[:-1]
-    if ref_hidden.shape[:-1] != leading:
-        raise ValueError(
-            "policy_hidden and ref_hidden must have the same leading dims (...): "
-            f"policy_hidden {v.describe(policy_hidden)}, ref_hidden {v.describe(ref_hidden)}"
-        )
-    device = policy_hidden.device
-    named = {
-        "policy_hidden": policy_hidden, "policy_weight": policy_weight, "policy_bias": policy_bias,
-        "ref_hidden": ref_hidden, "ref_weight": ref_weight, "ref_bias": ref_bias,
-    }
-    for name, t in named.items():
-        if t is not None and t.device != device:
+    return _linear_kl(
+        policy_hidden, policy_weight, ref_hidden, ref_weight, tokens=tokens, mask=mask,
+        temperature=temperature, policy_bias=policy_bias, ref_bias=ref_bias,
+        logit_scale=logit_scale, softcap=softcap, ref_logit_scale=ref_logit_scale,
+        ref_softcap=ref_softcap, entropy=entropy, ignore_index=ignore_index,
+        chunk_rows=chunk_rows, backend=backend, check=check, support=support, top_k=top_k,
+        top_p=top_p, min_p=min_p,
+    )
+
+
+def _linear_kl(
+    policy_hidden, policy_weight, ref_hidden, ref_weight, *, tokens, mask, temperature,
+    policy_bias, ref_bias, logit_scale, softcap, ref_logit_scale, ref_softcap, entropy,
+    ignore_index, chunk_rows, backend, check, parallel=None, suffix: str = "",
+    support=None, top_k=None, top_p=None, min_p=None,
+) -> TokenStats:
+    """:func:`linear_kl`'s validation and run, with the chunk adapter of ``parallel``.
+
+    ``parallel`` None: the whole vocabulary is here (:class:`LocalChunks`). Otherwise a
+    callable ``parallel(impl, vocab, error) -> (adapter, vocab)`` called on every process after
+    the local validation (``error`` its TypeError/ValueError or None; it raises when any process
+    of the group failed), returning the adapter and the whole vocabulary V; ``suffix`` ends the
+    weights' argument names in messages.
+    """
+    error = None
+    vocab = impl = None
+    try:
+        _check_head("policy", policy_hidden, policy_weight, policy_bias, suffix)
+        _check_head("ref", ref_hidden, ref_weight, ref_bias, suffix)
+        vocab = policy_weight.shape[0]
+        if ref_weight.shape[0] != vocab:
             raise ValueError(
-                f"{name} must be on the device of policy_hidden ({device}), got {t.device}"
+                f"policy_weight{suffix} and ref_weight{suffix} must have the same vocabulary "
+                f"size V (dim 0): policy_weight{suffix} {v.describe(policy_weight)}, "
+                f"ref_weight{suffix} {v.describe(ref_weight)}"
             )
-    if tokens is not None:
-        v.check_tokens(tokens, leading)
-        if tokens.device != device:
-            raise ValueError(f"tokens must be on {device}, got {tokens.device}")
-    if mask is not None:
-        mask = v.check_mask(mask, leading, device)
-    temperature = v.check_temperature(temperature)
-    scale_p = _check_positive("logit_scale", logit_scale)
-    scale_r = scale_p if ref_logit_scale is None else _check_positive("ref_logit_scale", ref_logit_scale)
-    cap_p = None if softcap is None else _check_positive("softcap", softcap)
-    cap_r = cap_p if ref_softcap is None else _check_positive("ref_softcap", ref_softcap)
-    if not isinstance(entropy, bool):
-        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
-    ignore_index = v.check_ignore_index(ignore_index)
-    if chunk_rows is not None:
-        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, Integral):
-            raise TypeError(f"chunk_rows must be an int or None, got {type(chunk_rows).__name__}")
-        if chunk_rows < 1:
-            raise ValueError(f"chunk_rows must be >= 1 or None, got {chunk_rows}")
-    impl = get_backend(backend, device)
-    support = parse_support(support, top_k, top_p, min_p, (*leading, vocab), device)
+        leading = policy_hidden.shape[:-1]
+        if ref_hidden.shape[:-1] != leading:
+            raise ValueError(
+                "policy_hidden and ref_hidden must have the same leading dims (...): "
+                f"policy_hidden {v.describe(policy_hidden)}, ref_hidden {v.describe(ref_hidden)}"
+            )
+        device = policy_hidden.device
+        named = {
+            "policy_hidden": policy_hidden, f"policy_weight{suffix}": policy_weight,
+            f"policy_bias{suffix}": policy_bias, "ref_hidden": ref_hidden,
+            f"ref_weight{suffix}": ref_weight, f"ref_bias{suffix}": ref_bias,
+        }
+        for name, t in named.items():
+            if t is not None and t.device != device:
+                raise ValueError(
+                    f"{name} must be on the device of policy_hidden ({device}), got {t.device}"
+                )
+        if tokens is not None:
+            v.check_tokens(tokens, leading)
+            if tokens.device != device:
+                raise ValueError(f"tokens must be on {device}, got {tokens.device}")
+        if mask is not None:
+            mask = v.check_mask(mask, leading, device)
+        temperature = v.check_temperature(temperature)
+        scale_p = _check_positive("logit_scale", logit_scale)
+        scale_r = scale_p if ref_logit_scale is None else _check_positive(
+            "ref_logit_scale", ref_logit_scale
+        )
+        cap_p = None if softcap is None else _check_positive("softcap", softcap)
+        cap_r = cap_p if ref_softcap is None else _check_positive("ref_softcap", ref_softcap)
+        if not isinstance(entropy, bool):
+            raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
+        ignore_index = v.check_ignore_index(ignore_index)
+        if chunk_rows is not None:
+            if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, Integral):
+                raise TypeError(
+                    f"chunk_rows must be an int or None, got {type(chunk_rows).__name__}"
+                )
+            if chunk_rows < 1:
+                raise ValueError(f"chunk_rows must be >= 1 or None, got {chunk_rows}")
+        impl = get_backend(backend, device)
+        support = parse_support(support, top_k, top_p, min_p, (*leading, vocab), device)
+        if parallel is not None and support[0] != "none":
+            raise ValueError("the vocabulary-parallel fused head takes no support or sampler "
+                             "settings")
+    except (TypeError, ValueError) as err:
+        if parallel is None:
+            raise
+        error = err
+    if parallel is None:
+        adapter = LocalChunks(impl)
+    else:
+        adapter, vocab = parallel(impl, vocab, error)
 
     n = math.prod(leading)
     hp = policy_hidden.reshape(n, policy_hidden.shape[-1])  # (N, H_p)
@@ -585,7 +662,7 @@ def linear_kl(
             tok = tok.masked_fill(tok == ignore_index, IGNORE)
     m = n if rows is None else rows.shape[0]
     chunk = int(chunk_rows) if chunk_rows is not None else default_chunk_rows(m, vocab, device)
-    opts = (temperature, scale_p, cap_p, scale_r, cap_r, entropy, chunk, impl, support)
+    opts = (temperature, scale_p, cap_p, scale_r, cap_r, entropy, chunk, adapter, support)
     outs = _LinearKL.apply(
         hp, policy_weight, policy_bias, hr, ref_weight, ref_bias, tok, rows, opts
     )

@@ -23,7 +23,7 @@ def test_public_names():
     assert set(kd.__all__) == {"ControllerUpdate", "global_masked_mean", "global_sequence_mean",
                                "update_controller_globally", "vocab_parallel_full_kl",
                                "vocab_parallel_token_logprobs", "vocab_parallel_entropy",
-                               "vocab_parallel_token_stats"}  # fmt: skip
+                               "vocab_parallel_token_stats", "vocab_parallel_linear_kl"}  # fmt: skip
     for name in kd.__all__:
         assert getattr(kd, name).__module__.startswith("klpenalty.distributed."), name
 

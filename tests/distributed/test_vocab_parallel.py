@@ -25,6 +25,10 @@ VALUE_CHECKS = [
     "check_token_stats_triton",
     "check_entropy_and_token_logprobs_every_backend",
     "check_token_stats_communication",
+    "check_linear_kl_float32_streaming",
+    "check_linear_kl_float32_native",
+    "check_linear_kl_float64_streaming",
+    "check_linear_kl_float64_native",
 ]
 
 # worker error check -> (type, text every message holds, identical on every rank)

@@ -428,6 +428,85 @@ def check_token_stats_triton(ctx: Ctx):
     return _token_stats_vs_full(ctx, "triton")
 
 
+def _linear_kl_vs_whole_head(ctx: Ctx, dtype: torch.dtype, backend: str) -> dict:
+    """vocab_parallel_linear_kl with each rank's rows of both heads against linear_kl with the
+    whole heads in one process: values, and the gradients of both hidden states (all-reduced)
+    and of each rank's weight slices (the matching rows of the whole head's gradient)."""
+    g = _generator(31)
+    hidden_p, hidden_r = 8, 6
+    hp = torch.randn(3, 5, hidden_p, generator=g).to(dtype)
+    hr = torch.randn(3, 5, hidden_r, generator=g).to(dtype)
+    wp = (torch.randn(VOCAB, hidden_p, generator=g) * 0.7).to(dtype)
+    wr = (wp[:, :hidden_r] + 0.3 * torch.randn(VOCAB, hidden_r, generator=g)).to(dtype)
+    tokens = torch.randint(0, VOCAB, (3, 5), generator=g)
+    tokens[0, 2] = -100  # ignored
+    tokens[1, 1] = ctx.starts[-1]  # the first id of the last rank's slice
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[2, 3] = False
+    hp[2, 3] = float("nan")  # a masked row is never multiplied
+    w = torch.randn(4, 3, 5, generator=g, dtype=dtype)  # grad_output other than ones
+    done = []
+    for name, kw in (
+        ("tokens+mask+entropy", dict(tokens=tokens, mask=mask, entropy=True)),
+        ("kl only", dict(mask=mask)),
+    ):
+        leaves = [t.detach().clone().requires_grad_() for t in (hp, hr)]
+        shards = [t[ctx.start : ctx.end].detach().clone().requires_grad_() for t in (wp, wr)]
+        got = kd.vocab_parallel_linear_kl(
+            leaves[0], shards[0], leaves[1], shards[1], vocab_start=ctx.start,
+            temperature=0.8, chunk_rows=4, backend=backend, **kw,
+        )
+        sum((f * wi).sum() for f, wi in zip(got, w) if f is not None).backward()
+        same = all(gather_equal(f) for f in got if f is not None)
+        full = [t.detach().clone().requires_grad_() for t in (hp, wp, hr, wr)]
+        ref = klpenalty.linear_kl(*full, temperature=0.8, backend="streaming", **kw)
+        sum((f * wi).sum() for f, wi in zip(ref, w) if f is not None).backward()
+        assert same, f"{name}: the results differ across ranks"
+        for field, a, b in zip(ref._fields, got, ref):
+            assert (a is None) == (b is None), f"{name} {field}"
+            if a is not None:
+                assert a.dtype == b.dtype, f"{name} {field}: {a.dtype} vs {b.dtype}"
+                try:
+                    assert_close(a, b, **tol(dtype))
+                except AssertionError as err:
+                    raise AssertionError(f"{name} {field}: {err}") from None
+        pairs = (
+            ("policy_hidden", leaves[0].grad, full[0].grad),
+            ("ref_hidden", leaves[1].grad, full[2].grad),
+            ("policy_weight_shard", shards[0].grad, full[1].grad[ctx.start : ctx.end]),
+            ("ref_weight_shard", shards[1].grad, full[3].grad[ctx.start : ctx.end]),
+        )
+        for what, grad, expected in pairs:
+            assert grad is not None, f"{name}: no gradient for {what}"
+            assert grad.dtype == dtype, f"{name} {what}: {grad.dtype}"
+            assert not torch.isnan(grad).any(), f"{name} {what}: NaN"
+            try:
+                assert_close(grad, expected, **grad_tol(dtype))
+            except AssertionError as err:
+                raise AssertionError(f"{name} grad {what}: {err}") from None
+        assert torch.all(leaves[0].grad[2, 3] == 0)  # the masked row
+        assert gather_equal(leaves[0].grad) and gather_equal(leaves[1].grad)
+        done.append(name)
+    return done
+
+
+def check_linear_kl_float32_streaming(ctx: Ctx):
+    with small_chunks():
+        return _linear_kl_vs_whole_head(ctx, torch.float32, "streaming")
+
+
+def check_linear_kl_float32_native(ctx: Ctx):
+    return _linear_kl_vs_whole_head(ctx, torch.float32, "native")
+
+
+def check_linear_kl_float64_streaming(ctx: Ctx):
+    return _linear_kl_vs_whole_head(ctx, torch.float64, "streaming")
+
+
+def check_linear_kl_float64_native(ctx: Ctx):
+    return _linear_kl_vs_whole_head(ctx, torch.float64, "native")
+
+
 def check_entropy_and_token_logprobs_every_backend(ctx: Ctx):
     x, _, g = _pair(22, (4,))
     tokens = torch.randint(0, VOCAB, (4,), generator=g)

@@ -20,6 +20,10 @@ config check (``check=True``)        one all-gather of 23 int64 per rank        
 
 Byte counts are the payload per position handed to each all-reduce (float64 inputs: twice
 that); the backward of both is local and communicates nothing.
+:func:`vocab_parallel_linear_kl` takes the hidden states and each rank's rows of both LM heads
+instead of logits (the fused head of :func:`klpenalty.linear_kl`, chunk by chunk): the same
+merge per chunk of rows, and one all-reduce SUM of each hidden state's gradient (N, H) in the
+backward (Megatron's column-parallel convention).
 
 **Data-parallel**: every rank holds different sequences. :func:`global_masked_mean`,
 :func:`global_sequence_mean` and :func:`update_controller_globally` normalise by the *global*
@@ -43,6 +47,7 @@ from .data_parallel import (
 from .vocab_parallel import (
     vocab_parallel_entropy,
     vocab_parallel_full_kl,
+    vocab_parallel_linear_kl,
     vocab_parallel_token_logprobs,
     vocab_parallel_token_stats,
 )
@@ -52,6 +57,7 @@ __all__ = [
     "vocab_parallel_token_logprobs",
     "vocab_parallel_entropy",
     "vocab_parallel_token_stats",
+    "vocab_parallel_linear_kl",
     "global_masked_mean",
     "global_sequence_mean",
     "update_controller_globally",

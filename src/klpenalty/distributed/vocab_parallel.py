@@ -23,6 +23,7 @@ from torch.autograd.function import once_differentiable
 
 from .. import _validation as v
 from ..functional import TokenStats
+from ..linear import IGNORE, LocalChunks, _chunk_backward, _linear_kl, _want
 from ..ops import contract, engine
 from ..ops.dispatch import get_backend as _op_backend  # the op backend (not c10d's)
 from ..ops.contract import Want
@@ -35,6 +36,7 @@ __all__ = [
     "vocab_parallel_token_logprobs",
     "vocab_parallel_entropy",
     "vocab_parallel_token_stats",
+    "vocab_parallel_linear_kl",
 ]
 
 # the local ignore value handed to the backend ops (never a column index)
@@ -142,62 +144,73 @@ def _raise_if_nan(out, want: int, sums: dict[str, torch.Tensor], caller: str) ->
     )
 
 
+def _merged_stats(x, y, tokens, owned, mask, keep, tau, opts):
+    """The whole vocabulary's out (N, 4) and stats (N, k) from this rank's (N, V_r) slices.
+
+    The backend's state op on the slice, an all-reduce MAX of the maxima, an all-reduce SUM of
+    the rescaled states and the owned token terms, the engine's finalize (the module
+    docstring). ``opts`` as :class:`_VocabParallelTokenStats`'s. Returns (out, stats, has_y).
+    """
+    temperature, want, backend, group, check, caller, names = opts
+    has_y = y is not None and bool(want & (Want.KL | Want.REF_LOGP))
+    state, careful = backend.state_op(x, y if has_y else None, keep, tau, temperature,
+                                      want, 0, 0)  # (N, 6), (N,)
+    local = engine.state_from_tensor(state, want)
+    maxes = state[:, [contract.SX_M_X, contract.SX_M_Y] if has_y else [contract.SX_M_X]]
+    _all_reduce(maxes, dist.ReduceOp.MAX, group)  # (N, 1 or 2)
+    m_x, m_y = maxes[:, 0], (maxes[:, 1] if has_y else None)
+    mine = engine.stats_rescale(local, m_x, m_y, temperature)
+    cols = [f for f in (mine.s_x, mine.s_y, mine.a, mine.b) if f is not None]
+    logp, ref_logp = bool(want & Want.LOGP), bool(want & Want.REF_LOGP)
+    tok = ignored = None
+    if logp or ref_logp:  # the token's tempered logit against the global max, on its owner
+        tok, ignored = contract.safe_tokens(tokens, _IGNORED)
+        zero = m_x.new_zeros(())
+        if logp:
+            x_t = contract.token_logits(x, tok, keep, tau, m_x.dtype)
+            cols.append(torch.where(owned, (x_t - engine.finite_or_zero(m_x)) / temperature,
+                                    zero))
+        if ref_logp:
+            y_t = y.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(m_x.dtype)
+            cols.append(torch.where(owned, (y_t - engine.finite_or_zero(m_y)) / temperature,
+                                    zero))
+    sums = torch.stack(cols, -1)  # (N, k)
+    _all_reduce(sums, dist.ReduceOp.SUM, group)
+    it = iter(sums.unbind(-1))
+    s_x = next(it)
+    s_y = next(it) if has_y else None
+    a = next(it) if mine.a is not None else None
+    b = next(it) if mine.b is not None else None
+    merged = engine.StatsState(m_x, s_x, b, m_y, s_y, a)
+    kl, h, stats = engine.stats_finalize(merged, careful)
+    out = stats.new_zeros(stats.shape[0], contract.OUT_COLS)
+    if kl is not None:
+        out[:, contract.OUT_KL] = kl
+    if h is not None:
+        out[:, contract.OUT_ENTROPY] = h
+    for flag, col, st_col, s in (
+        (logp, contract.OUT_LOGP, contract.ST_LOGP, s_x),
+        (ref_logp, contract.OUT_REF_LOGP, contract.ST_REF_LOGP, s_y),
+    ):
+        if flag:
+            lp = (next(it) - torch.log(s)).masked_fill(s == 0, math.nan)
+            out[:, col] = stats[:, st_col] = lp.masked_fill(ignored, 0.0)
+    if mask is not None:
+        out.masked_fill_(~mask.unsqueeze(-1), 0.0)
+    if check:
+        named = {names[0].removesuffix("_shard"): s_x}
+        if has_y:
+            named[names[1].removesuffix("_shard")] = s_y
+        _raise_if_nan(out, want, named, caller)
+    return out, stats, has_y
+
+
 class _VocabParallelTokenStats(torch.autograd.Function):
     """out (N, 4) of the whole vocabulary from (N, V_r) slices; see the module docstring."""
 
     @staticmethod
     def forward(ctx, x, y, tokens, owned, mask, keep, tau, opts):
-        temperature, want, backend, group, check, caller, names = opts
-        has_y = y is not None and bool(want & (Want.KL | Want.REF_LOGP))
-        state, careful = backend.state_op(x, y if has_y else None, keep, tau, temperature,
-                                          want, 0, 0)  # (N, 6), (N,)
-        local = engine.state_from_tensor(state, want)
-        maxes = state[:, [contract.SX_M_X, contract.SX_M_Y] if has_y else [contract.SX_M_X]]
-        _all_reduce(maxes, dist.ReduceOp.MAX, group)  # (N, 1 or 2)
-        m_x, m_y = maxes[:, 0], (maxes[:, 1] if has_y else None)
-        mine = engine.stats_rescale(local, m_x, m_y, temperature)
-        cols = [f for f in (mine.s_x, mine.s_y, mine.a, mine.b) if f is not None]
-        logp, ref_logp = bool(want & Want.LOGP), bool(want & Want.REF_LOGP)
-        tok = ignored = None
-        if logp or ref_logp:  # the token's tempered logit against the global max, on its owner
-            tok, ignored = contract.safe_tokens(tokens, _IGNORED)
-            zero = m_x.new_zeros(())
-            if logp:
-                x_t = contract.token_logits(x, tok, keep, tau, m_x.dtype)
-                cols.append(torch.where(owned, (x_t - engine.finite_or_zero(m_x)) / temperature,
-                                        zero))
-            if ref_logp:
-                y_t = y.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(m_x.dtype)
-                cols.append(torch.where(owned, (y_t - engine.finite_or_zero(m_y)) / temperature,
-                                        zero))
-        sums = torch.stack(cols, -1)  # (N, k)
-        _all_reduce(sums, dist.ReduceOp.SUM, group)
-        it = iter(sums.unbind(-1))
-        s_x = next(it)
-        s_y = next(it) if has_y else None
-        a = next(it) if mine.a is not None else None
-        b = next(it) if mine.b is not None else None
-        merged = engine.StatsState(m_x, s_x, b, m_y, s_y, a)
-        kl, h, stats = engine.stats_finalize(merged, careful)
-        out = stats.new_zeros(stats.shape[0], contract.OUT_COLS)
-        if kl is not None:
-            out[:, contract.OUT_KL] = kl
-        if h is not None:
-            out[:, contract.OUT_ENTROPY] = h
-        for flag, col, st_col, s in (
-            (logp, contract.OUT_LOGP, contract.ST_LOGP, s_x),
-            (ref_logp, contract.OUT_REF_LOGP, contract.ST_REF_LOGP, s_y),
-        ):
-            if flag:
-                lp = (next(it) - torch.log(s)).masked_fill(s == 0, math.nan)
-                out[:, col] = stats[:, st_col] = lp.masked_fill(ignored, 0.0)
-        if mask is not None:
-            out.masked_fill_(~mask.unsqueeze(-1), 0.0)
-        if check:
-            named = {names[0].removesuffix("_shard"): s_x}
-            if has_y:
-                named[names[1].removesuffix("_shard")] = s_y
-            _raise_if_nan(out, want, named, caller)
+        out, stats, has_y = _merged_stats(x, y, tokens, owned, mask, keep, tau, opts)
         ctx.save_for_backward(x, y if has_y else None, tokens, owned, stats, mask, keep, tau)
         ctx.opts = opts
         ctx.has_y = has_y
@@ -541,3 +554,152 @@ for _fn in (vocab_parallel_full_kl, vocab_parallel_token_logprobs):
         _fn.__doc__.replace("{check}", _CHECK_TEXT).replace("{support}", _SUPPORT_DOC)
         .replace("{backend}", _BACKEND_DOC)
     )
+
+
+class _VocabParallelChunks(LocalChunks):
+    """The chunk adapter of :func:`klpenalty.linear.linear_kl`'s chunked Function for a
+    vocabulary slice: the chunk's (R, V_r) logits go through :func:`_merged_stats` (state op,
+    all-reduce merge, finalize), the backward through the backend's backward op with the
+    global stats and ``owned``; the hidden states' gradient is all-reduced (SUM)."""
+
+    def __init__(self, impl, group, vocab_start: int, width: int):
+        super().__init__(impl)
+        self.group, self.vocab_start, self.width = group, vocab_start, width
+
+    def _local(self, tokens):
+        """Global ids (R,) (or ``IGNORE``) → (local ids with :data:`_IGNORED`, owned (R,))."""
+        if tokens is None:
+            return None, None
+        ignored = tokens == IGNORE
+        local = tokens - self.vocab_start
+        owned = (local >= 0) & (local < self.width) & ~ignored
+        return torch.where(owned, local, torch.where(ignored, _IGNORED, 0)), owned
+
+    def forward(self, zp, zr, tokens, temperature, want_entropy, keep=None, tau=None):
+        # keep, tau: always None (vocab_parallel_linear_kl takes no support)
+        tok, owned = self._local(tokens)
+        opts = (temperature, _want(tokens, want_entropy), self.impl, self.group, False, "", ())
+        out, stats, _ = _merged_stats(zp, zr, tok, owned, None, None, None, opts)
+        return out, stats
+
+    def backward(self, grad_out, zp, zr, tokens, stats, temperature, need_p, need_r,
+                 keep=None, tau=None):
+        tok, owned = self._local(tokens)
+        return _chunk_backward(grad_out, zp, zr, tok, None, stats, temperature, need_p, need_r,
+                               self.impl, owned=owned, ignore=_IGNORED)
+
+    def hidden_grad(self, grad):
+        _all_reduce(grad, dist.ReduceOp.SUM, self.group)
+        return grad
+
+
+def vocab_parallel_linear_kl(
+    policy_hidden: torch.Tensor,
+    policy_weight_shard: torch.Tensor,
+    ref_hidden: torch.Tensor,
+    ref_weight_shard: torch.Tensor,
+    *,
+    vocab_start: int,
+    tokens: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    group: Any = None,
+    ignore_index: int = -100,
+    chunk_rows: int | None = None,
+    backend: str = "auto",
+    check: bool = True,
+) -> TokenStats:
+    """:func:`klpenalty.linear_kl` when each rank holds a vocabulary slice of both LM heads.
+
+    Megatron's column-parallel layout: every rank of ``group`` holds the same hidden states
+    (..., H) and the rows W[vocab_start : vocab_start + V_r] of each model's head; the slices
+    tile [0, V) in rank order (uneven V_r allowed). No rank ever holds (N, V) or (N, V_r)
+    logits: the counted rows are walked in chunks of R rows (the same R on every rank), each
+    chunk's (R, V_r) logits are reduced by the backend's state op and merged across the ranks
+    as in :func:`vocab_parallel_token_stats` (per chunk an all-reduce MAX (R, 2) and an
+    all-reduce SUM (R, k)); the backward recomputes them and runs the backend's backward op
+    with the global statistics. Every rank gets the same results, equal to
+    :func:`klpenalty.linear_kl` with the whole heads.
+
+    Gradients: each weight slice gets its own (local) gradient, the rows of the whole head's
+    gradient. The hidden states' gradient is all-reduced (SUM) across ``group`` in the
+    backward, Megatron's column-parallel convention: every rank gets the whole ∂/∂h, as if it
+    had run the whole head (do not all-reduce it again).
+
+    Args:
+        policy_hidden: (..., H_p) float, the same on every rank. Gradients flow.
+        policy_weight_shard: (V_r, H_p), this rank's rows of the policy's LM head, same dtype.
+        ref_hidden: (..., H_r), the reference's hidden states, the same leading dims.
+        ref_weight_shard: (V_r, H_r), this rank's rows of the reference's head (the same V_r).
+        vocab_start: int, the first vocabulary id of this rank's rows.
+        tokens: optional (...) integer ids in the whole vocabulary [0, V) or ``ignore_index``,
+            the same on every rank: adds log π(token) and log ρ(token).
+        mask: optional (...) bool, True = counts, the same on every rank (as in linear_kl).
+        temperature: > 0.
+        entropy: also return H(π).
+        group: the process group the vocabulary is split over; None = the default group.
+        ignore_index: negative int (as in linear_kl).
+        chunk_rows: ≥ 1 rows per chunk, the same on every rank; None picks R from V.
+        {backend}
+        check: raise for token ids outside [0, V) and for NaN in a counted position (as in
+            linear_kl). Invalid arguments on any rank raise on every rank (one all-gather of
+            (valid, vocab_start, V_r, N) per call, which also checks the tiling).
+
+    Returns:
+        :class:`klpenalty.TokenStats` as :func:`klpenalty.linear_kl`, identical on every rank.
+
+    Raises:
+        RuntimeError: torch.distributed is not initialized.
+        TypeError / ValueError: as :func:`klpenalty.linear_kl`; slices that do not tile the
+            vocabulary, ranks that hold different numbers of positions.
+    """
+    caller = "vocab_parallel_linear_kl"
+    world, _ = _group_info(group, caller)
+    device = _device_of(policy_hidden, caller=caller)
+
+    def parallel(impl, width, error):
+        start = None
+        try:
+            start = _check_vocab_start(vocab_start, required=True)
+        except (TypeError, ValueError) as err:
+            error = error or err
+        ok = error is None
+        n = math.prod(policy_hidden.shape[:-1]) if ok else 0
+        rec = torch.tensor([float(ok), float(start or 0), float(width or 0), float(n)],
+                           dtype=torch.float64, device=device)
+        recs = [torch.empty_like(rec) for _ in range(world)]
+        dist.all_gather(recs, rec, group=group)
+        recs = [r.tolist() for r in recs]
+        if error is not None:
+            raise error
+        bad = [r for r, rec in enumerate(recs) if not rec[0]]
+        if bad:
+            raise ValueError(f"{caller}: invalid arguments on rank(s) {bad} of the group")
+        at = 0
+        for r, (_, s0, vr, nr) in enumerate(recs):
+            if int(s0) != at:
+                raise ValueError(
+                    f"{caller}: the vocabulary slices must tile [0, V) in rank order: rank {r} "
+                    f"has vocab_start={int(s0)}, expected {at} (the end of rank {r - 1}'s slice)"
+                )
+            at += int(vr)
+            if int(nr) != n:
+                raise ValueError(
+                    f"{caller}: every rank must hold the same positions: rank {r} has "
+                    f"{int(nr)} rows of hidden states, this rank {n}"
+                )
+        return _VocabParallelChunks(impl, group, start, width), at
+
+    return _linear_kl(
+        policy_hidden, policy_weight_shard, ref_hidden, ref_weight_shard, tokens=tokens,
+        mask=mask, temperature=temperature, policy_bias=None, ref_bias=None, logit_scale=1.0,
+        softcap=None, ref_logit_scale=None, ref_softcap=None, entropy=entropy,
+        ignore_index=ignore_index, chunk_rows=chunk_rows, backend=backend, check=check,
+        parallel=parallel, suffix="_shard",
+    )
+
+
+vocab_parallel_linear_kl.__doc__ = vocab_parallel_linear_kl.__doc__.replace(
+    "{backend}", _BACKEND_DOC
+)

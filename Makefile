@@ -13,6 +13,8 @@ STACK_SOURCES ?= verl==0.9.1 openrlhf==0.11.2
 # built against the torch that is there (--no-build-isolation; DS_ACCELERATOR=cpu runs it on CPU)
 PEFT_SPEC ?= peft==0.21.2
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
+# `make test` runs pytest in this many processes (pytest-xdist; one torch thread per core each)
+TEST_JOBS ?= 2
 
 .PHONY: test install demo clean test-integrations
 
@@ -25,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
 
 # the `trl` extra into the same venv; the constraint keeps the CPU torch that is there, and
 # pip list checks it afterwards

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -20,6 +21,14 @@ with triton_interpreter_env():
         importlib.import_module("klpenalty.ops._triton_jit")
     except ImportError:  # Triton not installed: test_triton.py skips itself
         pass
+
+
+# Under pytest-xdist (`make test` runs several processes) each process gets its share of the
+# cores, so that the processes' torch threads do not oversubscribe the machine.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    )
 
 
 @pytest.fixture(autouse=True)

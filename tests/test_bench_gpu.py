@@ -1,27 +1,34 @@
-"""benchmarks/bench_gpu.py cannot run here (no GPU), but its Python paths can: a dry run with
-CUDA's timing and memory calls stubbed, the device mapped to CPU and the Triton kernels in the
-interpreter, on tiny shapes. It catches a benchmark that would crash (or record an exception in
-every row) on the GPU machine, whose time is short. The numbers of a dry run mean nothing."""
+"""benchmarks/gpu_check.sh and benchmarks/bench_gpu.py cannot run here (no GPU), but their paths
+can: a dry run with CUDA's timing and memory calls stubbed, the benchmark's device set to CPU
+and the Triton kernels in the interpreter, on tiny shapes. It catches a check script that would
+crash, record an exception in a row, lose its results or overrun its time on the GPU machine,
+whose time is short. The numbers of a dry run mean nothing.
+
+The end-to-end test runs gpu_check.sh with ``PYTHON`` pointing at :func:`dry_run_python`, which
+runs the script's Python commands with those stubs. Its two pytest steps (the kernel and
+distributed tests, minutes of compilation on the GPU) are recorded, not run: the suite runs
+those tests itself."""
 
 from __future__ import annotations
 
+import csv
+import importlib.util
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-
-DRY_RUN = r'''
-import sys, time, types
-import torch
-
-src = open(sys.argv[1]).read().replace('torch.device("cuda")', 'torch.device("cpu")')
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+BENCH = ROOT / "benchmarks" / "bench_gpu.py"
+TINY = ["--shapes", "2x4x64", "--dtypes", "bf16", "--repeats", "2", "--warmup", "1"]
 
 
-class Event:
+class _Event:
     def __init__(self, **_):
         self.t = 0.0
 
@@ -32,47 +39,213 @@ class Event:
         return (other.t - self.t) * 1e3
 
 
-class Generator(torch.Generator):
-    def __init__(self, device=None):
-        super().__init__()
-
-
-for name, value in dict(
-    is_available=lambda: True, Event=Event, synchronize=lambda *a: None,
-    memory_allocated=lambda *a: 0, max_memory_allocated=lambda *a: 0,
-    reset_peak_memory_stats=lambda *a: None, empty_cache=lambda: None,
-    get_device_name=lambda *a: "dry run",
-).items():
-    setattr(torch.cuda, name, value)
-torch.Generator = Generator
-module = types.ModuleType("bench_gpu")
-module.__dict__.update(__name__="__main__", __file__=sys.argv[1])
-sys.argv = sys.argv[1:]
-exec(compile(src, "bench_gpu.py", "exec"), module.__dict__)
-'''
-
-
-@pytest.mark.parametrize(
-    "args,providers",
-    [
-        (["--shapes", "2x4x64", "--dtypes", "bf16", "--one-pass-shapes", "2x4x64"],
-         ["seed", "kl_div", "streaming", "triton", "3 calls", "token_stats"]),
-        (["--linear", "--linear-shape", "64x16x300"], ["unfused", "linear_kl"]),
-    ],
-)
-def test_gpu_benchmark_paths_run(tmp_path, args, providers):
-    script = tmp_path / "dry_run.py"
-    script.write_text(DRY_RUN)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run(
-        [sys.executable, str(script), str(ROOT / "benchmarks" / "bench_gpu.py"), *args,
-         "--repeats", "1", "--warmup", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+def cuda_stubs() -> dict:
+    """torch.cuda attributes -> stand-ins that let the benchmark run on CPU tensors."""
+    return dict(
+        is_available=lambda: True, device_count=lambda: 1, Event=_Event,
+        synchronize=lambda *a: None, memory_allocated=lambda *a: 0,
+        max_memory_allocated=lambda *a: 0, reset_peak_memory_stats=lambda *a: None,
+        empty_cache=lambda: None, get_device_name=lambda *a: "dry run",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if "provider=" in line]
-    for name in providers:
-        assert any(f"provider={name}" in r or name in r.split("provider=")[1] for r in rows), name
-    failed = [r for r in rows if not r.rstrip().endswith("note=")]
-    assert not failed, "\n".join(failed)  # a row that recorded an exception
-    assert list(tmp_path.glob("*.md"))
+
+
+def load_bench():
+    """benchmarks/bench_gpu.py as a module, its device set to CPU."""
+    spec = importlib.util.spec_from_file_location("bench_gpu_dry_run", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.DEVICE = "cpu"
+    return module
+
+
+def dry_run_python(argv: list[str]) -> int:
+    """Stands in for the GPU machine's ``python3`` (gpu_check.sh's ``$PY``): ``-m pytest ...``
+    is appended to the file $DRY_RUN_LOG and not run; ``-c CODE`` and ``bench_gpu.py ARGS``
+    run with :func:`cuda_stubs` and Triton in its interpreter (``-c`` code that does not
+    mention torch runs as it is)."""
+    if argv[:2] == ["-m", "pytest"]:
+        with open(os.environ["DRY_RUN_LOG"], "a") as f:
+            f.write(" ".join(argv[2:]) + "\n")
+        print("dry run: pytest not run")
+        return 0
+    code = argv[1] if argv[0] == "-c" else None
+    if code is not None and "torch" not in code:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+        return 0
+    os.environ["TRITON_INTERPRET"] = "1"  # before Triton's first import
+    import torch
+
+    for name, value in cuda_stubs().items():
+        setattr(torch.cuda, name, value)
+    if code is not None:
+        exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+        return 0
+    return load_bench().main(argv[1:])
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """bench_gpu as a module in this process: CUDA stubbed, Triton interpreted."""
+    import torch
+
+    for name, value in cuda_stubs().items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as tests/ops/test_triton.py runs it
+    return load_bench()
+
+
+def _csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_gpu_check_end_to_end(tmp_path):
+    out = tmp_path / "out"
+    xdist = tmp_path / "site" / "xdist"  # the device image has pytest-xdist: its stand-in
+    xdist.mkdir(parents=True)
+    (xdist / "__init__.py").write_text("")
+    python = tmp_path / "python"
+    python.write_text(f"#!{sys.executable}\nimport sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+                      "from tests.test_bench_gpu import dry_run_python\n"
+                      "sys.exit(dry_run_python(sys.argv[1:]))\n")
+    python.chmod(0o755)
+    log = tmp_path / "pytest_calls"
+    env = dict(
+        os.environ, OUT=str(out), PYTHON=str(python), DRY_RUN_LOG=str(log),
+        PYTHONPATH=str(tmp_path / "site"),
+        BENCH_ARGS=" ".join(TINY + ["--one-pass-shapes", "2x4x64", "--compile-backend", "eager"]),
+        LINEAR_ARGS="--linear-shape 64x16x300 --chunk-rows 16 32 --repeats 2",
+    )
+    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    # what the device runner brings back: ≤ 8 plain files, plain names, straight under $OUT
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["bench_gpu.csv", "bench_gpu.md", "bench_gpu_linear.csv",
+                     "bench_gpu_linear.md", "gpu_check.log", "summary.txt"], files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) and (out / f).is_file() for f in files)
+
+    rows = _csv(out / "bench_gpu.csv")
+    seen = {(r["provider"], r["mode"]) for r in rows}
+    for name in ["triton", "seed", "kl_div", "compile", "kl+logp+H 3 calls",
+                 "kl+logp+H token_stats"]:
+        assert {(name, "fwd"), (name, "fwd+bwd")} <= seen, name
+    assert not any(r["provider"] == "streaming" for r in rows)  # off unless named
+    assert not any(r["provider"] == "liger" and r["mode"] == "fwd+bwd" for r in rows)
+    assert [r for r in rows if r["note"]] == []  # a row that recorded an exception
+    assert all(r["tol_ok"] == "yes" and float(r["max_err"]) < 1e-5 for r in rows)
+    assert all(float(r["grad_err"]) < 2**-7 for r in rows if r["mode"] == "fwd+bwd")
+    assert all(r["grad_err"] == "" for r in rows if r["mode"] == "fwd")
+    compiled = [r for r in rows if r["provider"] == "compile"]
+    assert compiled == rows[-len(compiled):] and all(float(r["compile_s"]) > 0 for r in compiled)
+    assert (out / "bench_gpu.md").read_text().count("\n| 2x4x64 |") == len(rows)
+
+    linear = _csv(out / "bench_gpu_linear.csv")
+    assert [(r["mode"], r["provider"]) for r in linear if "liger" not in r["provider"]] == [
+        (m, p) for m in ("fwd", "fwd+bwd") for p in ("unfused", "linear_kl R=16", "linear_kl R=32")
+    ]
+    assert [r for r in linear if r["note"]] == []
+    assert all(float(r["ms"]) > 0 for r in linear)
+
+    calls = log.read_text().splitlines()  # the two pytest steps, as the GPU machine runs them
+    assert len(calls) == 2
+    assert "tests/ops/test_triton.py" in calls[0] and calls[0].endswith("-n 4")
+    assert "tests/distributed" in calls[1]
+
+    # the summary comes last: the end of the output (what comes back) is summary.txt
+    summary = (out / "summary.txt").read_text()
+    assert proc.stdout.endswith(summary)
+    assert summary.rstrip().splitlines()[-1].startswith("== status 0")
+    steps = re.findall(r"^(\w+) +rc=(\S+) +\d+s of +(\d+)s$", summary, re.M)
+    assert [(s, rc) for s, rc, _ in steps] == [
+        (s, "0") for s in ("env", "bench", "linear", "kernels", "distributed")]
+    assert sum(int(limit) for *_, limit in steps) <= 480
+
+
+def test_step_limits_fit_eight_minutes():
+    text = SCRIPT.read_text()
+    value = {k: int(v) for k, v in re.findall(r"^(\w+)=(\d+)\b", text, re.M)}
+    steps = ["T_ENV", "T_BENCH", "T_LINEAR", "T_KERNEL", "T_DIST"]
+    assert value["BUDGET"] <= 480
+    assert sum(value[k] for k in steps) + len(steps) * value["KILL_AFTER"] <= value["BUDGET"]
+    assert text.count("\nstep ") == len(steps)  # no step outside the budget
+    assert re.search(r"^RES=\$\{OUT:-", text, re.M) and not re.search(r"^OUT=", text, re.M)
+
+
+def test_rows_are_written_as_measured(bench, tmp_path):
+    """Each row is on disk (CSV and markdown) before the next one is measured; streaming runs
+    when named."""
+    on_disk = []
+    add = bench.Table.add
+
+    def add_and_read(self, row):
+        add(self, row)
+        on_disk.append((len(_csv(Path(self.csv_path))),
+                        Path(self.md_path).read_text().count("\n| 2x4x64 |")))
+
+    bench.Table.add = add_and_read
+    assert bench.main(TINY + ["--providers", "triton", "streaming", "--one-pass-shapes",
+                              "--out", str(tmp_path)]) == 0
+    assert on_disk == [(i, i) for i in range(1, 5)]
+    rows = _csv(tmp_path / "bench_gpu.csv")
+    assert [(r["mode"], r["provider"]) for r in rows] == [
+        (m, p) for m in ("fwd", "fwd+bwd") for p in ("triton", "streaming")]
+    assert all(r["tol_ok"] == "yes" and not r["note"] for r in rows)
+
+
+def test_errors_come_from_the_timed_call(bench):
+    """The error columns read the outputs handed to them: a wrong value in the last row or a
+    wrong gradient of the last row shows; rows between the first and last 16 are not read."""
+    import torch
+
+    from klpenalty.ops.reference import full_kl_reference
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 10, 64, generator=g, dtype=torch.float64).float()
+    y = torch.randn(4, 10, 64, generator=g, dtype=torch.float64).float()
+    xg = x.double().requires_grad_(True)
+    full_kl_reference(xg, y).sum().backward()
+    kl, grad = full_kl_reference(x, y).float(), xg.grad.float()
+
+    def reference(xs, ys, rows):
+        return (full_kl_reference(xs, ys),)
+
+    def errors(kl, grad):
+        return bench.timed_call_errors(torch, x, y, [kl], grad, reference)
+
+    err, grad_err, ok = errors(kl, grad)
+    assert err < 1e-6 and grad_err < 1e-6 and ok == "yes"
+    assert bench.check_rows(40) == list(range(16)) + list(range(24, 40))
+    wrong = kl.clone()
+    wrong[-1, -1] += 1e-3
+    err, _, ok = errors(wrong, None)
+    assert abs(err - 1e-3) < 1e-6 and ok == "no"
+    wrong_grad = grad.clone()
+    wrong_grad[-1, -1, 5] += 0.5
+    _, grad_err, ok = errors(kl, wrong_grad)
+    assert grad_err > 0.5 and ok == "no"
+    unread = kl.clone()
+    unread.view(-1)[20] += 1.0  # row 20 of 40: not among the checked rows
+    assert errors(unread, None)[2] == "yes"
+
+
+def test_compile_budget_bounds_the_compilations(bench, tmp_path):
+    """An alarm stops a compilation that runs past the shared budget; once it is spent the
+    compile rows are recorded as not run."""
+    import torch
+
+    from klpenalty.bench import seed_formula
+
+    compiled = bench.CompiledFormula(torch, seed_formula, "eager", budget=0.2)
+    t0 = time.perf_counter()
+    with pytest.raises(bench.CompileBudgetSpent, match="ran past"):
+        compiled.first_call(lambda: time.sleep(5))  # a compilation that takes too long
+    assert time.perf_counter() - t0 < 2 and compiled.spent >= 0.2
+    with pytest.raises(bench.CompileBudgetSpent, match="not run"):
+        compiled.first_call(lambda: None)
+    assert bench.main(TINY + ["--providers", "compile", "--compile-budget", "0",
+                              "--one-pass-shapes", "--out", str(tmp_path)]) == 0
+    rows = _csv(tmp_path / "bench_gpu.csv")
+    assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd"]
+    assert all("not run: the compile budget" in r["note"] for r in rows)

@@ -155,6 +155,11 @@ class Table:
         print(f"wrote {self.csv_path} and {os.path.basename(self.md_path)}", flush=True)
 
 
+def _note(exc: BaseException) -> str:
+    """An exception as one short line (a table cell)."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:160]
+
+
 def _timed(torch, fn, n):
     """(median milliseconds, the last call's result) of n calls of fn (CUDA events,
     synchronised around each call). The previous call's result is dropped before each call,
@@ -387,7 +392,7 @@ def measure(ctx, table, row, fn, x, y, mode, reference, floors, moved):
                     "tol_ok": ok})
         outs = grads = None
     except Exception as exc:  # recorded, the run goes on
-        row.update({"ms": float("nan"), "note": f"{type(exc).__name__}: {exc}"[:160]})
+        row.update({"ms": float("nan"), "note": _note(exc)})
         failed = True
     xg.grad = None
     if failed:  # outside the except block: its traceback no longer pins the temporaries
@@ -499,8 +504,8 @@ def linear_main(args) -> int:
                           n=n, h=h, v=v, chunk_rows=args.chunk_rows)
     title = f"linear_kl GPU benchmark, {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
     table = Table(args.out, "bench_gpu_linear", title, LINEAR_FIELDS)
-    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, linear rows "
-          f"N={n} H={h} V={v} bf16; one model's logits {logits_mib:.0f} MiB", flush=True)
+    print(f"linear rows N={n} H={h} V={v} bf16; one model's logits {logits_mib:.0f} MiB",
+          flush=True)
     rows = [r for kind in LINEAR_ROW_KINDS for r in kind(ctx)]
     for mode in MODES:
         base_ms = float("nan")
@@ -520,7 +525,7 @@ def linear_main(args) -> int:
                 peak = (torch.cuda.max_memory_allocated() - base) / 2**20
                 note = ""
             except Exception as exc:  # e.g. out of memory: recorded, the run goes on
-                ms, peak, note = float("nan"), float("nan"), f"{type(exc).__name__}: {exc}"[:160]
+                ms, peak, note = float("nan"), float("nan"), _note(exc)
                 failed = True
             reset()
             if failed:  # outside the except block: its traceback no longer pins the temporaries
@@ -537,13 +542,26 @@ def linear_main(args) -> int:
     return 0
 
 
+def _environment(torch) -> str:
+    """One line: Python, torch, Triton and the device."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError as exc:
+        triton_version = f"not importable ({exc})"
+    return (f"python {sys.version.split()[0]}, torch {torch.__version__}, triton "
+            f"{triton_version}, device {torch.cuda.get_device_name(0)}")
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    if DEVICE == "cuda" and not torch.cuda.is_available():
         print("bench_gpu.py: no CUDA device here; this benchmark runs on a GPU only", file=sys.stderr)
         return 2
+    print(_environment(torch), flush=True)
     if args.linear:
         return linear_main(args)
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -552,8 +570,7 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(0)
     table = Table(args.out, "bench_gpu", f"GPU benchmark, {name}, torch {torch.__version__}",
                   FIELDS)
-    print(f"device {name}, torch {torch.__version__}; providers {', '.join(providers)}",
-          flush=True)
+    print(f"providers {', '.join(providers)}", flush=True)
     first = {k: fn for k, fn in providers.items() if k != "compile"}
     cases = _cases(args)
     for shape, dname in cases:

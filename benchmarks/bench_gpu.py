@@ -199,6 +199,20 @@ def _make_call(fn, leaves, backward: bool):
     return call, reset
 
 
+def _warm_and_time(torch, call, reset, warmup: int, repeats: int):
+    """(median ms, the last call's result, peak extra MiB) of ``call`` after ``warmup`` calls:
+    the peak of ``torch.cuda.max_memory_allocated`` over the timed calls (reset first) above
+    what was allocated before them, the warm-up's results dropped (``reset``)."""
+    for _ in range(warmup):
+        call()
+    reset()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    ms, result = _timed(torch, call, repeats)
+    return ms, result, (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
 def _release(torch) -> None:
     """Give the caching allocator's free blocks back (after a shape's tensors are gone)."""
     gc.collect()
@@ -378,14 +392,7 @@ def measure(ctx, table, row, fn, x, y, mode, reference, floors, moved):
     try:
         if isinstance(fn, CompiledFormula):
             row["compile_s"] = fn.first_call(call)
-        for _ in range(args.warmup):
-            call()
-        reset()
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        ms, (outs, grads) = _timed(torch, call, args.repeats)
-        peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+        ms, (outs, grads), peak = _warm_and_time(torch, call, reset, args.warmup, args.repeats)
         err, grad_err, ok = timed_call_errors(torch, x, y, outs, grads and grads[0], reference)
         row.update({"ms": ms, "GB/s": moved[mode] / ms / 1e6, "x_floor": ms / floors[mode],
                     "peak_extra_MiB": peak, "max_err": err, "grad_err": grad_err,
@@ -515,15 +522,9 @@ def linear_main(args) -> int:
             call, reset = _make_call(lambda a, b: (loss(a, b),), [a, b], mode == "fwd+bwd")
             failed = False
             try:
-                for _ in range(args.warmup):
-                    call()
-                reset()
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                ms = _timed(torch, call, args.repeats)[0]
-                peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-                note = ""
+                timed = _warm_and_time(torch, call, reset, args.warmup, args.repeats)
+                ms, peak, note = timed[0], timed[2], ""
+                del timed  # the last call's gradients go before the next row
             except Exception as exc:  # e.g. out of memory: recorded, the run goes on
                 ms, peak, note = float("nan"), float("nan"), _note(exc)
                 failed = True

@@ -90,7 +90,8 @@ def bench(monkeypatch):
     for name, value in cuda_stubs().items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # as tests/ops/test_triton.py runs it
-    return load_bench()
+    yield load_bench()
+    torch._dynamo.reset()  # the compile rows' compilations stay out of later tests
 
 
 def _csv(path: Path) -> list[dict]:

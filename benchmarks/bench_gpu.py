@@ -140,7 +140,10 @@ class Table:
         self._md.flush()
 
     def add(self, row: dict) -> None:
-        row = {k: row.get(k, "") for k in self.fields}  # an unknown key raises in the writer
+        unknown = set(row) - set(self.fields)
+        if unknown:
+            raise ValueError(f"row keys {sorted(unknown)} are not columns of {self.csv_path}")
+        row = {k: row.get(k, "") for k in self.fields}
         self.rows.append(row)
         self._writer.writerow(row)
         self._csv.flush()

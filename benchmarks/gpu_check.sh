@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# GPU check (≤ 8 minutes on one H200, the step limits below): the GPU benchmark
-# (bench_gpu.py, which prints Python, torch, Triton and the GPU first), the linear_kl rows (bench_gpu.py --linear), the Triton kernel tests compiled
-# on CUDA (tests/ops/test_triton.py) and the distributed tests on NCCL, in that order: the result
-# files first. Everything goes under $RES = $OUT (the device runner's folder, which comes back),
-# else benchmarks/results/gpu: bench_gpu.{csv,md}, bench_gpu_linear.{csv,md} (rows appended as
-# they are measured, so a step stopped by its limit keeps its rows), gpu_check.log (all output)
-# and summary.txt, which is also printed last.
+# GPU check (≤ 8 minutes on one H200, the step limits below), in this order, the result files
+# first: the GPU benchmark (bench_gpu.py, which prints Python, torch, Triton and the GPU first),
+# the linear_kl rows (bench_gpu.py --linear), the Triton kernel tests compiled on CUDA
+# (tests/ops/test_triton.py) and the distributed tests on NCCL. Everything goes under
+# $RES = $OUT (a device runner's folder, which comes back), else benchmarks/results/gpu:
+# bench_gpu.{csv,md}, bench_gpu_linear.{csv,md} (rows appended as they are measured, so a step
+# stopped at its limit keeps its rows), gpu_check.log (all output) and summary.txt, which is
+# also printed last. Give the whole script 8 minutes and a little more (a runner's limit of
+# 500 s or more) so that its summary is printed.
 # Run from the repository root: bash benchmarks/gpu_check.sh   (PYTHON=... picks the interpreter;
 # BENCH_ARGS / LINEAR_ARGS: extra arguments of the two benchmark steps, e.g. smaller shapes)
 set -u
@@ -52,7 +54,9 @@ step() {
     local rc=${PIPESTATUS[0]}
     last_rc=$rc
     [ "$rc" = "0" ] || status=1
-    [ "$rc" = "124" ] || [ "$rc" = "137" ] && echo "$name: stopped at its limit (${limit} s)" | tee -a "$LOG"
+    if [ "$rc" = "124" ] || [ "$rc" = "137" ]; then
+        echo "$name: stopped at its limit (${limit} s)" | tee -a "$LOG"
+    fi
     printf '%-10s rc=%-4s %4ss of %4ss\n' "$name" "$rc" $(( SECONDS - t0 )) "$limit" >>"$SUMMARY"
 }
 

@@ -15,6 +15,7 @@ import csv
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -94,63 +95,36 @@ def bench(monkeypatch):
     torch._dynamo.reset()  # the compile rows' compilations stay out of later tests
 
 
-def _csv(path: Path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def test_gpu_check_end_to_end(tmp_path):
-    """gpu_check.sh as the device runner runs it: its files under $OUT, the summary last."""
-    out = tmp_path / "out"
-    xdist = tmp_path / "site" / "xdist"  # the device image has pytest-xdist: its stand-in
+@pytest.fixture(scope="module", autouse=True)
+def gpu_check_run(tmp_path_factory):
+    """gpu_check.sh's dry run, as the device runner runs it, started with this module so that
+    it runs beside the in-process tests (it is mostly the imports of its two Python processes);
+    the end-to-end test, the module's last, waits for it and reads what it left."""
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    xdist = tmp / "site" / "xdist"  # the device image has pytest-xdist: its stand-in
     xdist.mkdir(parents=True)
     (xdist / "__init__.py").write_text("")
-    python = tmp_path / "python"
+    python = tmp / "python"
     python.write_text(DRY_RUN_PYTHON.format(python=sys.executable, root=str(ROOT)))
     python.chmod(0o755)
-    log = tmp_path / "pytest_calls"
     env = dict(
-        os.environ, OUT=str(out), PYTHON=str(python), DRY_RUN_LOG=str(log),
-        PYTHONPATH=str(tmp_path / "site"),
+        os.environ, OUT=str(tmp / "out"), PYTHON=str(python), DRY_RUN_LOG=str(tmp / "pytest_calls"),
+        PYTHONPATH=str(tmp / "site"),
         BENCH_ARGS=" ".join(TINY + ["--providers", "seed", "streaming", "--one-pass-shapes"]),
         LINEAR_ARGS="--linear-shape 32x16x300 --chunk-rows 8 --repeats 1 --warmup 0",
     )
-    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, env=env,
-                          timeout=120, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp / "stdout", "w") as stdout, open(tmp / "stderr", "w") as stderr:
+        proc = subprocess.Popen(["bash", str(SCRIPT)], stdout=stdout, stderr=stderr, env=env,
+                                cwd=ROOT, start_new_session=True)
+    yield tmp, proc
+    if proc.poll() is None:  # the end-to-end test did not run (-k): stop the dry run
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
 
-    # what the device runner brings back: ≤ 8 plain files, plain names, straight under $OUT
-    files = sorted(p.name for p in out.iterdir())
-    assert files == ["bench_gpu.csv", "bench_gpu.md", "bench_gpu_linear.csv",
-                     "bench_gpu_linear.md", "gpu_check.log", "summary.txt"], files
-    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) and (out / f).is_file() for f in files)
 
-    rows = _csv(out / "bench_gpu.csv")
-    assert [(r["mode"], r["provider"]) for r in rows] == [  # streaming runs when named
-        (m, p) for m in ("fwd", "fwd+bwd") for p in ("seed", "streaming")]
-    assert all(r["tol_ok"] == "yes" and not r["note"] for r in rows)
-    assert (out / "bench_gpu.md").read_text().count("\n| 1x2x64 |") == len(rows)
-    linear = _csv(out / "bench_gpu_linear.csv")  # every kind of row in LINEAR_ROW_KINDS
-    seen = [(r["mode"], r["provider"]) for r in linear]
-    assert [(m, "unfused") for m in ("fwd", "fwd+bwd")] == [s for s in seen if s[1] == "unfused"]
-    assert seen.index(("fwd+bwd", "unfused")) == len(seen) // 2  # the first row of each mode
-    assert ("fwd", "linear_kl R=8") in seen and ("fwd+bwd", "linear_kl R=8") in seen
-    assert all(float(r["ms"]) > 0 and not r["note"] for r in linear)
-
-    calls = log.read_text().splitlines()  # the two pytest steps, as the GPU machine runs them
-    assert len(calls) == 2
-    assert "tests/ops/test_triton.py" in calls[0] and calls[0].endswith("-n 4")
-    assert "tests/distributed" in calls[1]
-
-    # the summary comes last: the end of the output (what comes back) is summary.txt
-    summary = (out / "summary.txt").read_text()
-    assert proc.stdout.endswith(summary)
-    assert "python " in proc.stdout and "triton " in proc.stdout  # the environment line
-    assert summary.rstrip().splitlines()[-1].startswith("== status 0")
-    steps = re.findall(r"^(\w+) +rc=(\S+) +\d+s of +(\d+)s$", summary, re.M)
-    assert [(s, rc) for s, rc, _ in steps] == [
-        (s, "0") for s in ("bench", "linear", "kernels", "distributed")]
-    assert sum(int(limit) for *_, limit in steps) <= 480
+def _csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def test_step_limits_fit_eight_minutes():
@@ -247,3 +221,46 @@ def test_compile_budget_bounds_the_compilations(bench, tmp_path):
     rows = _csv(tmp_path / "bench_gpu.csv")
     assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd"]
     assert all("not run: the compile budget" in r["note"] for r in rows)
+
+
+def test_gpu_check_end_to_end(gpu_check_run):
+    """gpu_check.sh as the device runner runs it (:func:`gpu_check_run`): its files under
+    $OUT, every row without an exception, the pytest steps' arguments, the summary last."""
+    tmp, proc = gpu_check_run
+    rc = proc.wait(timeout=120)
+    stdout, out = (tmp / "stdout").read_text(), tmp / "out"
+    assert rc == 0, stdout[-3000:] + (tmp / "stderr").read_text()[-3000:]
+
+    # what the device runner brings back: ≤ 8 plain files, plain names, straight under $OUT
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["bench_gpu.csv", "bench_gpu.md", "bench_gpu_linear.csv",
+                     "bench_gpu_linear.md", "gpu_check.log", "summary.txt"], files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) and (out / f).is_file() for f in files)
+
+    rows = _csv(out / "bench_gpu.csv")
+    assert [(r["mode"], r["provider"]) for r in rows] == [  # streaming runs when named
+        (m, p) for m in ("fwd", "fwd+bwd") for p in ("seed", "streaming")]
+    assert all(r["tol_ok"] == "yes" and not r["note"] for r in rows)
+    assert (out / "bench_gpu.md").read_text().count("\n| 1x2x64 |") == len(rows)
+    linear = _csv(out / "bench_gpu_linear.csv")  # every kind of row in LINEAR_ROW_KINDS
+    seen = [(r["mode"], r["provider"]) for r in linear]
+    assert [(m, "unfused") for m in ("fwd", "fwd+bwd")] == [s for s in seen if s[1] == "unfused"]
+    assert seen.index(("fwd+bwd", "unfused")) == len(seen) // 2  # the first row of each mode
+    assert ("fwd", "linear_kl R=8") in seen and ("fwd+bwd", "linear_kl R=8") in seen
+    assert all(float(r["ms"]) > 0 and not r["note"] for r in linear)
+
+    # the two pytest steps, as the GPU machine runs them
+    calls = (tmp / "pytest_calls").read_text().splitlines()
+    assert len(calls) == 2
+    assert "tests/ops/test_triton.py" in calls[0] and calls[0].endswith("-n 4")
+    assert "tests/distributed" in calls[1]
+
+    # the summary comes last: the end of the output (what comes back) is summary.txt
+    summary = (out / "summary.txt").read_text()
+    assert stdout.endswith(summary)
+    assert "python " in stdout and "triton " in stdout  # the environment line
+    assert summary.rstrip().splitlines()[-1].startswith("== status 0")
+    steps = re.findall(r"^(\w+) +rc=(\S+) +\d+s of +(\d+)s$", summary, re.M)
+    assert [(s, rc) for s, rc, _ in steps] == [
+        (s, "0") for s in ("bench", "linear", "kernels", "distributed")]
+    assert sum(int(limit) for *_, limit in steps) <= 480

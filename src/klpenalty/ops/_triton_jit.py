@@ -7,12 +7,17 @@ as constexprs too (:func:`.triton_kernels.column_constexprs`):
 
 - :func:`stats_kernel` (forward): program (row, split) walks columns
   [split·cols, (split + 1)·cols) in ``BLOCK`` chunks, reading each logit once in its own dtype,
-  with the engine's state of both models in float32 scalars, and writes its partial state
-  (the state columns m_x, s_x, m_y, s_y, a, b) to ``out[row, split, :]``. The states of a row's splits are merged
-  by the engine's merge in torch (:mod:`.triton_kernels`).
-- :func:`grad_kernel` (backward): one (row, block) tile of ∂/∂x and ∂/∂y of Σ g·out for all
-  wanted outputs together, recomputed from the saved per-row stats, written once in the
+  with the engine's state of both models in float32, one state per thread (merged once after
+  the loop), and writes its partial state (the state columns m_x, s_x, m_y, s_y, a, b) to
+  ``out[row, split, :]``. The states of a row's splits are merged by the engine's merge in
+  torch (:mod:`.triton_kernels`).
+- :func:`grad_kernel` (backward): TILES (row, block) tiles of ∂/∂x and ∂/∂y of Σ g·out for
+  all wanted outputs together, recomputed from the saved per-row stats, written once in the
   inputs' dtypes.
+
+Full blocks and tiles are read (and written) unmasked, each row's last partial one masked.
+``benchmarks/triton_sass.py`` counts the machine code these compile to for sm_90 and
+``tests/ops/test_triton_compiled.py`` checks it (docs/internals.md).
 
 Whether the kernels run compiled or interpreted (``TRITON_INTERPRET=1``, CPU tensors) is decided
 by Triton when this module is imported. Only Triton APIs present in Triton 3.6 are used.
@@ -24,8 +29,6 @@ import triton
 import triton.language as tl
 
 __all__ = ["stats_kernel", "grad_kernel", "INTERPRETED"]
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit

@@ -523,7 +523,7 @@ bwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32
 cols_f, cols_b = {tk.column_constexprs("stats")!r}, {tk.column_constexprs("grad")!r}
 for f, b in {specs!r}:
     for fn, sig, c in [(k.stats_kernel, fwd, {{**f, **cols_f, "BLOCK": 4096}}),
-                       (k.grad_kernel, bwd, {{**b, **cols_b, "BLOCK": 1024}})]:
+                       (k.grad_kernel, bwd, {{**b, **cols_b, "BLOCK": 1024, "TILES": {tk.GRAD_TILES}}})]:
         s = {{**sig, **{{name: "constexpr" for name in c}}}}
         assert ".entry" in triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=t).asm["ptx"]
 print("OK", len({specs!r}))

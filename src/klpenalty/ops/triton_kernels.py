@@ -63,6 +63,8 @@ __all__ = [
 MAX_BLOCK = 4096
 # Programs per SM the forward wants before it splits rows across programs.
 PROGRAMS_PER_SM = 4
+# Backward tiles (of up to 1024 columns) per program: the row's scalars are loaded once for all.
+GRAD_TILES = 4
 
 INSTALL_HINT = "install Triton (`pip install 'klpenalty[triton]'`)"
 
@@ -352,14 +354,14 @@ def _token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backw
         keepf, stride_keep, tauf = _support_args(keep, tau, n)
         block = _block(vocab, 1024)
         inv_t = 1.0 / temperature
-        _kernels().grad_kernel[(n, -(-vocab // block))](
+        _kernels().grad_kernel[(n, -(-vocab // (block * GRAD_TILES)))](
             xf, xf if yf is None else yf, xf if keepf is None else keepf,
             st if tauf is None else tauf, gx if need_x else st, gy if write_y else st,
             st, g.contiguous(), st if tok is None else tok, at_tok.contiguous(),
             xf.stride(0), 0 if yf is None else yf.stride(0), stride_keep,
             vocab, inv_t, inv_t * 1.4426950408889634,
             **backward_constexprs(flags, need_x, write_y, keepf is not None, tauf is not None),
-            **column_constexprs("grad"), BLOCK=block, num_warps=_warps(block),
+            **column_constexprs("grad"), BLOCK=block, TILES=GRAD_TILES, num_warps=_warps(block),
         )
     return (
         gx.view(x.shape) if need_x else x.new_empty(0),

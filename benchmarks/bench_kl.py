@@ -84,7 +84,7 @@ def _remeasure(args) -> int:
     rows = bench.read_csv(args.out + ".csv")
     for r in rows:
         name = r.shape.split(" ")[0]
-        if r.provider in ("floor", "exp floor"):
+        if bench.is_floor(r.provider):
             continue
         if name not in args.shapes or r.dtype not in args.dtypes:
             continue

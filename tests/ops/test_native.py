@@ -190,13 +190,14 @@ CHUNK = native.COMPUTE_FLOOR_TILE  # the kernel's chunk
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_one_pass_walk_where_a_later_chunk_raises_the_maximum(dtype):
-    """Every chunk after the first is walked against the row's running maxima: a maximum that
-    rises a little (merged, then the state rescaled), by more than the bound (the chunk redone
+    """Every chunk is walked against the row's running maxima (at first those of the row's first
+    256 elements): a maximum that rises in the first chunk, a little (merged, then the state rescaled), by more than the bound (the chunk redone
     against its own maxima), far in y only, in the last partial chunk, after an all −inf first
     chunk, and at the last element; the KL, the token log-probs and the stats against the
     float64 reference and the streaming op."""
     v = 3 * CHUNK + 77
     x, y = make_logits((8, v), torch.float64, seed=31, scale=2.0)
+    x[0, 1000] += 20.0  # above the maxima of the first 256 elements: the first chunk redone
     x[1, CHUNK + 5] += 1.5  # a small rise: within the bound
     x[2, 2 * CHUNK + 9] += 40.0  # far above: the chunk is redone
     y[3, CHUNK + 700] += 60.0  # in y only

@@ -17,10 +17,10 @@
 //
 // Per row, in one read of the row from memory, ONE row walker (walk_row) computes whatever is
 // wanted, specialised at compile time: the log-sum-exp of x (log-probs), with the entropy's
-// Σ e^u·u, with y's log-sum-exp and the KL's Σ e^u·(u − w). An untruncated row is read once: its
-// first chunk in two passes (maxima, then from L1 the exps and sums), every later chunk against
-// the row's running maxima with the chunk's maxima tracked alongside (redone in two passes if
-// they rose by more than a bound). With a support, or for rows that need the 0·log 0 rule, every
+// Σ e^u·u, with y's log-sum-exp and the KL's Σ e^u·(u − w). An untruncated row is read once:
+// every chunk against the row's running maxima (at first those of the row's first 256 elements)
+// with the chunk's maxima tracked alongside, redone in two passes (maxima, then from L1 the exps
+// and sums) if they rose by more than a bound. With a support, or for rows that need the 0·log 0 rule, every
 // chunk takes two passes (the chunk of x first copied into an L1 buffer with −inf off the
 // support). The row state (maxima in logit units, sums; engine.py) is kept in double and
 // rescaled when a maximum rises. float32/bfloat16/float16 inputs are read directly and computed
@@ -714,14 +714,28 @@ bool chunk_step(RowState& row, const TX* x, const TY* y, int64_t n, double T_) {
 // the maximum.
 constexpr double kRise = 4.0;
 
-// One untruncated row, float32 vectors, each chunk read once: the first chunk in two passes,
-// every later one against the row's running maxima with its own maxima alongside, merged without
-// a rescale (and the state rescaled when the maxima rose). bad: a chunk holds NaN or +inf, or a
-// sum is not finite (the caller redoes the row with the careful or the double arithmetic).
+// Elements at the start of a row whose maxima are the running maxima its first chunk is walked
+// against (a first chunk whose maximum lies higher than the bound above them is redone).
+constexpr int64_t kPrefix = 256;
+
+// One untruncated row, float32 vectors, each chunk read once against the row's running maxima
+// (at first those of its first kPrefix elements) with its own maxima alongside, merged without a
+// rescale (and the state rescaled when the maxima rose); a chunk is walked in two passes where
+// there are no finite running maxima or its maxima rose by more than the bound. bad: a chunk
+// holds NaN or +inf, or a sum is not finite (the caller redoes the row with the careful or the
+// double arithmetic).
 template <bool kY, bool kB, typename T>
 RowState row_fast(const T* px, const T* py, int64_t V, double T_) {
   RowState row;
   const float c = static_cast<float>(kLog2e / T_);
+  if (V > kPrefix) {
+    const double m_x = chunk_max(px, kPrefix), m_y = kY ? chunk_max(py, kPrefix) : -kInf;
+    if (std::isnan(m_x) || m_x == kInf || std::isnan(m_y) || m_y == kInf) {
+      row.bad = true;
+      return row;
+    }
+    row.m_x = m_x, row.m_y = m_y;  // an empty state (all sums 0) at these maxima
+  }
   for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
     const int64_t n = std::min(kChunk, V - c0);
     const T* x = px + c0;

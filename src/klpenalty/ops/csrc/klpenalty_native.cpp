@@ -126,60 +126,14 @@ inline VF exp2_fast(const VF& t) {
   return exp2_parts(tc - (k - magic), k);
 }
 
-// p · 2^n for n = the low bits of k − 1.5·2^23 in [−126, 127], by adding n to the exponent
-// field of p (in [2^−1/2, 2^1/2]) as an integer: an integer addition in place of a
-// multiplication, off the FMA ports. For n = −126 the result is a wrong value below 2^−126 (the
-// exponent field of p < 1 reaches 0), never 0; a NaN p may lose its NaN pattern.
-inline VF add_to_exponent(const VF& p, const VF& k) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_castsi512_ps(_mm512_add_epi32(
-      _mm512_castps_si512(p), _mm512_slli_epi32(_mm512_castps_si512(k), 23)));
-#elif defined(CPU_CAPABILITY_AVX2)
-  return _mm256_castsi256_ps(_mm256_add_epi32(
-      _mm256_castps_si256(p), _mm256_slli_epi32(_mm256_castps_si256(k), 23)));
-#else
-  float pf[VF::size()], kf[VF::size()];
-  p.store(pf);
-  k.store(kf);
-  for (int j = 0; j < VF::size(); ++j) {
-    uint32_t a, b;
-    std::memcpy(&a, &pf[j], sizeof(a));
-    std::memcpy(&b, &kf[j], sizeof(b));
-    a += b << 23;
-    std::memcpy(&pf[j], &a, sizeof(a));
-  }
-  return VF::loadu(pf);
-#endif
-}
-
-// 2^(d·c) for the forward (no upper clamp: d·c must not exceed 127, see exp2_fast); n and f
-// from the exact product d·c by two FMAs (one operation fewer than forming t = d·c first, and
-// f rounded once). kExact: d clamped below at −127/c, 2^n built and multiplied in (exactly 0
-// below about −126.5, NaN kept); else d clamped at −126/c and n added to the exponent field
-// (add_to_exponent: below 2^−126 the value is wrong but below 2^−126, never exactly 0, and a NaN
-// d may give a number): only for sums whose moment terms e·d turn a NaN or infinite d into NaN
-// or ±inf whatever e (the fast walk of the KL or the entropy, whose rows are redone carefully
-// when a sum is not finite).
-template <bool kExact>
+// 2^(d·c) for the forward (no upper clamp: d·c must not exceed 127, see exp2_fast), d clamped
+// below at lo = −127/c; n and f from the exact product d·c by two FMAs (one operation fewer
+// than forming t = d·c first, and f rounded once).
 inline VF exp2_scaled(const VF& d, const VF& c, const VF& lo) {
+  const VF magic(kMagic);
   const VF dc = at::vec::clamp_min(d, lo);
-  if constexpr (kExact) {
-    const VF magic(kMagic);
-    const VF k = at::vec::fmadd(dc, c, magic);
-    return exp2_parts(at::vec::fmsub(dc, c, k - magic), k);
-  } else {
-    const VF magic(12582912.0f);  // 1.5·2^23: k's low bits hold n itself
-    const VF k = at::vec::fmadd(dc, c, magic);
-    const VF f = at::vec::fmsub(dc, c, k - magic);
-    VF p(1.5345812e-4f);
-    p = at::vec::fmadd(p, f, VF(1.3399931e-3f));
-    p = at::vec::fmadd(p, f, VF(9.6184891e-3f));
-    p = at::vec::fmadd(p, f, VF(5.5503286e-2f));
-    p = at::vec::fmadd(p, f, VF(2.4022646e-1f));
-    p = at::vec::fmadd(p, f, VF(6.9314718e-1f));
-    p = at::vec::fmadd(p, f, VF(1.0f));
-    return add_to_exponent(p, k);
-  }
+  const VF k = at::vec::fmadd(dc, c, magic);
+  return exp2_parts(at::vec::fmsub(dc, c, k - magic), k);
 }
 
 // ------------------------------------------------------------------------------ loads/stores
@@ -644,9 +598,7 @@ template <int U, bool kY, bool kB, bool kCareful, bool kTrack, int64_t ahead, ty
 ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y, float c) {
   constexpr int64_t kStep = U * VF::size();
   constexpr int kSteps = U >= 8 ? 1 : 8 / U;  // steps per float partial sum
-  // the integer exponent where a moment term turns a NaN or infinite d into a non-finite sum
-  constexpr bool kExact = kCareful || !(kY || kB);
-  const VF vc(c), vsx(sh_x), vsy(sh_y), zero(0.0f), lo((kExact ? -127.0f : -126.0f) / c);
+  const VF vc(c), vsx(sh_x), vsy(sh_y), zero(0.0f), lo(-127.0f / c);
   VF mx(-std::numeric_limits<float>::infinity()), my = mx;
   WideSum ws_x, ws_y, wa, wb;
   int64_t i = 0;
@@ -671,12 +623,12 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
       for (int k = 0; k < U; ++k) {
         if constexpr (kTrack) mx = max_fast(mx, xv[k]);
         const VF dx = xv[k] - vsx;
-        const VF eu = exp2_scaled<kExact>(dx, vc, lo);
+        const VF eu = exp2_scaled(dx, vc, lo);
         sx = sx + eu;
         if constexpr (kY) {
           if constexpr (kTrack) my = max_fast(my, yv[k]);
           const VF dy = yv[k] - vsy;
-          sy = sy + exp2_scaled<kExact>(dy, vc, lo);
+          sy = sy + exp2_scaled(dy, vc, lo);
           if constexpr (kCareful) {
             sa = sa + moment_term<true>(eu, dx - dy);
           } else {

@@ -298,6 +298,7 @@ class Row:
     loadavg: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-min, at the end
     vs_compute: float | None = None
     vs_max: float | None = None
+    clock: str = "wall"  # CLOCKS: wall time or the thread's CPU time
 
 
 # --------------------------------------------------------------------------- memory probe
@@ -356,6 +357,7 @@ def run_benchmark(
     shape_name: str | None = None,
     log: Callable[[str], None] | None = print,
     load: int = 0,
+    clock: str = "wall",
 ) -> list[Row]:
     """Benchmark every provider at one shape and dtype; returns one :class:`Row` per result.
 
@@ -369,10 +371,17 @@ def run_benchmark(
         error: max abs error of the forward KL against the float64 reference.
         threads: torch threads (default: leave as is).
         load: busy processes to run concurrently while timing (:func:`cpu_load`).
+        clock: "wall" (``time.perf_counter``) or "thread": the calling thread's CPU time
+            (``time.thread_time``), for one thread on a machine shared with other jobs (time
+            spent descheduled is not counted; waits on memory are).
     """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {list(CLOCKS)}, got {clock!r}")
     if threads:
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
+    if clock == "thread" and threads != 1:
+        raise ValueError(f"clock='thread' times one thread: threads must be 1, got {threads}")
     say = log or (lambda s: None)
     label = shape_name or "x".join(map(str, shape))
     table = providers(names)
@@ -380,9 +389,12 @@ def run_benchmark(
     rows: list[Row] = []
     with cpu_load(load):
         for mode in modes:
-            rows += _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say)
+            rows += _time_mode(
+                table, mode, x, y, repeats, warmup, label, dtype, threads, say, CLOCKS[clock]
+            )
     for row in rows:
         row.load = load
+        row.clock = clock
     if error:
         for row in rows:
             if row.mode == "fwd" and not is_floor(row.provider):
@@ -398,7 +410,10 @@ def run_benchmark(
     return rows
 
 
-def _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say) -> list[Row]:
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say, now) -> list[Row]:
     fns = {n: _call(f, mode, x, y) for n, f in table.items()}
     floors = {"floor": _floor_fn(mode, x, y)}
     if mode == "fwd":
@@ -407,18 +422,18 @@ def _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say) -
     fns = {**floors, **fns}
     first: dict[str, float] = {}
     for n, fn in fns.items():
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        first[n] = time.perf_counter() - t0
+        first[n] = now() - t0
         for _ in range(max(0, warmup - 1)):
             fn()
         gc.collect()
     times: dict[str, list[float]] = {n: [] for n in fns}
     for r in range(repeats):
         for n, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(now() - t0)
         gc.collect()
         say(f"  {label} {dtype} {mode}: round {r + 1}/{repeats}")
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
@@ -450,16 +465,17 @@ def _fmt(v, spec):
 def format_table(rows: list[Row]) -> str:
     """A markdown table of the rows."""
     head = (
-        "| shape | dtype | mode | threads | load | provider | median ms | min ms | first call s "
+        "| shape | dtype | mode | threads | load | clock | provider | median ms | min ms "
+        "| first call s "
         "| × faster than seed | × floor | × compute floor | × max(floors) "
         "| peak extra mem (× input) | max err vs fp64 | loadavg |\n"
-        "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = []
     for r in rows:
         name = f"*{r.provider}*" if is_floor(r.provider) else r.provider
         lines.append(
-            f"| {r.shape} | {r.dtype} | {r.mode} | {r.threads} | {r.load} | {name} "
+            f"| {r.shape} | {r.dtype} | {r.mode} | {r.threads} | {r.load} | {r.clock} | {name} "
             f"| {r.median_ms:.1f} | {r.min_ms:.1f} "
             f"| {r.first_call_s:.2f} | {_fmt(r.vs_seed, '.1f')} | {_fmt(r.vs_floor, '.2f')} "
             f"| {_fmt(r.vs_compute, '.2f')} | {_fmt(r.vs_max, '.2f')} "
@@ -485,6 +501,7 @@ def read_csv(path: str) -> list[Row]:
                     num(d["max_err"]), int(d["threads"]),
                     int(d.get("load") or 0), float(d.get("loadavg") or "nan"),
                     num(d.get("vs_compute", "")), num(d.get("vs_max", "")),
+                    d.get("clock") or "wall",
                 )
             )
     return out

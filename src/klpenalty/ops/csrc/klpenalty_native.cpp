@@ -60,12 +60,6 @@ constexpr double kLog2e = 1.4426950408889634;
 constexpr int64_t kBlock = 2 * VF::size();  // elements per inner step: two float vectors
 constexpr int64_t kChunk = 2048;            // elements of a row per chunk (kept in L1 for a redo)
 constexpr int64_t kGrainElements = 1 << 16; // work per parallel task, in elements
-#ifndef KLP_CHAINS
-#define KLP_CHAINS 4
-#endif
-#ifndef KLP_AHEAD
-#define KLP_AHEAD 0
-#endif
 
 // the want bits and the out / stats / state columns of klpenalty/ops/contract.py
 constexpr int64_t kWantKL = 1, kWantLogp = 2, kWantRefLogp = 4, kWantEntropy = 8;
@@ -569,9 +563,11 @@ RowState row_scalar(const T* px, const T* py, const Support& sup, int64_t V, dou
 // ------------------------------------------------------------------------------ chunk sums
 // Float vectors per input in flight in the forward's inner loop: independent exps enough to hide
 // the polynomial's latency behind the other chains (`klpenalty bench` measures 1, 2, 4 and 8).
-constexpr int kChains = KLP_CHAINS;
-// Elements ahead that the one-pass walk asks memory for (0: the hardware prefetcher alone).
-constexpr int64_t kAhead = KLP_AHEAD;
+constexpr int kChains = 4;
+// Elements ahead that the one-pass walk asks memory for, for 4-byte inputs (twice the bytes
+// per element pair of bf16/fp16, whose walk is bound by its arithmetic and gets none; measured
+// in benchmarks/README.md).
+constexpr int64_t kAhead = 512;
 
 // The sums of the elements [0, n) of a chunk against shifts sh_x, sh_y, in double: s_x = Σ e^u,
 // s_y = Σ e^w, a = Σ e^u·(d_x − d_y), b = Σ e^u·d_x with d = logit − shift and e^u = 2^(d_x·c),
@@ -743,7 +739,8 @@ RowState row_fast(const T* px, const T* py, int64_t V, double T_) {
     const bool shifted = std::isfinite(row.m_x) && (!kY || std::isfinite(row.m_y));
     if (shifted) {
       const float sh_x = static_cast<float>(row.m_x), sh_y = static_cast<float>(row.m_y);
-      const ChunkSums cs = chunk_sums<kChains, kY, kB, false, true, kAhead>(x, y, n, sh_x, sh_y, c);
+      constexpr int64_t ahead = sizeof(T) >= 4 ? kAhead : 0;
+      const ChunkSums cs = chunk_sums<kChains, kY, kB, false, true, ahead>(x, y, n, sh_x, sh_y, c);
       const bool within = (cs.max_x - row.m_x) * c <= kRise &&
                           (!kY || (cs.max_y - row.m_y) * c <= kRise);
       if (within) {

@@ -34,6 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--load", type=int, default=0, help="busy processes running meanwhile")
     p.add_argument("--no-memory", action="store_true")
+    p.add_argument(
+        "--clock", choices=list(bench.CLOCKS), default="wall",
+        help="thread: this thread's CPU time (one thread, a machine shared with other jobs)",
+    )
     p.add_argument("--quick", action="store_true", help="S1 fp32 only, 3 rounds")
     p.add_argument("--out", default=os.path.join(HERE, "results", "bench_kl"), help="path stem")
     p.add_argument(
@@ -59,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                 memory=not args.no_memory,
                 threads=args.threads,
                 load=args.load,
+                clock=args.clock,
                 shape_name=f"{name} {bench.SHAPES[name]}",
                 log=lambda s: print(s, file=sys.stderr, flush=True),
             )
@@ -84,7 +89,7 @@ def _remeasure(args) -> int:
     rows = bench.read_csv(args.out + ".csv")
     for r in rows:
         name = r.shape.split(" ")[0]
-        if r.provider in ("floor", "exp floor"):
+        if bench.is_floor(r.provider):
             continue
         if name not in args.shapes or r.dtype not in args.dtypes:
             continue

@@ -7,11 +7,17 @@ times, in one process with warm-up and interleaved rounds (median and min of the
   multiply, sum: it materialises several (B, T, V) float32 tensors;
 - ``kl_div``: ``F.kl_div`` on two float32 ``log_softmax`` es (``log_target=True``);
 - every CPU backend of :func:`klpenalty.ops.dispatch.device_backends`;
+- ``seed-compiled`` (only when named): the seed formula through ``torch.compile`` (inductor);
 - the floors: ``floor`` = reading both inputs once (``x.sum(); y.sum()``); for forward+backward
   ``floor`` = that plus reading both again and writing one new tensor of the input's size
-  (``torch.add(x, y)``), the least a backward that returns a fresh gradient can do.
+  (``torch.add(x, y)``), the least a backward that returns a fresh gradient can do; for the
+  forward also ``exp floor`` (ATen's exp2 of both inputs) and, where the native kernel builds,
+  ``compute floor xU``: the native forward's own inner loop over an L1-resident tile for as
+  many element pairs as the inputs hold, U = 1, 2, 4, 8 float vectors per input in flight
+  (:func:`klpenalty.ops.native.compute_floor`): its arithmetic without its memory traffic.
 
-It reports time ratios to the seed formula and to the floor, the peak extra memory as a multiple
+It reports time ratios to the seed formula and to the floor (forward: also to the fastest compute
+floor and to the larger of the read floor and that compute floor), the peak extra memory as a multiple
 of one input tensor (peak RSS growth during one call, measured in a fresh subprocess per
 provider on Linux), and the max abs error of the per-position KL against the float64 reference
 (computed in row chunks).
@@ -142,14 +148,33 @@ def cpu_load(processes: int, seconds: float = 3600.0):
             p.wait()
 
 
+def _seed_compiled() -> Callable:
+    """The seed formula through ``torch.compile`` (inductor), compiled at its first call."""
+    compiled = None
+
+    def run(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        nonlocal compiled
+        if compiled is None:
+            compiled = torch.compile(seed_formula, dynamic=False)
+        return compiled(x, y)
+
+    return run
+
+
+# Providers run only when named (a compile costs seconds to a minute).
+OPTIONAL = ("seed-compiled",)
+
+
 def providers(names: list[str] | None = None) -> dict[str, Callable]:
-    """Name -> ``fn(policy_logits, ref_logits) -> (...) KL`` for the baselines and backends."""
+    """Name -> ``fn(policy_logits, ref_logits) -> (...) KL`` for the baselines and backends
+    (default: all but :data:`OPTIONAL`)."""
     table: dict[str, Callable] = {"seed": seed_formula, "kl_div": kl_div_formula}
     for b in device_backends(torch.device("cpu")):
         table[b] = _backend_fn(b)
     table["streaming-mt"] = _streaming_all_threads
     if names is None:
         return table
+    table["seed-compiled"] = _seed_compiled()
     unknown = [n for n in names if n not in table]
     if unknown:
         raise ValueError(f"unknown provider(s) {unknown}; valid: {list(table)}")
@@ -198,6 +223,31 @@ def _exp_floor_fn(x: torch.Tensor, y: torch.Tensor, tile: int = 1 << 18) -> Call
     return run
 
 
+COMPUTE_CHAINS = (1, 2, 4, 8)
+
+
+def _compute_floor_fns(x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable]:
+    """``compute floor xU`` for U in :data:`COMPUTE_CHAINS`: the native forward's inner loop
+    over a tile of the inputs (in their dtype) for ``x.numel()`` element pairs; none where the
+    native kernel is unavailable or the dtype is float64."""
+    from .ops import native
+
+    if x.dtype == torch.float64 or not native.available():
+        return {}
+    n = min(native.COMPUTE_FLOOR_TILE, x.numel())
+    xt, yt = x.reshape(-1)[:n].clone(), y.reshape(-1)[:n].clone()
+    pairs = x.numel()
+    return {
+        f"compute floor x{u}": (lambda u=u: native.compute_floor(xt, yt, pairs, u))
+        for u in COMPUTE_CHAINS
+    }
+
+
+def is_floor(name: str) -> bool:
+    """Whether a row's provider is one of the floors (no error, memory or seed ratio)."""
+    return name in ("floor", "exp floor") or name.startswith("compute floor")
+
+
 def _call(fn: Callable, mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable:
     if mode == "fwd":
 
@@ -228,7 +278,9 @@ def _max_error(kl: torch.Tensor, x: torch.Tensor, y: torch.Tensor, rows: int = 6
 
 @dataclass
 class Row:
-    """One line of the result table (times in ms; ratios are provider/floor and seed/provider)."""
+    """One line of the result table (times in ms; ratios are provider/floor and seed/provider;
+    forward: vs_compute = provider / fastest compute floor, vs_max = provider / the larger of the
+    read floor and that compute floor)."""
 
     shape: str
     dtype: str
@@ -244,6 +296,9 @@ class Row:
     threads: int = field(default_factory=torch.get_num_threads)
     load: int = 0  # busy processes running concurrently (cpu_load)
     loadavg: float = field(default_factory=lambda: os.getloadavg()[0])  # 1-min, at the end
+    vs_compute: float | None = None
+    vs_max: float | None = None
+    clock: str = "wall"  # CLOCKS: wall time or the thread's CPU time
 
 
 # --------------------------------------------------------------------------- memory probe
@@ -302,6 +357,7 @@ def run_benchmark(
     shape_name: str | None = None,
     log: Callable[[str], None] | None = print,
     load: int = 0,
+    clock: str = "wall",
 ) -> list[Row]:
     """Benchmark every provider at one shape and dtype; returns one :class:`Row` per result.
 
@@ -315,10 +371,17 @@ def run_benchmark(
         error: max abs error of the forward KL against the float64 reference.
         threads: torch threads (default: leave as is).
         load: busy processes to run concurrently while timing (:func:`cpu_load`).
+        clock: "wall" (``time.perf_counter``) or "thread": the calling thread's CPU time
+            (``time.thread_time``), for one thread on a machine shared with other jobs (time
+            spent descheduled is not counted; waits on memory are).
     """
+    if clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {list(CLOCKS)}, got {clock!r}")
     if threads:
         torch.set_num_threads(threads)
     threads = torch.get_num_threads()
+    if clock == "thread" and threads != 1:
+        raise ValueError(f"clock='thread' times one thread: threads must be 1, got {threads}")
     say = log or (lambda s: None)
     label = shape_name or "x".join(map(str, shape))
     table = providers(names)
@@ -326,47 +389,56 @@ def run_benchmark(
     rows: list[Row] = []
     with cpu_load(load):
         for mode in modes:
-            rows += _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say)
+            rows += _time_mode(
+                table, mode, x, y, repeats, warmup, label, dtype, threads, say, CLOCKS[clock]
+            )
     for row in rows:
         row.load = load
+        row.clock = clock
     if error:
         for row in rows:
-            if row.mode == "fwd" and row.provider not in ("floor", "exp floor"):
+            if row.mode == "fwd" and not is_floor(row.provider):
                 with torch.no_grad():
                     row.max_err = _max_error(table[row.provider](x, y), x, y)
     del x, y
     gc.collect()
     if memory:
         for row in rows:
-            if row.provider not in ("floor", "exp floor"):
+            if not is_floor(row.provider):
                 say(f"  {label} {dtype} {row.mode}: memory of {row.provider}")
                 row.mem_x_input = _peak_memory(shape, dtype, row.mode, row.provider, threads)
     return rows
 
 
-def _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say) -> list[Row]:
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+
+
+def _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say, now) -> list[Row]:
     fns = {n: _call(f, mode, x, y) for n, f in table.items()}
     floors = {"floor": _floor_fn(mode, x, y)}
     if mode == "fwd":
         floors["exp floor"] = _exp_floor_fn(x, y)
+        floors.update(_compute_floor_fns(x, y))
     fns = {**floors, **fns}
     first: dict[str, float] = {}
     for n, fn in fns.items():
-        t0 = time.perf_counter()
+        t0 = now()
         fn()
-        first[n] = time.perf_counter() - t0
+        first[n] = now() - t0
         for _ in range(max(0, warmup - 1)):
             fn()
         gc.collect()
     times: dict[str, list[float]] = {n: [] for n in fns}
     for r in range(repeats):
         for n, fn in fns.items():
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
-            times[n].append(time.perf_counter() - t0)
+            times[n].append(now() - t0)
         gc.collect()
         say(f"  {label} {dtype} {mode}: round {r + 1}/{repeats}")
     med = {n: statistics.median(t) * 1e3 for n, t in times.items()}
+    compute = [med[n] for n in floors if n.startswith("compute floor")]
+    best = min(compute) if compute else None
     return [
         Row(
             label,
@@ -379,6 +451,8 @@ def _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say) -
             vs_seed=(med["seed"] / med[n]) if "seed" in med and n not in floors else None,
             vs_floor=med[n] / med["floor"],
             threads=threads,
+            vs_compute=med[n] / best if best and n not in floors else None,
+            vs_max=med[n] / max(best, med["floor"]) if best and n not in floors else None,
         )
         for n in fns
     ]
@@ -391,18 +465,20 @@ def _fmt(v, spec):
 def format_table(rows: list[Row]) -> str:
     """A markdown table of the rows."""
     head = (
-        "| shape | dtype | mode | threads | load | provider | median ms | min ms | first call s "
-        "| × faster than seed | × floor | peak extra mem (× input) | max err vs fp64 "
-        "| loadavg |\n"
-        "|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "| shape | dtype | mode | threads | load | clock | provider | median ms | min ms "
+        "| first call s "
+        "| × faster than seed | × floor | × compute floor | × max(floors) "
+        "| peak extra mem (× input) | max err vs fp64 | loadavg |\n"
+        "|---|---|---|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     lines = []
     for r in rows:
-        name = f"*{r.provider}*" if r.provider in ("floor", "exp floor") else r.provider
+        name = f"*{r.provider}*" if is_floor(r.provider) else r.provider
         lines.append(
-            f"| {r.shape} | {r.dtype} | {r.mode} | {r.threads} | {r.load} | {name} "
+            f"| {r.shape} | {r.dtype} | {r.mode} | {r.threads} | {r.load} | {r.clock} | {name} "
             f"| {r.median_ms:.1f} | {r.min_ms:.1f} "
             f"| {r.first_call_s:.2f} | {_fmt(r.vs_seed, '.1f')} | {_fmt(r.vs_floor, '.2f')} "
+            f"| {_fmt(r.vs_compute, '.2f')} | {_fmt(r.vs_max, '.2f')} "
             f"| {_fmt(r.mem_x_input, '.3f')} | {_fmt(r.max_err, '.1e')} | {r.loadavg:.2f} |"
         )
     return head + "\n".join(lines) + "\n"
@@ -424,16 +500,27 @@ def read_csv(path: str) -> list[Row]:
                     num(d["vs_seed"]), num(d["vs_floor"]), num(d["mem_x_input"]),
                     num(d["max_err"]), int(d["threads"]),
                     int(d.get("load") or 0), float(d.get("loadavg") or "nan"),
+                    num(d.get("vs_compute", "")), num(d.get("vs_max", "")),
+                    d.get("clock") or "wall",
                 )
             )
     return out
 
 
 def write_csv(rows: list[Row], path: str) -> None:
-    """Write (or append to) a CSV file with one line per row."""
+    """Write (or append to) a CSV file with one line per row; a file written with fewer columns
+    (an older version) is rewritten with the current ones first."""
+    fields = list(asdict(rows[0]))
     new = not os.path.exists(path)
+    if not new:
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+        if header != fields:
+            rows = read_csv(path) + list(rows)
+            new = True
+            os.remove(path)
     with open(path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        w = csv.DictWriter(f, fieldnames=fields)
         if new:
             w.writeheader()
         for r in rows:

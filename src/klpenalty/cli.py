@@ -64,6 +64,7 @@ def _bench(args: argparse.Namespace) -> int:
             error=not args.no_error,
             threads=args.threads,
             load=args.load,
+            clock=args.clock,
             log=(lambda s: print(s, file=sys.stderr)) if not args.quiet else None,
         )
     table = bench.format_table(rows)
@@ -148,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--load", type=int, default=0, help="busy processes running meanwhile (default 0)"
     )
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    b.add_argument(
+        "--clock", choices=["wall", "thread"], default="wall",
+        help="thread: this thread's CPU time (with --threads 1, on a machine shared with others)",
+    )
     b.add_argument("--no-error", action="store_true", help="skip the float64 error check")
     b.add_argument("--csv", default=None, help="append the rows to this CSV file")
     b.add_argument("--markdown", default=None, help="append the table to this markdown file")

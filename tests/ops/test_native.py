@@ -185,6 +185,92 @@ def test_large_kl_stays_within_2e6_nats(dtype):
     assert err <= 2e-6
 
 
+CHUNK = native.COMPUTE_FLOOR_TILE  # the kernel's chunk
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_one_pass_walk_where_a_later_chunk_raises_the_maximum(dtype):
+    """Every chunk is walked against the row's running maxima (at first those of the row's first
+    256 elements): a maximum that rises in the first chunk, a little (merged, then the state rescaled), by more than the bound (the chunk redone
+    against its own maxima), far in y only, in the last partial chunk, after an all −inf first
+    chunk, and at the last element; the KL, the token log-probs and the stats against the
+    float64 reference and the streaming op."""
+    v = 3 * CHUNK + 77
+    x, y = make_logits((8, v), torch.float64, seed=31, scale=2.0)
+    x[0, 1000] += 20.0  # above the maxima of the first 256 elements: the first chunk redone
+    x[1, CHUNK + 5] += 1.5  # a small rise: within the bound
+    x[2, 2 * CHUNK + 9] += 40.0  # far above: the chunk is redone
+    y[3, CHUNK + 700] += 60.0  # in y only
+    x[4, 3 * CHUNK + 50] += 25.0  # in the partial last chunk
+    y[4, 3 * CHUNK + 51] -= 25.0
+    x[5, :CHUNK] = NINF  # no running maximum after the first chunk: two passes again
+    y[5, :CHUNK] = NINF
+    x[6, -1] += 30.0
+    y[6, -1] += 30.0
+    x[7] = x[7] * 4.0 + 1e3  # big offsets, wide rows
+    y[7] = y[7] * 4.0 - 1e3
+    x, y = x.to(dtype), y.to(dtype)
+    for temperature in (1.0, 0.7):
+        want = full_kl_reference(x, y, temperature)
+        torch.testing.assert_close(_kl(x, y, temperature=temperature).double(), want, **tol(dtype))
+    tokens = torch.tensor([0, CHUNK + 5, 2 * CHUNK + 9, 3, 3 * CHUNK + 50, CHUNK + 1, v - 1, 9])
+    out, stats = torch.ops.klpenalty.native_token_stats(
+        x, y, tokens, None, None, None, 1.0, -100, int(ag.Want.KL | ag.Want.LOGP), False, 0, 0
+    )
+    _, stats_s = torch.ops.klpenalty.streaming_token_stats(
+        x, y, tokens, None, None, None, 1.0, -100, int(ag.Want.KL | ag.Want.LOGP), False, 0, 0
+    )
+    torch.testing.assert_close(out[:, ag.OUT_LOGP].double(), token_logprobs_reference(x, tokens, 1.0), **tol(dtype))
+    torch.testing.assert_close(stats[:, :6], stats_s[:, :6], atol=2e-6, rtol=1e-5)
+    assert stats[5, ag.ST_CAREFUL].item() == 1.0  # the −inf first chunk needs 0·log 0 = 0 ...
+    xg = x.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(_kl(xg, y).sum(), (xg,))
+    assert torch.all(gx[5, :CHUNK] == 0) and torch.isfinite(gx).all()  # ... and its gradient 0
+    # the log-probs alone keep the fast walk also for the row whose first chunk is −inf
+    lp, _ = torch.ops.klpenalty.native_token_stats(
+        x, None, tokens, None, None, None, 0.8, -100, int(ag.Want.LOGP), False, 0, 0
+    )
+    torch.testing.assert_close(lp[:, ag.OUT_LOGP].double(), token_logprobs_reference(x, tokens, 0.8), **tol(dtype))
+
+
+def test_one_pass_walk_hands_nan_and_inf_in_later_chunks_to_the_careful_paths():
+    """A NaN or +inf logit in a later chunk (which the one-pass maxima do not keep) and a −inf
+    reference entry there give what the streaming op gives."""
+    x, y = make_logits((4, 2 * CHUNK + 3), torch.float32, seed=32)
+    x[0, CHUNK + 3] = float("nan")
+    y[1, 2 * CHUNK] = float("nan")
+    x[2, CHUNK + 8] = float("inf")
+    y[3, CHUNK + 9] = NINF  # KL = +inf
+    args = (x, y, None, None, None, None, 1.0, -100, int(ag.Want.KL | ag.Want.ENTROPY), False, 0, 0)
+    out, stats = torch.ops.klpenalty.native_token_stats(*args)
+    out_s, stats_s = torch.ops.klpenalty.streaming_token_stats(*args)
+    torch.testing.assert_close(out, out_s, equal_nan=True)
+    assert torch.isnan(out[:3, ag.OUT_KL]).all() and out[3, ag.OUT_KL].item() == float("inf")
+    assert stats[3, ag.ST_CAREFUL].item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compute_floor_computes_the_kernels_sums(dtype):
+    """The benchmark op runs the forward's arithmetic: per walk of the tile Σ e^(x − max x),
+    Σ e^(y − max y), Σ e^(x − max x)·(x − max x − y + max y) and both maxima, for every count of
+    chains, repeated ceil(pairs / n) times."""
+    x, y = make_logits((CHUNK + 13,), dtype, seed=33)
+    xd, yd = x.double(), y.double()
+    dx, dy = xd - xd.max(), yd - yd.max()
+    one = (dx.exp().sum() + dy.exp().sum() + (dx.exp() * (dx - dy)).sum() + xd.max() + yd.max())
+    for chains in (1, 2, 4, 8):
+        got = native.compute_floor(x, y, x.numel(), chains)
+        assert got == pytest.approx(one.item(), rel=1e-6)
+        assert native.compute_floor(x, y, 2 * x.numel() + 1, chains) == pytest.approx(3 * got, rel=1e-12)
+    assert native.compute_floor(x, y, 0, 4) == 0.0
+    with pytest.raises(ValueError, match="chains must be 1, 2, 4 or 8, got 3"):
+        native.compute_floor(x, y, 10, 3)
+    with pytest.raises(TypeError, match="y must have the dtype of x"):
+        native.compute_floor(x, y.double(), 10, 4)
+    with pytest.raises(ValueError, match=r"x must be a contiguous 1-D CPU tensor.*shape=\(2, 3\)"):
+        native.compute_floor(x[:6].view(2, 3), y[:6].view(2, 3), 10, 4)
+
+
 def test_mixed_dtypes_empty_batch_and_threads():
     x, y = make_logits((3, 4, 500), torch.float32, seed=2)
     xb = x.bfloat16().requires_grad_()

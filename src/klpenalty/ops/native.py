@@ -47,11 +47,20 @@ __all__ = [
     "build_name",
     "isa",
     "SOURCE",
+    "COMPUTE_FLOOR_TILE",
+    "compute_floor",
 ]
 
 SOURCE = Path(__file__).with_name("csrc") / "klpenalty_native.cpp"
 
 contract.define_ops("native")  # the schemas; the C++ library registers the CPU kernels
+
+# The benchmark op (not part of the contract): the kernel's inner loop over an L1-resident tile.
+_BENCH_LIB = torch.library.Library("klpenalty", "FRAGMENT")  # noqa: TOR901
+_BENCH_LIB.define("native_compute_floor(Tensor x, Tensor y, int pairs, int chains) -> float")
+
+# Elements per input of the tile that :func:`compute_floor` walks: the kernel's chunk (kChunk).
+COMPUTE_FLOOR_TILE = 2048
 
 # A build lock older than this is left over from a killed build: ``cpp_extension.load`` would
 # wait on it forever.
@@ -216,6 +225,21 @@ def available() -> bool:
             stacklevel=2,
         )
     return not _error
+
+
+def compute_floor(x: Tensor, y: Tensor, pairs: int, chains: int) -> float:
+    """The forward's arithmetic without its memory traffic, for ``klpenalty bench``.
+
+    Runs the kernel's one-pass chunk loop of the KL (two exps, three sums and both maxima per
+    element pair, ``chains`` float vectors per input in flight: 1, 2, 4 or 8) over the
+    L1-resident tile ``x``, ``y`` (1-D, contiguous, float32/bfloat16/float16, best
+    :data:`COMPUTE_FLOOR_TILE` elements) until ``pairs`` element pairs are done; the time of a
+    call is the least a forward over ``pairs`` element pairs spends computing. Returns a checksum
+    of the sums. Raises RuntimeError if the kernel is unavailable.
+    """
+    if not available():
+        raise RuntimeError(f"the native CPU kernel is unavailable ({_error})")
+    return torch.ops.klpenalty.native_compute_floor(x, y, int(pairs), int(chains))
 
 
 def status() -> str:

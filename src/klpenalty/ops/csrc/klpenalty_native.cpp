@@ -17,14 +17,18 @@
 //
 // Per row, in one read of the row from memory, ONE row walker (walk_row) computes whatever is
 // wanted, specialised at compile time: the log-sum-exp of x (log-probs), with the entropy's
-// Σ e^u·u, with y's log-sum-exp and the KL's Σ e^u·(u − w). Each chunk is read twice (its maxima,
-// then from L1 the exps and sums); with a support the chunk of x is first copied into an L1
-// buffer with −inf off the support. The row state (maxima in logit units, sums; engine.py) is
-// kept in double and rescaled when a chunk raises a maximum. float32/bfloat16/float16 inputs are
-// read directly and computed in float32 vectors (at::vec::Vectorized<float>) with a polynomial
-// exp2; float64 inputs, and rows holding NaN or +inf, take a scalar double path with the
-// engine's rules. The backward is one walk per row writing ∂/∂x and ∂/∂y for all wanted outputs.
-// One parallel region per call, its threads taking blocks of rows from a shared counter.
+// Σ e^u·u, with y's log-sum-exp and the KL's Σ e^u·(u − w). An untruncated row is read once:
+// every chunk against the row's running maxima (at first those of the row's first 256 elements)
+// with the chunk's maxima tracked alongside, redone in two passes (maxima, then from L1 the exps
+// and sums) if they rose by more than a bound. With a support, or for rows that need the 0·log 0 rule, every
+// chunk takes two passes (the chunk of x first copied into an L1 buffer with −inf off the
+// support). The row state (maxima in logit units, sums; engine.py) is kept in double and
+// rescaled when a maximum rises. float32/bfloat16/float16 inputs are read directly and computed
+// in float32 vectors (at::vec::Vectorized<float>) with a polynomial exp2, several independent
+// vectors in flight; float64 inputs, and rows holding NaN or +inf, take a scalar double path with
+// the engine's rules. The backward is one walk per row writing ∂/∂x and ∂/∂y for all wanted
+// outputs. One parallel region per call, its threads taking blocks of rows from a shared counter.
+// A fourth op, native_compute_floor, times the forward's inner loop alone (the benchmark's).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -49,13 +53,12 @@ namespace klpenalty_native {
 namespace {
 
 using VF = at::vec::Vectorized<float>;
-using VI = at::vec::Vectorized<int32_t>;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kLog2e = 1.4426950408889634;
 constexpr int64_t kBlock = 2 * VF::size();  // elements per inner step: two float vectors
-constexpr int64_t kChunk = 2048;            // elements of one row kept in L1 between the passes
+constexpr int64_t kChunk = 2048;            // elements of a row per chunk (kept in L1 for a redo)
 constexpr int64_t kGrainElements = 1 << 16; // work per parallel task, in elements
 
 // the want bits and the out / stats / state columns of klpenalty/ops/contract.py
@@ -67,14 +70,37 @@ enum StatsCol : int {
 constexpr int64_t kStateCols = 6;  // m_x, s_x, m_y, s_y, a, b
 
 // ------------------------------------------------------------------------------ fast exp2
+// Bits of a float vector shifted left by 23 (the exponent field), as floats.
+inline VF shift_to_exponent(const VF& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(v), 23));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(v), 23));
+#else
+  float f[VF::size()];
+  v.store(f);
+  for (int k = 0; k < VF::size(); ++k) {
+    uint32_t u;
+    std::memcpy(&u, &f[k], sizeof(u));
+    u <<= 23;
+    std::memcpy(&f[k], &u, sizeof(u));
+  }
+  return VF::loadu(f);
+#endif
+}
+
 // 2^t = 2^n · 2^f, n = round(t), f in [-1/2, 1/2]; 2^f by a degree-6 polynomial fitted for
-// relative error (9.6e-8 in float32 Horner, about one ulp). t is clamped to [-127, 127]; n = -127
-// builds the bit pattern 0, so the result is exactly 0 below about -126.5 (also for t = -inf),
-// where the exact value is below 1e-38. NaN stays NaN.
-inline VF exp2_fast(const VF& t) {
-  VF tc = at::vec::clamp(t, VF(-127.0f), VF(127.0f));
-  VF n = tc.round();
-  VF f = tc - n;
+// relative error (9.6e-8 in float32 Horner, about one ulp). n comes from one addition: t + M,
+// M = 1.5·2^23 + 127, is an integer (float spacing 1 there) whose low mantissa bits hold n + 127,
+// which shifted into the exponent field are the bits of 2^n; (t + M) − M = n exactly. t is
+// clamped below at −127 (n = −127 builds the bit pattern 0, so the result is exactly 0 below about
+// −126.5, also for t = −inf, where the exact value is below 1e-38); kClampHigh clamps above at
+// 127, else t must not exceed 127 (larger t gives a wrong finite value or NaN: callers that allow
+// it check their maxima and redo). NaN stays NaN.
+constexpr float kMagic = 12582912.0f + 127.0f;
+
+// 2^f · 2^n from f and k = n + kMagic
+inline VF exp2_parts(const VF& f, const VF& k) {
   VF p(1.5345812e-4f);
   p = at::vec::fmadd(p, f, VF(1.3399931e-3f));
   p = at::vec::fmadd(p, f, VF(9.6184891e-3f));
@@ -82,8 +108,26 @@ inline VF exp2_fast(const VF& t) {
   p = at::vec::fmadd(p, f, VF(2.4022646e-1f));
   p = at::vec::fmadd(p, f, VF(6.9314718e-1f));
   p = at::vec::fmadd(p, f, VF(1.0f));
-  VI bits = (at::vec::convert_to_int_of_same_size(n) + VI(127)) << VI(23);
-  return p * at::vec::cast<float>(bits);
+  return p * shift_to_exponent(k);
+}
+
+template <bool kClampHigh = true>
+inline VF exp2_fast(const VF& t) {
+  const VF magic(kMagic);
+  VF tc = at::vec::clamp_min(t, VF(-127.0f));  // max(−127, t): keeps a NaN t
+  if constexpr (kClampHigh) tc = at::vec::clamp_max(tc, VF(127.0f));
+  const VF k = tc + magic;
+  return exp2_parts(tc - (k - magic), k);
+}
+
+// 2^(d·c) for the forward (no upper clamp: d·c must not exceed 127, see exp2_fast), d clamped
+// below at lo = −127/c; n and f from the exact product d·c by two FMAs (one operation fewer
+// than forming t = d·c first, and f rounded once).
+inline VF exp2_scaled(const VF& d, const VF& c, const VF& lo) {
+  const VF magic(kMagic);
+  const VF dc = at::vec::clamp_min(d, lo);
+  const VF k = at::vec::fmadd(dc, c, magic);
+  return exp2_parts(at::vec::fmsub(dc, c, k - magic), k);
 }
 
 // ------------------------------------------------------------------------------ loads/stores
@@ -139,6 +183,44 @@ inline void load_shifted(const TX* x, const TY* y, const VF& shx, const VF& shy,
   dy0 = y0 - shy;
   dy1 = y1 - shy;
 }
+
+// U float vectors (U·VF::size() elements) from float, bfloat16 or float16 memory, for sums and
+// maxima only. kAnyOrder: the lanes may hold the elements in another order than memory's, the
+// same order for every pointer of this dtype (so x and y of one dtype stay paired): bfloat16
+// pairs of vectors widen by interleaving zero words below the data (one instruction per vector
+// instead of a widening and a shift).
+template <int U, bool kAnyOrder, typename T>
+inline void load_lanes(const T* p, VF* v) {
+  int k = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; k < U; ++k) v[k] = VF::loadu(p + k * VF::size());
+  } else {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+    if constexpr (kAnyOrder && std::is_same_v<T, at::BFloat16>) {
+      for (; k + 2 <= U; k += 2) {
+#if defined(CPU_CAPABILITY_AVX512)
+        const __m512i raw = _mm512_loadu_si512(reinterpret_cast<const void*>(p + k * VF::size()));
+        const __m512i zero = _mm512_setzero_si512();
+        v[k] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, raw));
+        v[k + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, raw));
+#else
+        const __m256i raw =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + k * VF::size()));
+        const __m256i zero = _mm256_setzero_si256();
+        v[k] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));
+        v[k + 1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
+#endif
+      }
+    }
+#endif
+    for (; k + 2 <= U; k += 2) at::vec::load_to_float<T>(p + k * VF::size(), v[k], v[k + 1]);
+    for (; k < U; ++k) at::vec::load_to_float<T>(p + k * VF::size(), v[k]);
+  }
+}
+
+// max(acc, v) in one instruction: a NaN in v is kept, a NaN in acc is not (the walks that use it
+// find NaN in their sums).
+inline VF max_fast(const VF& acc, const VF& v) { return at::vec::clamp_min(v, acc); }
 
 inline double finite_or_zero(double v) { return std::isfinite(v) ? v : 0.0; }
 
@@ -478,10 +560,131 @@ RowState row_scalar(const T* px, const T* py, const Support& sup, int64_t V, dou
   return row;
 }
 
-// One chunk [0, n) of a row, float32 vectors: its maxima, then from L1 the exps and sums, merged
-// into the row state; false for a chunk holding NaN or +inf (the caller redoes the row in double).
-// kCareful: e^u = 0 terms of a and b are dropped (0·log 0 = 0); without it such a term gives NaN
-// and the caller redoes the row carefully.
+// ------------------------------------------------------------------------------ chunk sums
+// Float vectors per input in flight in the forward's inner loop: independent exps enough to hide
+// the polynomial's latency behind the other chains (`klpenalty bench` measures 1, 2, 4 and 8).
+constexpr int kChains = 4;
+// Elements ahead that the one-pass walk asks memory for, for 4-byte inputs (twice the bytes
+// per element pair of bf16/fp16, whose walk is bound by its arithmetic and gets none; measured
+// in benchmarks/README.md).
+constexpr int64_t kAhead = 512;
+
+// The sums of the elements [0, n) of a chunk against shifts sh_x, sh_y, in double: s_x = Σ e^u,
+// s_y = Σ e^w, a = Σ e^u·(d_x − d_y), b = Σ e^u·d_x with d = logit − shift and e^u = 2^(d_x·c),
+// c = log2(e)/T (a and b not yet divided by T); with kTrack the chunk's maxima (NaN not kept: a
+// NaN logit makes the sums NaN).
+struct ChunkSums {
+  double s_x = 0.0, s_y = 0.0, a = 0.0, b = 0.0;
+  double max_x = -kInf, max_y = -kInf;
+  bool finite() const {
+    return std::isfinite(s_x) && std::isfinite(s_y) && std::isfinite(a) && std::isfinite(b);
+  }
+};
+
+// The inner loop of every forward walk: U vectors of x and of y per step (their lanes in any
+// order when both have one dtype, load_lanes), whose 2·U exps are independent; one accumulator per sum (and per maximum),
+// each added to U times per step (16 registers on AVX2 hold no more), its float lanes summing 8
+// terms before they are added into double lanes (a float lane summing a whole chunk, 64 terms,
+// lost ~1e-6 nats of a KL of 7); the tail in scalar code. kY: y's sums and a; kB: b; kCareful:
+// e^u = 0 terms of a and b are dropped (0·log 0 = 0), without it such a term gives NaN; kTrack:
+// the maxima alongside; ahead: elements ahead to prefetch (0: none). Every exponent is at most 0
+// with shifts at the maxima, and at most the caller's bound otherwise (exp2_scaled).
+template <int U, bool kY, bool kB, bool kCareful, bool kTrack, int64_t ahead, typename TX,
+          typename TY>
+ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y, float c) {
+  constexpr int64_t kStep = U * VF::size();
+  constexpr int kSteps = U >= 8 ? 1 : 8 / U;  // steps per float partial sum
+  const VF vc(c), vsx(sh_x), vsy(sh_y), zero(0.0f), lo(-127.0f / c);
+  VF mx(-std::numeric_limits<float>::infinity()), my = mx;
+  WideSum ws_x, ws_y, wa, wb;
+  int64_t i = 0;
+  while (i + kStep <= n) {
+    VF sx = zero, sy = zero, sa = zero, sb = zero;
+    for (int s = 0; s < kSteps && i + kStep <= n; ++s, i += kStep) {
+      if constexpr (ahead > 0) {
+        constexpr int64_t kBytesX = kStep * static_cast<int64_t>(sizeof(TX));
+        constexpr int64_t kBytesY = kStep * static_cast<int64_t>(sizeof(TY));
+        const char* cx = reinterpret_cast<const char*>(x + i + ahead);
+        for (int64_t b = 0; b < kBytesX; b += 64) __builtin_prefetch(cx + b);
+        if constexpr (kY) {
+          const char* cy = reinterpret_cast<const char*>(y + i + ahead);
+          for (int64_t b = 0; b < kBytesY; b += 64) __builtin_prefetch(cy + b);
+        }
+      }
+      VF xv[U], yv[U];
+      constexpr bool kAnyOrder = std::is_same_v<TX, TY>;  // x from a float buffer: memory order
+      load_lanes<U, kAnyOrder>(x + i, xv);
+      if constexpr (kY) load_lanes<U, kAnyOrder>(y + i, yv);
+#pragma GCC unroll 8
+      for (int k = 0; k < U; ++k) {
+        if constexpr (kTrack) mx = max_fast(mx, xv[k]);
+        const VF dx = xv[k] - vsx;
+        const VF eu = exp2_scaled(dx, vc, lo);
+        sx = sx + eu;
+        if constexpr (kY) {
+          if constexpr (kTrack) my = max_fast(my, yv[k]);
+          const VF dy = yv[k] - vsy;
+          sy = sy + exp2_scaled(dy, vc, lo);
+          if constexpr (kCareful) {
+            sa = sa + moment_term<true>(eu, dx - dy);
+          } else {
+            sa = at::vec::fmadd(eu, dx - dy, sa);
+          }
+        }
+        if constexpr (kB) {
+          if constexpr (kCareful) {
+            sb = sb + moment_term<true>(eu, dx);
+          } else {
+            sb = at::vec::fmadd(eu, dx, sb);
+          }
+        }
+      }
+    }
+    ws_x.add(sx);
+    if constexpr (kY) {
+      ws_y.add(sy);
+      wa.add(sa);
+    }
+    if constexpr (kB) wb.add(sb);
+  }
+  ChunkSums cs;
+  cs.s_x = ws_x.value();
+  if constexpr (kY) cs.s_y = ws_y.value(), cs.a = wa.value();
+  if constexpr (kB) cs.b = wb.value();
+  if constexpr (kTrack) {
+    float buf[VF::size()];
+    mx.store(buf);
+    for (int k = 0; k < VF::size(); ++k) cs.max_x = std::max<double>(cs.max_x, buf[k]);
+    if constexpr (kY) {
+      my.store(buf);
+      for (int k = 0; k < VF::size(); ++k) cs.max_y = std::max<double>(cs.max_y, buf[k]);
+    }
+  }
+  for (; i < n; ++i) {
+    const float xf = static_cast<float>(x[i]);
+    const float dx = xf - sh_x, eu = std::exp2(dx * c);
+    cs.s_x += eu;
+    if constexpr (kTrack) cs.max_x = std::max<double>(cs.max_x, xf);
+    if constexpr (kY) {
+      const float yf = static_cast<float>(y[i]);
+      const float dy = yf - sh_y;
+      if constexpr (kTrack) cs.max_y = std::max<double>(cs.max_y, yf);
+      cs.s_y += std::exp2(dy * c);
+      cs.a += kCareful ? careful_term(eu, static_cast<double>(dx - dy))
+                       : static_cast<double>(eu * (dx - dy));
+    }
+    if constexpr (kB) {
+      if (!kCareful || eu != 0.0f) cs.b += static_cast<double>(eu * dx);
+    }
+  }
+  return cs;
+}
+
+// One chunk [0, n) of a row in two passes: its maxima, then from L1 (the next chunk requested
+// meanwhile) the exps and sums against the row's new maxima, merged into the row state; false
+// for a chunk holding NaN or +inf (the caller redoes the row in double) and, without kCareful,
+// for a sum that is not finite (the caller redoes the row carefully: a later rescale by 0 would
+// hide it, e.g. behind a first chunk of −inf in both rows, and the backward needs the flag).
 template <bool kY, bool kB, bool kCareful, typename TX, typename TY>
 bool chunk_step(RowState& row, const TX* x, const TY* y, int64_t n, double T_) {
   const double cm_x = chunk_max(x, n);
@@ -493,73 +696,81 @@ bool chunk_step(RowState& row, const TX* x, const TY* y, int64_t n, double T_) {
     m_y = std::max(row.m_y, cm_y);
   }
   const double m_x = std::max(row.m_x, cm_x);
-  const float c = static_cast<float>(kLog2e / T_);
-  const float shx = static_cast<float>(finite_or_zero(m_x));
-  const float shy = static_cast<float>(finite_or_zero(m_y));
-  const VF vc(c), vsx(shx), vsy(shy), zero(0.0f);
-  WideSum ws_x, ws_y, wa, wb;
-  int64_t i = 0;
-  while (i + kBlock <= n) {
-    VF sx0 = zero, sx1 = zero, sy0 = zero, sy1 = zero, a0 = zero, a1 = zero, b0 = zero, b1 = zero;
-    for (int64_t k = 0; k < kFlush && i + kBlock <= n; ++k, i += kBlock) {
-      VF dx0, dx1;
-      if constexpr (kY) {
-        VF dy0, dy1;
-        load_shifted(x + i, y + i, vsx, vsy, dx0, dx1, dy0, dy1);
-        const VF eu0 = exp2_fast(dx0 * vc), eu1 = exp2_fast(dx1 * vc);
-        const VF ew0 = exp2_fast(dy0 * vc), ew1 = exp2_fast(dy1 * vc);
-        sx0 = sx0 + eu0;
-        sx1 = sx1 + eu1;
-        sy0 = sy0 + ew0;
-        sy1 = sy1 + ew1;
-        a0 = a0 + moment_term<kCareful>(eu0, dx0 - dy0);
-        a1 = a1 + moment_term<kCareful>(eu1, dx1 - dy1);
-        if constexpr (kB) {
-          b0 = b0 + moment_term<kCareful>(eu0, dx0);
-          b1 = b1 + moment_term<kCareful>(eu1, dx1);
-        }
-      } else {
-        prefetch_block(x + kChunk + i);
-        VF x0, x1;
-        load2(x + i, x0, x1);
-        dx0 = x0 - vsx;
-        dx1 = x1 - vsx;
-        const VF eu0 = exp2_fast(dx0 * vc), eu1 = exp2_fast(dx1 * vc);
-        sx0 = sx0 + eu0;
-        sx1 = sx1 + eu1;
-        if constexpr (kB) {
-          b0 = b0 + moment_term<kCareful>(eu0, dx0);
-          b1 = b1 + moment_term<kCareful>(eu1, dx1);
-        }
-      }
-    }
-    ws_x.add(sx0 + sx1);
-    if constexpr (kY) {
-      ws_y.add(sy0 + sy1);
-      wa.add(a0 + a1);
-    }
-    if constexpr (kB) wb.add(b0 + b1);
-  }
-  double cs_x = ws_x.value(), cs_y = kY ? ws_y.value() : 0.0;
-  double ca = kY ? wa.value() : 0.0, cb = kB ? wb.value() : 0.0;
-  for (; i < n; ++i) {
-    const float dx = static_cast<float>(x[i]) - shx, eu = std::exp2(dx * c);
-    cs_x += eu;
-    if constexpr (kY) {
-      const float dy = static_cast<float>(y[i]) - shy;
-      cs_y += std::exp2(dy * c);
-      ca += kCareful ? careful_term(eu, static_cast<double>(dx - dy)) : static_cast<double>(eu * (dx - dy));
-    }
-    if constexpr (kB) {
-      if (!kCareful || eu != 0.0f) cb += static_cast<double>(eu * dx);
-    }
-  }
-  merge_chunk<kY, kB>(row, m_x, m_y, T_, cs_x, cs_y, ca / T_, cb / T_);
+  const ChunkSums cs = chunk_sums<kChains, kY, kB, kCareful, false, kChunk>(
+      x, y, n, static_cast<float>(finite_or_zero(m_x)), static_cast<float>(finite_or_zero(m_y)),
+      static_cast<float>(kLog2e / T_));
+  if (!kCareful && !cs.finite()) return false;
+  merge_chunk<kY, kB>(row, m_x, m_y, T_, cs.s_x, cs.s_y, cs.a / T_, cs.b / T_);
   return true;
 }
 
-// One row, float32 vectors, chunk by chunk; kSupport: each chunk of x is first copied into an
-// L1 buffer with −inf off the support (and walked with the careful arithmetic).
+// The one-pass walk's bound: a chunk whose maximum exceeds the row's running maximum (its
+// shift) by more than kRise, in log2 units of e^u, is redone in two passes against its own
+// maximum; below it every term is at most 2^kRise and its rounding about as small as against
+// the maximum.
+constexpr double kRise = 4.0;
+
+// Elements at the start of a row whose maxima are the running maxima its first chunk is walked
+// against (a first chunk whose maximum lies higher than the bound above them is redone).
+constexpr int64_t kPrefix = 256;
+
+// One untruncated row, float32 vectors, each chunk read once against the row's running maxima
+// (at first those of its first kPrefix elements) with its own maxima alongside, merged without a
+// rescale (and the state rescaled when the maxima rose); a chunk is walked in two passes where
+// there are no finite running maxima or its maxima rose by more than the bound. bad: a chunk
+// holds NaN or +inf, or a sum is not finite (the caller redoes the row with the careful or the
+// double arithmetic).
+template <bool kY, bool kB, typename T>
+RowState row_fast(const T* px, const T* py, int64_t V, double T_) {
+  RowState row;
+  const float c = static_cast<float>(kLog2e / T_);
+  if (V > kPrefix) {
+    const double m_x = chunk_max(px, kPrefix), m_y = kY ? chunk_max(py, kPrefix) : -kInf;
+    if (std::isnan(m_x) || m_x == kInf || std::isnan(m_y) || m_y == kInf) {
+      row.bad = true;
+      return row;
+    }
+    row.m_x = m_x, row.m_y = m_y;  // an empty state (all sums 0) at these maxima
+  }
+  for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
+    const int64_t n = std::min(kChunk, V - c0);
+    const T* x = px + c0;
+    const T* y = kY ? py + c0 : nullptr;
+    const bool shifted = std::isfinite(row.m_x) && (!kY || std::isfinite(row.m_y));
+    if (shifted) {
+      const float sh_x = static_cast<float>(row.m_x), sh_y = static_cast<float>(row.m_y);
+      constexpr int64_t ahead = sizeof(T) >= 4 ? kAhead : 0;
+      const ChunkSums cs = chunk_sums<kChains, kY, kB, false, true, ahead>(x, y, n, sh_x, sh_y, c);
+      const bool within = (cs.max_x - row.m_x) * c <= kRise &&
+                          (!kY || (cs.max_y - row.m_y) * c <= kRise);
+      if (within) {
+        if (!cs.finite()) {
+          row.bad = true;
+          return row;
+        }
+        row.s_x += cs.s_x;
+        if constexpr (kY) row.s_y += cs.s_y, row.a += cs.a / T_;
+        if constexpr (kB) row.b += cs.b / T_;
+        const double m_x = std::max(row.m_x, cs.max_x);
+        const double m_y = kY ? std::max(row.m_y, cs.max_y) : -kInf;
+        if (m_x > row.m_x || (kY && m_y > row.m_y)) {
+          merge_chunk<kY, kB>(row, m_x, m_y, T_, 0.0, 0.0, 0.0, 0.0);
+        }
+        continue;
+      }
+    }
+    if (!chunk_step<kY, kB, false>(row, x, y, n, T_)) {
+      row.bad = true;
+      return row;
+    }
+  }
+  row.bad = !(std::isfinite(row.s_x) && std::isfinite(row.s_y) && std::isfinite(row.a) &&
+              std::isfinite(row.b));
+  return row;
+}
+
+// One row, float32 vectors, chunk by chunk in two passes; kSupport: each chunk of x is first
+// copied into an L1 buffer with −inf off the support (and walked with the careful arithmetic).
 template <bool kY, bool kB, bool kCareful, bool kSupport, typename T>
 RowState row_vec(const T* px, const T* py, const Support& sup, int64_t V, double T_) {
   RowState row;
@@ -579,7 +790,7 @@ RowState row_vec(const T* px, const T* py, const Support& sup, int64_t V, double
 
 // THE row walker: the state of one row for what is wanted (kY: y and the KL, kB: the entropy;
 // neither: the log-sum-exp of x for its log-probs), with or without a support. Untruncated rows
-// take the fast vector arithmetic and are redone carefully (0·log 0 = 0) only if a sum is not
+// take the fast one-pass walk and are redone carefully (0·log 0 = 0) only if a sum is not
 // finite; truncated rows take the careful arithmetic (−inf off the support); NaN or +inf, and
 // float64 inputs, the scalar double path.
 template <bool kY, bool kB, typename T>
@@ -591,12 +802,8 @@ RowState walk_row(const T* px, const T* py, const Support& sup, int64_t V, doubl
     if (sup.any()) {
       row = row_vec<kY, kB, true, true>(px, py, sup, V, T_);
     } else {
-      row = row_vec<kY, kB, false, false>(px, py, sup, V, T_);
-      if constexpr (kY || kB) {
-        if (!row.bad && !(std::isfinite(row.a) && std::isfinite(row.b))) {
-          row = row_vec<kY, kB, true, false>(px, py, sup, V, T_);
-        }
-      }
+      row = row_fast<kY, kB>(px, py, V, T_);
+      if (row.bad) row = row_vec<kY, kB, true, false>(px, py, sup, V, T_);
     }
     if (row.bad) row = row_scalar(px, py, sup, V, T_, kY, kB);
     return row;
@@ -1261,12 +1468,64 @@ std::tuple<at::Tensor, at::Tensor> token_stats_backward(
   return {gx, gy};
 }
 
+// ------------------------------------------------------------------------------ compute floor
+// The forward's arithmetic without its memory traffic: the one-pass walk's chunk sums of the KL
+// (two exps, three sums and both maxima per element pair, U vectors per input in flight) over
+// one L1-resident tile x, y (n elements each, a chunk), repeated until `pairs` element pairs are
+// done, each walk's sums added in double as the walk merges a chunk. Returns their total, which
+// keeps the work observable; `klpenalty bench` times it.
+template <int U, typename T>
+double floor_walks(const T* x, const T* y, int64_t n, int64_t walks, float c) {
+  const float sh_x = static_cast<float>(chunk_max(x, n)), sh_y = static_cast<float>(chunk_max(y, n));
+  double total = 0.0;
+  for (int64_t w = 0; w < walks; ++w) {
+    asm volatile("" ::: "memory");  // every walk reads the tile again
+    const ChunkSums cs = chunk_sums<U, true, false, false, true, 0>(x, y, n, sh_x, sh_y, c);
+    total += cs.s_x + cs.s_y + cs.a + cs.max_x + cs.max_y;
+  }
+  return total;
+}
+
+double compute_floor(const at::Tensor& x, const at::Tensor& y, int64_t pairs, int64_t chains) {
+  const auto st = x.scalar_type();
+  TORCH_CHECK_TYPE(st == at::kFloat || st == at::kBFloat16 || st == at::kHalf,
+                   "x must be a float32, bfloat16 or float16 tensor, got ", describe(x));
+  TORCH_CHECK_TYPE(y.scalar_type() == st, "y must have the dtype of x (", dtype_name(st),
+                   "), got ", describe(y));
+  TORCH_CHECK_VALUE(x.dim() == 1 && x.numel() >= 1 && x.is_contiguous() && x.device().is_cpu(),
+                    "x must be a contiguous 1-D CPU tensor with at least one element, got ",
+                    describe(x));
+  TORCH_CHECK_VALUE(y.sizes() == x.sizes() && y.is_contiguous() && y.device().is_cpu(),
+                    "y must be a contiguous CPU tensor of the shape of x ", py_tuple(x.sizes().vec()),
+                    ", got ", describe(y));
+  TORCH_CHECK_VALUE(pairs >= 0, "pairs must be >= 0, got ", pairs);
+  TORCH_CHECK_VALUE(chains == 1 || chains == 2 || chains == 4 || chains == 8,
+                    "chains must be 1, 2, 4 or 8, got ", chains);
+  const int64_t n = x.numel(), walks = (pairs + n - 1) / n;
+  const float c = static_cast<float>(kLog2e);
+  double total = 0.0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, st, "native_compute_floor", [&] {
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      const scalar_t* px = x.const_data_ptr<scalar_t>();
+      const scalar_t* py = y.const_data_ptr<scalar_t>();
+      switch (chains) {
+        case 1: total = floor_walks<1>(px, py, n, walks, c); break;
+        case 2: total = floor_walks<2>(px, py, n, walks, c); break;
+        case 4: total = floor_walks<4>(px, py, n, walks, c); break;
+        default: total = floor_walks<8>(px, py, n, walks, c); break;
+      }
+    }
+  });
+  return total;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(klpenalty, CPU, m) {
   m.impl("native_token_stats", &token_stats);
   m.impl("native_token_stats_backward", &token_stats_backward);
   m.impl("native_token_stats_state", &token_stats_state);
+  m.impl("native_compute_floor", &compute_floor);  // the benchmark's (schema in native.py)
 }
 
 }  // namespace klpenalty_native

@@ -33,16 +33,23 @@ from .sampling import parse_support, rows_of_support
 
 __all__ = ["linear_kl", "linear_policy_loss", "PolicyLoss"]
 
-# Elements of one model's (R, V) logits chunk on CPU: 3·2**20 = 12 MiB of float32, 24 MiB for
-# both models (the backward holds about three such buffers: both logits and ∂/∂z). Larger chunks
-# make the weight-gradient GEMM (K = R) more efficient, smaller ones cost less memory; at
-# (N = 4096, V = 32000) this is R = 98, ~7% of one model's (N, V) logits at the peak.
-CPU_CHUNK_ELEMENTS = 3 << 20
+# Rows R of a chunk (default_chunk_rows). Both paths peak at three (R, V) buffers of the compute
+# dtype per chunk: both models' logits and ∂/∂z.
+# CPU: R = CPU_CHUNK_ELEMENTS / V rows, a multiple of 16 (GEMM-friendly), so the peak is at most
+# 3·CPU_CHUNK_ELEMENTS elements (48 MiB of float32): ≤ 10% of one model's (N, V) float32 logits
+# from N ≥ 30·R on. Larger chunks make the GEMMs more efficient (the weight-gradient GEMM has
+# K = R and reads and writes the (V, H) accumulator once per chunk); R = 128 at V = 32000
+# (benchmarks/README.md, the chunk-rows sweep).
+CPU_CHUNK_ELEMENTS = 4 << 20
 CPU_MIN_CHUNK_ROWS = 16
-# On accelerators every chunk reads the whole (V, H) weight: the matmul is memory-bound below
-# ~256 rows (an H100/H200 does ~200 flop per byte read), so a chunk has at least that many rows.
-ACCEL_CHUNK_ELEMENTS = 1 << 24
-ACCEL_MIN_CHUNK_ROWS = 256
+# Accelerators: every chunk reads the whole (V, H) weight and, for bf16/fp16 weights, reads and
+# writes the (V, H) float32 weight-gradient accumulator: a chunk is compute-bound from ~750 rows
+# at H = 4096 (an H100/H200 does ~200 flop per byte read). R = ACCEL_CHUNK_ELEMENTS / V clipped
+# to [1024, 2048] rows, a multiple of 128: 1024 at V = 128256 (256 MiB of bf16 logits per
+# model and chunk), 2048 at V ≤ 65536.
+ACCEL_CHUNK_ELEMENTS = 1 << 27
+ACCEL_MIN_CHUNK_ROWS = 1024
+ACCEL_MAX_CHUNK_ROWS = 2048
 
 # Token id the adapter reads as "ignored" (linear_kl maps the caller's ignore_index to it after
 # the range check, so the adapter's signature stays free of it).
@@ -184,11 +191,19 @@ class LocalChunks:
 
 # ------------------------------------------------------------------------------ chunked matmul
 def default_chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
-    """Rows R of one chunk for an (N, V) problem on ``device`` (clipped to [1, N])."""
+    """Rows R of one chunk for an (N, V) problem on ``device`` (clipped to [1, N]).
+
+    CPU: ``CPU_CHUNK_ELEMENTS // V`` rounded down to a multiple of 16, at least 16 rows;
+    accelerators: ``ACCEL_CHUNK_ELEMENTS // V`` clipped to [1024, 2048], a multiple of 128.
+    The peak extra memory of :func:`linear_kl` and :func:`linear_policy_loss` is three (R, V)
+    buffers of the compute dtype plus O(N).
+    """
+    vocab = max(vocab, 1)
     if device.type == "cpu":
-        rows = max(CPU_MIN_CHUNK_ROWS, CPU_CHUNK_ELEMENTS // max(vocab, 1))
+        rows = max(CPU_MIN_CHUNK_ROWS, CPU_CHUNK_ELEMENTS // vocab // 16 * 16)
     else:
-        rows = max(ACCEL_MIN_CHUNK_ROWS, ACCEL_CHUNK_ELEMENTS // max(vocab, 1))
+        rows = min(ACCEL_MAX_CHUNK_ROWS, max(ACCEL_MIN_CHUNK_ROWS, ACCEL_CHUNK_ELEMENTS // vocab))
+        rows = rows // 128 * 128
     return max(1, min(rows, n_rows))
 
 

@@ -138,6 +138,13 @@ def test_logit_transforms_and_backends(backend):
           backend=backend)
 
 
+def test_kl_only_reported():
+    """beta = 0: the KL is a metric, the reference's logits are not read by the gradient."""
+    t, batch = make_batch(torch.float32, seed=6)
+    got, _ = check(t, batch, torch.float32, beta=0.0, reduction="sum", chunk_rows=5)
+    assert got.kl_loss > 0 and torch.equal(got.loss, got.pg_loss)
+
+
 def test_upstream_scalar_scales_every_gradient():
     t, batch = make_batch(torch.float32, seed=7)
     check(t, batch, torch.float32, upstream=3.7, beta=0.2)

@@ -838,6 +838,8 @@ class _PolicyLoss(torch.autograd.Function):
                 grad_out = out.new_zeros(out.shape)  # (R, 4): ∂loss/∂(kl, logp, ref_logp, ent)
                 grad_out[:, KL] = kl_coef[sel] * beta
                 grad_out[:, LOGPROBS] = coef[sel] * parts[1]
+                # ∂KL/∂zp reads log ρ; without the KL in the loss the reference's logits go now
+                zr = zr if beta != 0 else None
                 dzp, _ = adapter.backward(grad_out, zp, zr, tok, st, temperature, True, False)
                 zr = None
                 zp = zp if cap_p is not None else None  # read again only by the soft-cap

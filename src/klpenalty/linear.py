@@ -981,7 +981,9 @@ def linear_policy_loss(
         ``kl``, ``logprobs``, ``ref_logprobs``, ``ratio`` (...) float32 (float64 for float64
         inputs), ``clipped`` (...) bool, ``clip_fraction`` (). ``loss`` can be backpropagated
         once (a second backward raises); scaling it (``(loss * 3.7).backward()``, gradient
-        accumulation) scales every gradient.
+        accumulation) scales every gradient. Each call holds its gradient buffers (grad_h,
+        grad_W, grad_b) from its forward to its backward: for gradient accumulation call
+        ``backward()`` per micro-batch rather than summing the losses of many calls first.
 
     Raises:
         TypeError / ValueError: as :func:`linear_kl`, and for advantages / old_logprobs /

@@ -846,6 +846,7 @@ class _PolicyLoss(torch.autograd.Function):
                 dzp = _chain(dzp, zp, scale_p, cap_p, wp.dtype)  # (R, V), ∂/∂(h Wᵀ + b)
                 zp = None
                 _head_grads(dzp, hpc, wp, sel, grad_hp, grad_wp, grad_bp)
+                dzp = None
             del zp, zr, out, st, parts  # free this chunk's buffers before the next
         acc = torch.float64
         pg_loss = (coef.to(acc) * pg.to(acc)).sum()

@@ -231,7 +231,7 @@ def test_no_grad_all_masked_and_empty():
 
 
 def test_never_allocates_rows_by_vocab():
-    n, h, vocab, chunk = 512, 16, 2048, 16
+    n, h, vocab, chunk = 256, 16, 2048, 16
     t = make_heads((n,), h_p=h, h_r=h, vocab=vocab, dtype=torch.float32, seed=18)
     tokens = make_tokens((n,), vocab, ignored=0.0)
     adv = torch.randn(n)

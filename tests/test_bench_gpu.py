@@ -1,27 +1,35 @@
-"""benchmarks/bench_gpu.py cannot run here (no GPU), but its Python paths can: a dry run with
-CUDA's timing and memory calls stubbed, the device mapped to CPU and the Triton kernels in the
-interpreter, on tiny shapes. It catches a benchmark that would crash (or record an exception in
-every row) on the GPU machine, whose time is short. The numbers of a dry run mean nothing."""
+"""benchmarks/gpu_check.sh and benchmarks/bench_gpu.py cannot run here (no GPU), but their paths
+can: a dry run with CUDA's timing and memory calls stubbed, the benchmark's device set to CPU
+and the Triton kernels in the interpreter, on tiny shapes. It catches a check script that would
+crash, record an exception in a row, lose its results or overrun its time on the GPU machine,
+whose time is short. The numbers of a dry run mean nothing.
+
+The end-to-end test runs gpu_check.sh with ``PYTHON`` pointing at :data:`DRY_RUN_PYTHON`, which
+runs the script's Python commands with those stubs. Its two pytest steps (the kernel and
+distributed tests, minutes of compilation on the GPU) are recorded, not run: the suite runs
+those tests itself."""
 
 from __future__ import annotations
 
+import csv
+import importlib.util
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-
-DRY_RUN = r'''
-import sys, time, types
-import torch
-
-src = open(sys.argv[1]).read().replace('torch.device("cuda")', 'torch.device("cpu")')
+SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+BENCH = ROOT / "benchmarks" / "bench_gpu.py"
+TINY = ["--shapes", "1x2x64", "--dtypes", "bf16", "--repeats", "1", "--warmup", "0"]
 
 
-class Event:
+class _Event:
     def __init__(self, **_):
         self.t = 0.0
 
@@ -32,47 +40,227 @@ class Event:
         return (other.t - self.t) * 1e3
 
 
-class Generator(torch.Generator):
-    def __init__(self, device=None):
-        super().__init__()
-
-
-for name, value in dict(
-    is_available=lambda: True, Event=Event, synchronize=lambda *a: None,
-    memory_allocated=lambda *a: 0, max_memory_allocated=lambda *a: 0,
-    reset_peak_memory_stats=lambda *a: None, empty_cache=lambda: None,
-    get_device_name=lambda *a: "dry run",
-).items():
-    setattr(torch.cuda, name, value)
-torch.Generator = Generator
-module = types.ModuleType("bench_gpu")
-module.__dict__.update(__name__="__main__", __file__=sys.argv[1])
-sys.argv = sys.argv[1:]
-exec(compile(src, "bench_gpu.py", "exec"), module.__dict__)
-'''
-
-
-@pytest.mark.parametrize(
-    "args,providers",
-    [
-        (["--shapes", "2x4x64", "--dtypes", "bf16", "--one-pass-shapes", "2x4x64"],
-         ["seed", "kl_div", "streaming", "triton", "3 calls", "token_stats"]),
-        (["--linear", "--linear-shape", "64x16x300"], ["unfused", "linear_kl"]),
-    ],
-)
-def test_gpu_benchmark_paths_run(tmp_path, args, providers):
-    script = tmp_path / "dry_run.py"
-    script.write_text(DRY_RUN)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.run(
-        [sys.executable, str(script), str(ROOT / "benchmarks" / "bench_gpu.py"), *args,
-         "--repeats", "1", "--warmup", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+def cuda_stubs() -> dict:
+    """torch.cuda attributes -> stand-ins that let the benchmark run on CPU tensors (CUDA
+    itself stays unavailable: torch.compile must not look for it)."""
+    return dict(
+        Event=_Event, synchronize=lambda *a: None, memory_allocated=lambda *a: 0,
+        max_memory_allocated=lambda *a: 0, reset_peak_memory_stats=lambda *a: None,
+        empty_cache=lambda: None, get_device_name=lambda *a: "dry run",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [line for line in proc.stdout.splitlines() if "provider=" in line]
-    for name in providers:
-        assert any(f"provider={name}" in r or name in r.split("provider=")[1] for r in rows), name
-    failed = [r for r in rows if not r.rstrip().endswith("note=")]
-    assert not failed, "\n".join(failed)  # a row that recorded an exception
-    assert list(tmp_path.glob("*.md"))
+
+
+def load_bench():
+    """benchmarks/bench_gpu.py as a module, its device set to CPU."""
+    spec = importlib.util.spec_from_file_location("bench_gpu_dry_run", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.DEVICE = "cpu"
+    return module
+
+
+# Stands in for the GPU machine's python3 (gpu_check.sh's $PY): "-m pytest ..." is appended to
+# the file $DRY_RUN_LOG and not run, "-c CODE" runs as it is, and "bench_gpu.py ARGS" runs on CPU
+# with cuda_stubs() and Triton in its interpreter.
+DRY_RUN_PYTHON = """#!{python}
+import os, sys
+argv = sys.argv[1:]
+if argv[:2] == ["-m", "pytest"]:
+    with open(os.environ["DRY_RUN_LOG"], "a") as f:
+        f.write(" ".join(argv[2:]) + "\\n")
+    print("dry run: pytest not run")
+    sys.exit(0)
+if argv[0] == "-c":
+    exec(compile(argv[1], "<string>", "exec"), {{"__name__": "__main__"}})
+    sys.exit(0)
+os.environ["TRITON_INTERPRET"] = "1"  # before Triton's first import
+sys.path.insert(0, {root!r})
+import torch
+from tests.test_bench_gpu import cuda_stubs, load_bench
+for name, value in cuda_stubs().items():
+    setattr(torch.cuda, name, value)
+sys.exit(load_bench().main(argv[1:]))
+"""
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """bench_gpu as a module in this process: CUDA stubbed, Triton interpreted."""
+    import torch
+
+    for name, value in cuda_stubs().items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # as tests/ops/test_triton.py runs it
+    yield load_bench()
+    torch._dynamo.reset()  # the compile rows' compilations stay out of later tests
+
+
+@pytest.fixture(scope="module", autouse=True)
+def gpu_check_run(tmp_path_factory):
+    """gpu_check.sh's dry run, as the device runner runs it, started with this module so that
+    it runs beside the in-process tests (it is mostly the imports of its two Python processes);
+    the end-to-end test, the module's last, waits for it and reads what it left."""
+    tmp = tmp_path_factory.mktemp("gpu_check")
+    xdist = tmp / "site" / "xdist"  # the device image has pytest-xdist: its stand-in
+    xdist.mkdir(parents=True)
+    (xdist / "__init__.py").write_text("")
+    python = tmp / "python"
+    python.write_text(DRY_RUN_PYTHON.format(python=sys.executable, root=str(ROOT)))
+    python.chmod(0o755)
+    env = dict(
+        os.environ, OUT=str(tmp / "out"), PYTHON=str(python), DRY_RUN_LOG=str(tmp / "pytest_calls"),
+        PYTHONPATH=str(tmp / "site"),
+        BENCH_ARGS=" ".join(TINY + ["--providers", "seed", "streaming", "--one-pass-shapes"]),
+        LINEAR_ARGS="--linear-shape 32x16x300 --chunk-rows 8 --repeats 1 --warmup 0",
+    )
+    with open(tmp / "stdout", "w") as stdout, open(tmp / "stderr", "w") as stderr:
+        proc = subprocess.Popen(["bash", str(SCRIPT)], stdout=stdout, stderr=stderr, env=env,
+                                cwd=ROOT, start_new_session=True)
+    yield tmp, proc
+    if proc.poll() is None:  # the end-to-end test did not run (-k): stop the dry run
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _csv(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_step_limits_fit_eight_minutes():
+    text = SCRIPT.read_text()
+    value = {k: int(v) for k, v in re.findall(r"^(\w+)=(\d+)\b", text, re.M)}
+    steps = ["T_BENCH", "T_LINEAR", "T_KERNEL", "T_DIST"]
+    assert value["BUDGET"] <= 480
+    assert sum(value[k] for k in steps) + len(steps) * value["KILL_AFTER"] <= value["BUDGET"]
+    assert text.count("\nstep ") == len(steps)  # no step outside the budget
+    assert re.search(r"^RES=\$\{OUT:-", text, re.M) and not re.search(r"^OUT=", text, re.M)
+
+
+def test_default_rows_are_written_as_measured(bench, tmp_path):
+    """The default providers and the one-pass rows, each row on disk (CSV and markdown) before
+    the next one is measured, the compile rows last."""
+    on_disk = []
+    add = bench.Table.add
+
+    def add_and_read(self, row):
+        add(self, row)
+        on_disk.append((len(_csv(Path(self.csv_path))),
+                        Path(self.md_path).read_text().count("\n| 1x2x64 |")))
+
+    bench.Table.add = add_and_read
+    assert bench.main(TINY + ["--one-pass-shapes", "1x2x64", "--compile-backend", "eager",
+                              "--out", str(tmp_path)]) == 0
+    rows = _csv(tmp_path / "bench_gpu.csv")
+    assert on_disk == [(i, i) for i in range(1, len(rows) + 1)]
+    seen = [(r["mode"], r["provider"]) for r in rows]
+    for name in ["triton", "seed", "kl_div", "compile", "kl+logp+H 3 calls",
+                 "kl+logp+H token_stats"]:
+        assert ("fwd", name) in seen and ("fwd+bwd", name) in seen, name
+    assert ("fwd+bwd", "liger") not in seen  # forward only
+    assert not any(p == "streaming" for _, p in seen)  # off unless named
+    assert [r for r in rows if r["note"]] == []  # a row that recorded an exception
+    assert all(r["tol_ok"] == "yes" and float(r["max_err"]) < 1e-5 for r in rows)
+    assert all((r["grad_err"] == "") == (r["mode"] == "fwd") for r in rows)
+    compiled = [r for r in rows if r["provider"] == "compile"]
+    assert compiled == rows[-2:] and all(float(r["compile_s"]) > 0 for r in compiled)
+
+
+def test_errors_come_from_the_timed_call(bench):
+    """The error columns read the outputs handed to them: a wrong value in the last row or a
+    wrong gradient of the last row shows; rows between the first and last 16 are not read."""
+    import torch
+
+    from klpenalty.ops.reference import full_kl_reference
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 10, 64, generator=g, dtype=torch.float64).float()
+    y = torch.randn(4, 10, 64, generator=g, dtype=torch.float64).float()
+    xg = x.double().requires_grad_(True)
+    full_kl_reference(xg, y).sum().backward()
+    kl, grad = full_kl_reference(x, y).float(), xg.grad.float()
+
+    def reference(xs, ys, rows):
+        return (full_kl_reference(xs, ys),)
+
+    def errors(kl, grad):
+        return bench.timed_call_errors(torch, x, y, [kl], grad, reference)
+
+    err, grad_err, ok = errors(kl, grad)
+    assert err < 1e-6 and grad_err < 1e-6 and ok == "yes"
+    assert bench.check_rows(40) == list(range(16)) + list(range(24, 40))
+    wrong = kl.clone()
+    wrong[-1, -1] += 1e-3
+    err, _, ok = errors(wrong, None)
+    assert abs(err - 1e-3) < 1e-6 and ok == "no"
+    wrong_grad = grad.clone()
+    wrong_grad[-1, -1, 5] += 0.5
+    _, grad_err, ok = errors(kl, wrong_grad)
+    assert grad_err > 0.5 and ok == "no"
+    unread = kl.clone()
+    unread.view(-1)[20] += 1.0  # row 20 of 40: not among the checked rows
+    assert errors(unread, None)[2] == "yes"
+
+
+def test_compile_budget_bounds_the_compilations(bench, tmp_path):
+    """An alarm stops a compilation that runs past the shared budget; once it is spent the
+    compile rows are recorded as not run."""
+    import torch
+
+    from klpenalty.bench import seed_formula
+
+    compiled = bench.CompiledFormula(torch, seed_formula, "eager", budget=0.2)
+    t0 = time.perf_counter()
+    with pytest.raises(bench.CompileBudgetSpent, match="ran past"):
+        compiled.first_call(lambda: time.sleep(5))  # a compilation that takes too long
+    assert time.perf_counter() - t0 < 2 and compiled.spent >= 0.2
+    with pytest.raises(bench.CompileBudgetSpent, match="not run"):
+        compiled.first_call(lambda: None)
+    assert bench.main(TINY + ["--providers", "compile", "--compile-budget", "0",
+                              "--one-pass-shapes", "--out", str(tmp_path)]) == 0
+    rows = _csv(tmp_path / "bench_gpu.csv")
+    assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd"]
+    assert all("not run: the compile budget" in r["note"] for r in rows)
+
+
+def test_gpu_check_end_to_end(gpu_check_run):
+    """gpu_check.sh as the device runner runs it (:func:`gpu_check_run`): its files under
+    $OUT, every row without an exception, the pytest steps' arguments, the summary last."""
+    tmp, proc = gpu_check_run
+    rc = proc.wait(timeout=120)
+    stdout, out = (tmp / "stdout").read_text(), tmp / "out"
+    assert rc == 0, stdout[-3000:] + (tmp / "stderr").read_text()[-3000:]
+
+    # what the device runner brings back: ≤ 8 plain files, plain names, straight under $OUT
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["bench_gpu.csv", "bench_gpu.md", "bench_gpu_linear.csv",
+                     "bench_gpu_linear.md", "gpu_check.log", "summary.txt"], files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", f) and (out / f).is_file() for f in files)
+
+    rows = _csv(out / "bench_gpu.csv")
+    assert [(r["mode"], r["provider"]) for r in rows] == [  # streaming runs when named
+        (m, p) for m in ("fwd", "fwd+bwd") for p in ("seed", "streaming")]
+    assert all(r["tol_ok"] == "yes" and not r["note"] for r in rows)
+    assert (out / "bench_gpu.md").read_text().count("\n| 1x2x64 |") == len(rows)
+    linear = _csv(out / "bench_gpu_linear.csv")  # every kind of row in LINEAR_ROW_KINDS
+    seen = [(r["mode"], r["provider"]) for r in linear]
+    assert [(m, "unfused") for m in ("fwd", "fwd+bwd")] == [s for s in seen if s[1] == "unfused"]
+    assert seen.index(("fwd+bwd", "unfused")) == len(seen) // 2  # the first row of each mode
+    assert ("fwd", "linear_kl R=8") in seen and ("fwd+bwd", "linear_kl R=8") in seen
+    assert all(float(r["ms"]) > 0 and not r["note"] for r in linear)
+
+    # the two pytest steps, as the GPU machine runs them
+    calls = (tmp / "pytest_calls").read_text().splitlines()
+    assert len(calls) == 2
+    assert "tests/ops/test_triton.py" in calls[0] and calls[0].endswith("-n 4")
+    assert "tests/distributed" in calls[1]
+
+    # the summary comes last: the end of the output (what comes back) is summary.txt
+    summary = (out / "summary.txt").read_text()
+    assert stdout.endswith(summary)
+    assert "python " in stdout and "triton " in stdout  # the environment line
+    assert summary.rstrip().splitlines()[-1].startswith("== status 0")
+    steps = re.findall(r"^(\w+) +rc=(\S+) +\d+s of +(\d+)s$", summary, re.M)
+    assert [(s, rc) for s, rc, _ in steps] == [
+        (s, "0") for s in ("bench", "linear", "kernels", "distributed")]
+    assert sum(int(limit) for *_, limit in steps) <= 480

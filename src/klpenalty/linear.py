@@ -632,9 +632,9 @@ def linear_kl(
             the policy's transformed logits at ``temperature``.
         ignore_index: negative int; positions whose token equals it give log-probs 0 (and zero
             gradient through them); their KL and entropy still count unless masked.
-        chunk_rows: ≥ 1 rows per chunk; None picks R from V (≈12 MiB of float32 logits per
-            model on CPU; at least 256 rows on accelerators, where smaller GEMMs are bound by
-            reading the weight).
+        chunk_rows: ≥ 1 rows per chunk; None: :func:`default_chunk_rows` (≈16 MiB of
+            float32 logits per model on CPU; 1024-2048 rows on accelerators, where smaller
+            GEMMs are bound by reading the weight and the weight-gradient accumulator).
         backend: as in :func:`klpenalty.full_kl` (the engine run on each chunk).
         check: raise ValueError for token ids out of range and for NaN in a counted position's
             outputs (naming the hidden states or the weight that hold NaN). One host read of

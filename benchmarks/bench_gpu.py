@@ -35,8 +35,9 @@ measured (flushed), so a run stopped by a timeout keeps what it measured. Memory
 between shapes (every tensor of a shape is local to its function; ``empty_cache`` after).
 
 ``--linear`` runs the linear_kl rows instead: ``klpenalty.linear_kl`` (exact KL straight from
-the hidden states and LM heads) at chunk rows R = ``--chunk-rows`` (default 256 1024 2048)
-against the unfused path (both ``F.linear`` + ``full_kl``, with backward into the policy's
+the hidden states and LM heads) and ``klpenalty.linear_policy_loss`` (the same Σ KL as a fused
+loss, its gradient formed in the forward) at chunk rows R = ``--chunk-rows`` (default 256 1024
+2048; the fused loss also at its default R) against the unfused path (both ``F.linear`` + ``full_kl``, with backward into the policy's
 hidden states and weight), and Liger-Kernel's ``LigerFusedLinearJSD`` at β = 1 where it imports
 (its scalar loss, the teacher frozen), at (N = 16384, H = 4096, V = 128256) bf16: median time
 of fwd and fwd+bwd, its ratio to the unfused row, and the peak extra memory (whole, and beyond
@@ -479,6 +480,20 @@ def linear_kl_rows(ctx):
     return [(f"linear_kl R={r}", r, loss_at(r)) for r in ctx.chunk_rows]
 
 
+def linear_policy_loss_rows(ctx):
+    """klpenalty.linear_policy_loss at each of ``ctx.chunk_rows`` and at its default chunk
+    rows: the same loss as the other rows (beta = 1, no advantages, reduction "sum": Σ KL), its
+    gradient formed in the forward (fwd without gradients: the two heads' GEMMs only)."""
+    def loss_at(rows):
+        return lambda hp, wp: ctx.klpenalty.linear_policy_loss(
+            hp, wp, ctx.hr, ctx.wr, ctx.tokens, beta=1.0, reduction="sum", chunk_rows=rows
+        ).loss
+
+    default = ctx.klpenalty.linear.default_chunk_rows(ctx.n, ctx.v, ctx.hr.device)
+    rows = list(dict.fromkeys([*ctx.chunk_rows, default]))
+    return [(f"fused_loss R={r}", r, loss_at(r)) for r in rows]
+
+
 def liger_jsd_rows(ctx):
     """Liger-Kernel's fused linear JSD at β = 1 (its KL; a scalar, teacher frozen), if usable."""
     try:
@@ -491,7 +506,8 @@ def liger_jsd_rows(ctx):
     return [("liger_jsd_b1", "", lambda hp, wp: jsd(hp, wp, ctx.hr, ctx.wr))]
 
 
-LINEAR_ROW_KINDS = [linear_unfused_rows, linear_kl_rows, liger_jsd_rows]
+LINEAR_ROW_KINDS = [linear_unfused_rows, linear_kl_rows, linear_policy_loss_rows,
+                    liger_jsd_rows]
 
 
 def linear_main(args) -> int:

@@ -247,6 +247,7 @@ def test_gpu_check_end_to_end(gpu_check_run):
     assert [(m, "unfused") for m in ("fwd", "fwd+bwd")] == [s for s in seen if s[1] == "unfused"]
     assert seen.index(("fwd+bwd", "unfused")) == len(seen) // 2  # the first row of each mode
     assert ("fwd", "linear_kl R=8") in seen and ("fwd+bwd", "linear_kl R=8") in seen
+    assert ("fwd", "fused_loss R=8") in seen and ("fwd+bwd", "fused_loss R=8") in seen
     assert all(float(r["ms"]) > 0 and not r["note"] for r in linear)
 
     # the two pytest steps, as the GPU machine runs them

@@ -344,10 +344,17 @@ def test_chunk_size_invariance():
 
 def test_default_chunk_rows():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert default_chunk_rows(4096, 32000, cpu) == (3 << 20) // 32000  # 12 MiB of fp32 logits
-    assert default_chunk_rows(16384, 128256, cuda) == 256  # GEMMs of >= 256 rows on a GPU
+    # CPU: 16 MiB of fp32 logits per model and chunk, a multiple of 16 rows
+    assert default_chunk_rows(4096, 32000, cpu) == 128
+    assert default_chunk_rows(4096, 50257, cpu) == 80
     assert default_chunk_rows(10, 32000, cpu) == 10 and default_chunk_rows(0, 5, cpu) == 1
     assert default_chunk_rows(4096, 1 << 24, cpu) == 16
+    # accelerators: 1024-2048 rows, a multiple of 128 (compute-bound GEMMs)
+    assert default_chunk_rows(16384, 128256, cuda) == 1024
+    assert default_chunk_rows(16384, 32000, cuda) == 2048
+    assert default_chunk_rows(16384, 256000, cuda) == 1024
+    assert default_chunk_rows(16384, 100000, cuda) == 1280
+    assert default_chunk_rows(300, 128256, cuda) == 300
 
 
 # --------------------------------------------------------------------------- edge cases

@@ -12,7 +12,7 @@ from .functional import (
     token_logprobs,
     token_stats,
 )
-from .linear import linear_kl
+from .linear import PolicyLoss, linear_kl, linear_policy_loss
 from .modules import FullKL, KLPenalty
 from .report import KLReport, kl_report
 from .rlhf import *  # noqa: F403  (the names in klpenalty.rlhf.__all__)
@@ -29,6 +29,9 @@ __all__ = [
     "TokenStats",
     # the same straight from hidden states and LM heads, no (N, V) logits (klpenalty.linear)
     "linear_kl",
+    # a PPO/GRPO loss with the exact KL from hidden states, gradient formed in the forward
+    "linear_policy_loss",
+    "PolicyLoss",
     # the support of the policy that sampled (top-k / top-p / min-p, engines' kept sets)
     "sampling",
     # the same as nn.Modules

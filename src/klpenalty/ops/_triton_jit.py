@@ -70,29 +70,48 @@ def _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP: tl.constexpr, HAS_TAU: 
 
 
 @triton.jit
+def _row_offset(row, T, stride_b, stride_t):
+    """Element offset of row ``row`` (int64) of a (B, T, V) layout: (row // T)·stride_b +
+    (row % T)·stride_t (a (N, V) layout is B = 1; the usual ``logits[:, :-1]`` is read in
+    place)."""
+    b = row // T
+    return b * stride_b + (row - b * T) * stride_t
+
+
+@triton.jit
 def stats_kernel(
-    x_ptr, y_ptr, keep_ptr, tau_ptr, out_ptr,
-    stride_x, stride_y, stride_keep, V, cols, n_splits, inv_t, c2,
+    x_ptr, y_ptr, keep_ptr, tau_ptr, tok_ptr, mask_ptr, out_ptr, stats_ptr,
+    T, stride_xb, stride_xt, stride_yb, stride_yt, stride_kb, stride_kt,
+    V, cols, n_splits, inv_t, c2, temperature, ignore_index,
     X_STATE: tl.constexpr, Y_STATE: tl.constexpr, MOMENT_A: tl.constexpr,
     MOMENT_B: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr,
+    FINISH: tl.constexpr, LOGP: tl.constexpr, REF_LOGP: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK: tl.constexpr, STATE_COLS: tl.constexpr, SX_M_X: tl.constexpr, SX_S_X: tl.constexpr,
     SX_M_Y: tl.constexpr, SX_S_Y: tl.constexpr, SX_A: tl.constexpr, SX_B: tl.constexpr,
+    OUT_COLS: tl.constexpr, OUT_KL: tl.constexpr, OUT_LOGP: tl.constexpr,
+    OUT_REF_LOGP: tl.constexpr, OUT_ENTROPY: tl.constexpr, STATS_COLS: tl.constexpr,
+    ST_SHIFT_X: tl.constexpr, ST_LOG_S_X: tl.constexpr, ST_SHIFT_Y: tl.constexpr,
+    ST_LOG_S_Y: tl.constexpr, ST_MEAN_D: tl.constexpr, ST_CAREFUL: tl.constexpr,
+    ST_MEAN_U: tl.constexpr, ST_LOGP: tl.constexpr, ST_REF_LOGP: tl.constexpr,
 ):
-    """out[row, split] ← (m_x, s_x, m_y, s_y, a, b) over the split's columns; c2 = log2(e)/T.
+    """The state (m_x, s_x, m_y, s_y, a, b) of a row over the split's columns; c2 = log2(e)/T.
 
     X_STATE: the policy's log-sum-exp state (m_x, s_x) over its support (KL, log π̃, H);
     Y_STATE: the reference's (m_y, s_y) (KL, log ρ); MOMENT_A: a = Σ e^u·(u − w) (KL, needs
-    both); MOMENT_B: b = Σ e^u·u (entropy). HAS_KEEP / HAS_TAU: the support by a (N, V) keep
-    mask and/or a per-row threshold. Fields not computed are written as (−inf, 0) / 0.
-    MOMENT_A needs X_STATE and Y_STATE, MOMENT_B needs X_STATE (set so by the host).
+    both); MOMENT_B: b = Σ e^u·u (entropy). HAS_KEEP / HAS_TAU: the support by a (B, T, V) keep
+    mask and/or a per-row threshold. MOMENT_A needs X_STATE and Y_STATE, MOMENT_B needs X_STATE
+    (set so by the host). Rows are addressed through (T, stride_b, stride_t) (:func:`_row_offset`).
+
+    FINISH (one program per row): the row's out and stats (:func:`_finish_row`). Otherwise
+    ``out[row, split, :]`` ← the state (:func:`_store_state`), merged by :func:`merge_kernel`.
     """
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     c0 = split * cols
     c1 = tl.minimum(c0 + cols, V)
-    x_row = x_ptr + row * stride_x
-    y_row = y_ptr + row * stride_y
-    keep_row = keep_ptr + row * stride_keep
+    x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
+    y_row = y_ptr + _row_offset(row, T, stride_yb, stride_yt)
+    keep_row = keep_ptr + _row_offset(row, T, stride_kb, stride_kt)
     tau = 0.0
     if HAS_TAU:
         tau = tl.load(tau_ptr + row).to(tl.float32)
@@ -135,9 +154,35 @@ def stats_kernel(
             if MOMENT_B:
                 b += tl.sum(tl.where(eu > 0, eu * dx, 0.0), 0) * inv_t
             m_x = mx_new
-    out = out_ptr + (row * n_splits + split) * STATE_COLS
+    if FINISH:
+        _finish_row(
+            row, m_x, s_x, m_y, s_y, a, b, x_row, y_row, keep_row, tau, tok_ptr, mask_ptr,
+            out_ptr, stats_ptr, V, temperature, ignore_index, Y_STATE, MOMENT_A, MOMENT_B,
+            HAS_KEEP, HAS_TAU, LOGP, REF_LOGP, HAS_MASK, OUT_COLS, OUT_KL, OUT_LOGP,
+            OUT_REF_LOGP, OUT_ENTROPY, STATS_COLS, ST_SHIFT_X, ST_LOG_S_X, ST_SHIFT_Y,
+            ST_LOG_S_Y, ST_MEAN_D, ST_CAREFUL, ST_MEAN_U, ST_LOGP, ST_REF_LOGP,
+        )
+    else:
+        _store_state(out_ptr + (row * n_splits + split) * STATE_COLS, m_x, s_x, m_y, s_y, a, b,
+                     Y_STATE, MOMENT_A, MOMENT_B, SX_M_X, SX_S_X, SX_M_Y, SX_S_Y, SX_A, SX_B)
+
+
+@triton.jit
+def _store_state(out, m_x, s_x, m_y, s_y, a, b, Y_STATE: tl.constexpr, MOMENT_A: tl.constexpr,
+                 MOMENT_B: tl.constexpr, SX_M_X: tl.constexpr, SX_S_X: tl.constexpr,
+                 SX_M_Y: tl.constexpr, SX_S_Y: tl.constexpr, SX_A: tl.constexpr,
+                 SX_B: tl.constexpr):
+    """The state columns at ``out``: fields not computed are 0, the policy's (m_x, s_x) always
+    (−inf, 0 where not computed), as :func:`.engine.state_to_tensor` writes them."""
     tl.store(out + SX_M_X, m_x)
     tl.store(out + SX_S_X, s_x)
+    if not Y_STATE:
+        m_y = 0.0
+        s_y = 0.0
+    if not MOMENT_A:
+        a = 0.0
+    if not MOMENT_B:
+        b = 0.0
     tl.store(out + SX_M_Y, m_y)
     tl.store(out + SX_S_Y, s_y)
     tl.store(out + SX_A, a)
@@ -145,51 +190,262 @@ def stats_kernel(
 
 
 @triton.jit
+def _finite(v):
+    """Whether v is finite (not ±inf, not NaN)."""
+    return (v == v) & (tl.abs(v) != float("inf"))
+
+
+@triton.jit
+def _nonneg(v):
+    """max(v, 0) with NaN kept (compiled tl.maximum drops NaN)."""
+    return tl.where(v < 0.0, 0.0, v)
+
+
+@triton.jit
+def _token_logp(logit_t, m, s, temperature):
+    """log-prob of a token: (x_t − m)/T − log s, NaN for a row without mass (s = 0); as
+    :func:`.contract.token_logp`."""
+    lp = (logit_t - _finite_or_zero(m)) / temperature - tl.log(s)
+    return tl.where(s == 0.0, float("nan"), lp)
+
+
+@triton.jit
+def _token_at(tok_ptr, row, V, ignore_index):
+    """(column to read, inside [0, V), ignored) of the row's token."""
+    tok = tl.load(tok_ptr + row).to(tl.int64)
+    inside = (tok >= 0) & (tok < V)
+    return tl.where(inside, tok, 0), inside, tok == ignore_index
+
+
+@triton.jit
+def _finish_row(
+    row, m_x, s_x, m_y, s_y, a, b, x_row, y_row, keep_row, tau, tok_ptr, mask_ptr, out_ptr,
+    stats_ptr, V, temperature, ignore_index, Y_STATE: tl.constexpr, MOMENT_A: tl.constexpr,
+    MOMENT_B: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr, LOGP: tl.constexpr,
+    REF_LOGP: tl.constexpr, HAS_MASK: tl.constexpr, OUT_COLS: tl.constexpr,
+    OUT_KL: tl.constexpr, OUT_LOGP: tl.constexpr, OUT_REF_LOGP: tl.constexpr,
+    OUT_ENTROPY: tl.constexpr, STATS_COLS: tl.constexpr, ST_SHIFT_X: tl.constexpr,
+    ST_LOG_S_X: tl.constexpr, ST_SHIFT_Y: tl.constexpr, ST_LOG_S_Y: tl.constexpr,
+    ST_MEAN_D: tl.constexpr, ST_CAREFUL: tl.constexpr, ST_MEAN_U: tl.constexpr,
+    ST_LOGP: tl.constexpr, ST_REF_LOGP: tl.constexpr,
+):
+    """out[row] (KL, log π̃(t), log ρ(t), H) and stats[row] (the columns of the contract) from
+    the merged state of a whole row: :func:`.engine.stats_finalize` and the token part of
+    :func:`.contract.finish` (tests/ops/test_triton_host.py pins the two together).
+
+    The token's logits are gathered here: an ignored token gives 0, a token outside [0, V) NaN
+    (``check=True`` raises on it on the host), a token off the support log π̃(t) = −inf. Masked
+    rows (HAS_MASK, mask[row] = 0) get out = 0; their stats are written all the same. The
+    careful flag marks rows without a distribution (of the policy; of the reference where it
+    is read) and, with the KL, rows with E_π̃[u − w] = ±inf.
+    """
+    log_s_x = tl.log(s_x)
+    valid_x = (s_x > 0.0) & (s_x < float("inf"))
+    kl = 0.0
+    h = 0.0
+    mean_d = 0.0
+    mean_u = 0.0
+    lp = 0.0
+    lq = 0.0
+    shift_y = 0.0
+    log_y = 0.0
+    flag = valid_x == 0
+    if Y_STATE:
+        log_s_y = tl.log(s_y)
+        valid_y = (s_y > 0.0) & (s_y < float("inf"))
+        shift_y = _finite_or_zero(m_y)
+        log_y = _finite_or_zero(log_s_y)
+        flag = flag | (valid_y == 0)
+    if MOMENT_A:  # the KL: E_π̃[u − w] − log s_x + log s_y ≥ 0, NaN without both distributions
+        mean_d = a / s_x
+        kl = tl.where(valid_x & valid_y, _nonneg(mean_d - log_s_x + log_s_y), float("nan"))
+        flag = flag | (_finite(mean_d) == 0)
+    if MOMENT_B:  # the entropy: log s_x − E_π̃[u] ≥ 0
+        mean_u = b / s_x
+        h = tl.where(valid_x, _nonneg(log_s_x - mean_u), float("nan"))
+    if LOGP:
+        at, inside, ignored = _token_at(tok_ptr, row, V, ignore_index)
+        x_t = tl.load(x_row + at).to(tl.float32)
+        kept = inside
+        if HAS_KEEP:
+            kept = kept & (tl.load(keep_row + at) != 0)
+        if HAS_TAU:
+            kept = kept & (x_t >= tau)
+        x_t = tl.where(kept, x_t, float("-inf"))
+        lp = tl.where(inside, _token_logp(x_t, m_x, s_x, temperature), float("nan"))
+        lp = tl.where(ignored, 0.0, lp)
+    if REF_LOGP:
+        at, inside, ignored = _token_at(tok_ptr, row, V, ignore_index)
+        y_t = tl.load(y_row + at).to(tl.float32)
+        lq = tl.where(inside, _token_logp(y_t, m_y, s_y, temperature), float("nan"))
+        lq = tl.where(ignored, 0.0, lq)
+    st = stats_ptr + row * STATS_COLS
+    tl.store(st + ST_SHIFT_X, _finite_or_zero(m_x))
+    tl.store(st + ST_LOG_S_X, _finite_or_zero(log_s_x))
+    tl.store(st + ST_SHIFT_Y, shift_y)
+    tl.store(st + ST_LOG_S_Y, log_y)
+    tl.store(st + ST_MEAN_D, mean_d)
+    tl.store(st + ST_CAREFUL, tl.where(flag, 1.0, 0.0))
+    tl.store(st + ST_MEAN_U, mean_u)
+    tl.store(st + ST_LOGP, lp)
+    tl.store(st + ST_REF_LOGP, lq)
+    if HAS_MASK:
+        counted = tl.load(mask_ptr + row) != 0
+        kl = tl.where(counted, kl, 0.0)
+        lp = tl.where(counted, lp, 0.0)
+        lq = tl.where(counted, lq, 0.0)
+        h = tl.where(counted, h, 0.0)
+    out = out_ptr + row * OUT_COLS
+    tl.store(out + OUT_KL, kl)
+    tl.store(out + OUT_LOGP, lp)
+    tl.store(out + OUT_REF_LOGP, lq)
+    tl.store(out + OUT_ENTROPY, h)
+
+
+@triton.jit
+def merge_kernel(
+    parts_ptr, x_ptr, y_ptr, keep_ptr, tau_ptr, tok_ptr, mask_ptr, out_ptr, stats_ptr,
+    T, stride_xb, stride_xt, stride_yb, stride_yt, stride_kb, stride_kt,
+    V, n_splits, inv_t, temperature, ignore_index,
+    Y_STATE: tl.constexpr, MOMENT_A: tl.constexpr, MOMENT_B: tl.constexpr,
+    HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr, FINISH: tl.constexpr, LOGP: tl.constexpr,
+    REF_LOGP: tl.constexpr, HAS_MASK: tl.constexpr, SPLITS: tl.constexpr,
+    STATE_COLS: tl.constexpr, SX_M_X: tl.constexpr, SX_S_X: tl.constexpr,
+    SX_M_Y: tl.constexpr, SX_S_Y: tl.constexpr, SX_A: tl.constexpr, SX_B: tl.constexpr,
+    OUT_COLS: tl.constexpr, OUT_KL: tl.constexpr, OUT_LOGP: tl.constexpr,
+    OUT_REF_LOGP: tl.constexpr, OUT_ENTROPY: tl.constexpr, STATS_COLS: tl.constexpr,
+    ST_SHIFT_X: tl.constexpr, ST_LOG_S_X: tl.constexpr, ST_SHIFT_Y: tl.constexpr,
+    ST_LOG_S_Y: tl.constexpr, ST_MEAN_D: tl.constexpr, ST_CAREFUL: tl.constexpr,
+    ST_MEAN_U: tl.constexpr, ST_LOGP: tl.constexpr, ST_REF_LOGP: tl.constexpr,
+):
+    """One row: the engine's merge of its ``n_splits`` partial states (``parts`` (N, splits,
+    6) from :func:`stats_kernel`; SPLITS a power of two ≥ n_splits): rescale to the common
+    maxima, then a sum (a = +inf stays +inf). FINISH: the row's out and stats
+    (:func:`_finish_row`, the flags as for :func:`stats_kernel`); else the merged state to
+    ``out[row, :]`` (the state op)."""
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, SPLITS)
+    live = k < n_splits
+    part = parts_ptr + (row * n_splits + k) * STATE_COLS
+    m_xs = tl.load(part + SX_M_X, mask=live, other=float("-inf"))
+    s_xs = tl.load(part + SX_S_X, mask=live, other=0.0)
+    m_x = tl.max(m_xs, 0)
+    dxs, alpha = _scales(m_xs, m_x, inv_t)
+    s_x = tl.sum(alpha * s_xs, 0)
+    m_y = float("-inf")
+    s_y = 0.0
+    a = 0.0
+    b = 0.0
+    if Y_STATE:
+        m_ys = tl.load(part + SX_M_Y, mask=live, other=float("-inf"))
+        m_y = tl.max(m_ys, 0)
+        dys, beta = _scales(m_ys, m_y, inv_t)
+        s_y = tl.sum(beta * tl.load(part + SX_S_Y, mask=live, other=0.0), 0)
+        if MOMENT_A:
+            a_s = tl.load(part + SX_A, mask=live, other=0.0)
+            a = tl.sum(_rescale_moment(s_xs, a_s, dxs - dys, alpha), 0)
+    if MOMENT_B:
+        b_s = tl.load(part + SX_B, mask=live, other=0.0)
+        b = tl.sum(_rescale_moment(s_xs, b_s, dxs, alpha), 0)
+    if FINISH:
+        tau = 0.0
+        if HAS_TAU:
+            tau = tl.load(tau_ptr + row).to(tl.float32)
+        _finish_row(
+            row, m_x, s_x, m_y, s_y, a, b, x_ptr + _row_offset(row, T, stride_xb, stride_xt),
+            y_ptr + _row_offset(row, T, stride_yb, stride_yt),
+            keep_ptr + _row_offset(row, T, stride_kb, stride_kt), tau, tok_ptr, mask_ptr,
+            out_ptr, stats_ptr, V, temperature, ignore_index, Y_STATE, MOMENT_A, MOMENT_B,
+            HAS_KEEP, HAS_TAU, LOGP, REF_LOGP, HAS_MASK, OUT_COLS, OUT_KL, OUT_LOGP,
+            OUT_REF_LOGP, OUT_ENTROPY, STATS_COLS, ST_SHIFT_X, ST_LOG_S_X, ST_SHIFT_Y,
+            ST_LOG_S_Y, ST_MEAN_D, ST_CAREFUL, ST_MEAN_U, ST_LOGP, ST_REF_LOGP,
+        )
+    else:
+        _store_state(out_ptr + row * STATE_COLS, m_x, s_x, m_y, s_y, a, b, Y_STATE, MOMENT_A,
+                     MOMENT_B, SX_M_X, SX_S_X, SX_M_Y, SX_S_Y, SX_A, SX_B)
+
+
+@triton.jit
+def _expm1(z):
+    """e^z − 1 in float32, accurate near 0 (a degree-8 Taylor polynomial for |z| < 0.5,
+    relative error < 2e-8 there; e^z − 1 elsewhere): Triton's interpreter runs no libdevice."""
+    t = 1.0 + z * (0.5 + z * (0.16666666666666666 + z * (0.041666666666666664 + z * (
+        0.008333333333333333 + z * (0.001388888888888889 + z * (0.0001984126984126984 + z * (
+            2.48015873015873e-05)))))))
+    return tl.where(tl.abs(z) < 0.5, z * t, tl.exp(z) - 1.0)
+
+
+@triton.jit
 def grad_kernel(
-    x_ptr, y_ptr, keep_ptr, tau_ptr, gx_ptr, gy_ptr, stats_ptr, g_ptr, tok_ptr, at_tok_ptr,
-    stride_x, stride_y, stride_keep, V, inv_t, c2,
+    x_ptr, y_ptr, keep_ptr, tau_ptr, gx_ptr, gy_ptr, stats_ptr, g_ptr, tok_ptr, mask_ptr,
+    owned_ptr, T, stride_xb, stride_xt, stride_yb, stride_yt, stride_kb, stride_kt, stride_gn,
+    stride_gc, V, inv_t, c2, ignore_index,
     KL: tl.constexpr, LOGP: tl.constexpr, REF_LOGP: tl.constexpr, ENTROPY: tl.constexpr,
     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_P: tl.constexpr, NEED_Q: tl.constexpr,
-    HAS_TOKEN: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr, BLOCK: tl.constexpr,
-    OUT_COLS: tl.constexpr, STATS_COLS: tl.constexpr, ST_SHIFT_X: tl.constexpr,
-    ST_LOG_S_X: tl.constexpr, ST_SHIFT_Y: tl.constexpr, ST_LOG_S_Y: tl.constexpr,
-    ST_MEAN_D: tl.constexpr, ST_MEAN_U: tl.constexpr,
+    HAS_TOKEN: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_OWNED: tl.constexpr, BLOCK: tl.constexpr,
+    OUT_COLS: tl.constexpr, OUT_KL: tl.constexpr, OUT_LOGP: tl.constexpr,
+    OUT_REF_LOGP: tl.constexpr, OUT_ENTROPY: tl.constexpr, STATS_COLS: tl.constexpr,
+    ST_SHIFT_X: tl.constexpr, ST_LOG_S_X: tl.constexpr, ST_SHIFT_Y: tl.constexpr,
+    ST_LOG_S_Y: tl.constexpr, ST_MEAN_D: tl.constexpr, ST_MEAN_U: tl.constexpr,
+    ST_LOGP: tl.constexpr, ST_REF_LOGP: tl.constexpr,
 ):
     """One (row, block) tile of ∂/∂x and ∂/∂y of Σ g·out from the (N, 9) stats.
 
     With p = π̃, q = ρ, u, w the tempered shifted logits, g = (g_kl, g_lp, g_rl, g_h) the row's
-    upstream gradient (N, 4) (0 on masked rows, the log-prob columns 0 at ignored tokens)::
+    upstream gradient (``g_ptr`` (N, 4) with strides (stride_gn, stride_gc), any float dtype)::
 
         gx = [p·(g_kl·((u − w) − E_π̃[u − w]) − g_h·(u − E_π̃[u])) − g_lp·(p − onehot)]/T
         gy = [g_kl·(q − p) − g_rl·(q − onehot)]/T
 
-    At the token the (1 − p_t)·g_lp and (1 − q_t)·g_rl factors come precomputed in
-    ``at_tok`` (N, 2) (from −expm1 of the log-probs: exact for p_t → 1). Each term is dropped
-    where its g is 0 and the p-terms where p = 0 (0·log 0, −inf logits, off the support), so
-    masked garbage rows give exactly 0 and −inf entries finite gradients.
+    g is read in the columns wanted only, 0 on masked rows (HAS_MASK) and, in the log-prob
+    columns, at ignored tokens; a token with owned[row] = 0 (HAS_OWNED: another rank's column)
+    takes no onehot term. At the token the (1 − p_t)·g_lp and (1 − q_t)·g_rl factors come from
+    −expm1 of the saved log-probs (exact for p_t → 1). Each term is dropped where its g is 0 and
+    the p-terms where p = 0 (0·log 0, −inf logits, off the support), so masked garbage rows
+    give exactly 0 and −inf entries finite gradients. Rows of x, y and keep are addressed
+    through (T, stride_b, stride_t) (:func:`_row_offset`); gx, gy are (N, V) contiguous.
     """
     row = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = col < V
     st = stats_ptr + row * STATS_COLS
-    gr = g_ptr + row * OUT_COLS
-    g_kl = tl.load(gr)
-    g_lp = tl.load(gr + 1)
-    g_rl = tl.load(gr + 2)
-    g_h = tl.load(gr + 3)
+    gr = g_ptr + row * stride_gn
+    counted = True
+    if HAS_MASK:
+        counted = tl.load(mask_ptr + row) != 0
+    if KL:
+        g_kl = tl.where(counted, tl.load(gr + OUT_KL * stride_gc).to(tl.float32), 0.0)
+    if ENTROPY:
+        g_h = tl.where(counted, tl.load(gr + OUT_ENTROPY * stride_gc).to(tl.float32), 0.0)
     if HAS_TOKEN:  # LOGP or REF_LOGP (the flags combined on the host: plain constexpr tests)
-        is_tok = col == tl.load(tok_ptr + row)
+        tok = tl.load(tok_ptr + row).to(tl.int64)
+        counted_tok = counted & (tok != ignore_index)
+        if HAS_OWNED:  # the token in another rank's columns: no onehot term here
+            tok = tl.where(tl.load(owned_ptr + row) != 0, tok, -1)
+        is_tok = col == tok
+    if LOGP:
+        g_lp = tl.where(counted_tok, tl.load(gr + OUT_LOGP * stride_gc).to(tl.float32), 0.0)
+        lp = tl.load(st + ST_LOGP)
+        # at the token: (1 − p_t)·g = −expm1(log p_t)·g; 0 for a token off the support (its
+        # logit, fixed at −inf by keep/tau, does not move log π̃(t))
+        at_lp = tl.where((g_lp != 0) & (lp != float("-inf")), -_expm1(lp) * g_lp, 0.0)
+    if REF_LOGP:
+        g_rl = tl.where(counted_tok, tl.load(gr + OUT_REF_LOGP * stride_gc).to(tl.float32), 0.0)
+        at_rl = tl.where(g_rl != 0, -_expm1(tl.load(st + ST_REF_LOGP)) * g_rl, 0.0)
     if NEED_P:  # the policy's probabilities (KL, LOGP or ENTROPY)
         tau = 0.0
         if HAS_TAU:
             tau = tl.load(tau_ptr + row).to(tl.float32)
-        x = _kept_x(x_ptr + row * stride_x, keep_ptr + row * stride_keep, tau, col, inside,
+        x = _kept_x(x_ptr + _row_offset(row, T, stride_xb, stride_xt),
+                    keep_ptr + _row_offset(row, T, stride_kb, stride_kt), tau, col, inside,
                     HAS_KEEP, HAS_TAU)
         dx = x - tl.load(st + ST_SHIFT_X)  # logit units
         p = tl.exp2(dx * c2 - tl.load(st + ST_LOG_S_X) * 1.4426950408889634)
         live = p > 0
     if NEED_Q:  # the reference's (KL or REF_LOGP)
-        y = tl.load(y_ptr + row * stride_y + col, mask=inside, other=float("-inf")).to(tl.float32)
+        y_row = y_ptr + _row_offset(row, T, stride_yb, stride_yt)
+        y = tl.load(y_row + col, mask=inside, other=float("-inf")).to(tl.float32)
         dy = y - tl.load(st + ST_SHIFT_Y)
         q = tl.exp2(dy * c2 - tl.load(st + ST_LOG_S_Y) * 1.4426950408889634)
     if NEED_X:
@@ -201,7 +457,7 @@ def grad_kernel(
             t_h = p * (dx * inv_t - tl.load(st + ST_MEAN_U))
             gx -= _term(live, t_h, g_h)
         if LOGP:
-            gx += tl.where(is_tok, tl.load(at_tok_ptr + row * 2), _term(live, -p, g_lp))
+            gx += tl.where(is_tok, at_lp, _term(live, -p, g_lp))
         tl.store(gx_ptr + row * V + col, (gx * inv_t).to(gx_ptr.dtype.element_ty), mask=inside)
     if NEED_Y:
         gy = tl.zeros([BLOCK], dtype=tl.float32)
@@ -209,7 +465,7 @@ def grad_kernel(
             qp = q - p
             gy += _term(qp == qp, qp, g_kl)  # NaN only where both vanish
         if REF_LOGP:
-            gy += tl.where(is_tok, tl.load(at_tok_ptr + row * 2 + 1), _term(q > 0, -q, g_rl))
+            gy += tl.where(is_tok, at_rl, _term(q > 0, -q, g_rl))
         tl.store(gy_ptr + row * V + col, (gy * inv_t).to(gy_ptr.dtype.element_ty), mask=inside)
 
 

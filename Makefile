@@ -13,8 +13,16 @@ STACK_SOURCES ?= verl==0.9.1 openrlhf==0.11.2
 # built against the torch that is there (--no-build-isolation; DS_ACCELERATOR=cpu runs it on CPU)
 PEFT_SPEC ?= peft==0.21.2
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
+# the Triton of the GPU machine's image, and a NumPy its interpreter runs under (3.6's
+# interpreter fails under NumPy 2.4), in a folder of their own that shadows the venv's on
+# PYTHONPATH: `make test-triton-3.6` runs the Triton tests against the Triton a GPU run uses
+TRITON_DEVICE_SPEC ?= triton==3.6.0
+TRITON_DEVICE_NUMPY ?= numpy<2.4
+TRITON_DEVICE := $(VENV)/triton-3.6
+TRITON_DEVICE_STAMP := $(TRITON_DEVICE)/.installed
+TRITON_TESTS ?= tests/ops/test_triton.py tests/ops/test_triton_compiled.py tests/ops/test_inf_rule.py
 
-.PHONY: test install demo clean test-integrations
+.PHONY: test install demo clean test-integrations test-triton-3.6
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,8 +49,23 @@ $(INTEGRATIONS_STAMP): $(STAMP)
 		     $(PY) -m pip list 2>/dev/null | grep -i '^torch '; exit 1; }
 	touch $@
 
-test-integrations: $(INTEGRATIONS_STAMP)
+test-integrations: $(INTEGRATIONS_STAMP) test-triton-3.6
 	KLPENALTY_INTEGRATIONS=1 $(PY) -m pytest tests/integrations
+
+# --no-deps: Triton 3.6 needs nothing at run time that the venv lacks, and torch stays as it is
+$(TRITON_DEVICE_STAMP): $(STAMP)
+	rm -rf $(TRITON_DEVICE)
+	$(PY) -m pip install --quiet --no-deps --target $(TRITON_DEVICE) \
+		"$(TRITON_DEVICE_SPEC)" "$(TRITON_DEVICE_NUMPY)"
+	touch $@
+
+test-triton-3.6: $(TRITON_DEVICE_STAMP)
+	PYTHONPATH=$(TRITON_DEVICE) $(PY) -c "import triton, numpy; \
+		assert triton.__file__.startswith('$(abspath $(TRITON_DEVICE))'), triton.__file__; \
+		assert triton.__version__ == '$(subst triton==,,$(TRITON_DEVICE_SPEC))', triton.__version__; \
+		print('triton', triton.__version__, 'numpy', numpy.__version__)"
+	PYTHONPATH=$(TRITON_DEVICE) KLPENALTY_EXPECT_TRITON=$(subst triton==,,$(TRITON_DEVICE_SPEC)) \
+		$(PY) -m pytest -q -p no:cacheprovider $(TRITON_TESTS)
 
 # `make demo DEMO_ARGS="--sweep"` passes options through to `klpenalty demo`
 demo: $(STAMP)

@@ -284,7 +284,7 @@ def test_results_do_not_depend_on_the_split_count(monkeypatch):
     tk.plan_splits.cache_clear()
     try:
         assert -(-vocab // tk.split_columns(6, vocab, DEVICE)[1]) > 1
-        for chunk in (0, 16, 32, 64):
+        for chunk in (0, 16, 64):
             out, _ = torch.ops.klpenalty.triton_token_stats(*args, 0.7, -100, 15, False, 0, chunk)
             torch.testing.assert_close(out.double(), want, **tol(torch.float32))
     finally:
@@ -303,8 +303,8 @@ def test_kernel_finish_matches_the_engine_finalize_and_contract_finish():
     y[1, 0, 5] = NINF  # KL = +inf (policy mass where the reference has none)
     x[1, 2, 3] = float("nan")
     n, vocab = 6, x.shape[-1]
-    cases = [(15, False, 0), (15, True, 16), (13, True, 0), (2, True, 16), (1, False, 16),
-             (4, False, 0), (8, False, 16)]  # (want, a support, split width)
+    cases = [(15, False, 0), (15, True, 16), (2, True, 0), (4, False, 16), (8, False, 0)]
+    # (want, a support, split width)
     for want, support, chunk in cases:
         sup_keep, sup_tau = (keep, tau) if support else (None, None)
         out, st = torch.ops.klpenalty.triton_token_stats(

@@ -1,21 +1,25 @@
 """The Triton kernels of the ``"triton"`` backend (imported only by :mod:`.triton_kernels`, lazily:
 importing this module imports Triton).
 
-Two kernels serve the three ops of the backend, specialised by ``tl.constexpr`` flags so that
+Three kernels serve the three ops of the backend, specialised by ``tl.constexpr`` flags so that
 each call reads and computes only what it needs; the column layouts of :mod:`.contract` come in
 as constexprs too (:func:`.triton_kernels.column_constexprs`):
 
 - :func:`stats_kernel` (forward): program (row, split) walks columns
   [split·cols, (split + 1)·cols) in ``BLOCK`` chunks, reading each logit once in its own dtype,
-  with the engine's state of both models in float32 scalars, and writes its partial state
-  (the state columns m_x, s_x, m_y, s_y, a, b) to ``out[row, split, :]``. The states of a row's splits are merged
-  by the engine's merge in torch (:mod:`.triton_kernels`).
-- :func:`grad_kernel` (backward): one (row, block) tile of ∂/∂x and ∂/∂y of Σ g·out for all
+  with the engine's state of both models in float32, and either finishes the row (one program
+  per row: out and stats, :func:`_finish_row`) or writes its partial state (the state columns
+  m_x, s_x, m_y, s_y, a, b) to ``out[row, split, :]``;
+- :func:`merge_kernel`: one program per row merges its splits' partial states with the engine's
+  rescale-and-add and finishes the row (or writes the merged state: the state op);
+- :func:`grad_kernel` (backward): (row, block) tiles of ∂/∂x and ∂/∂y of Σ g·out for all
   wanted outputs together, recomputed from the saved per-row stats, written once in the
   inputs' dtypes.
 
-Whether the kernels run compiled or interpreted (``TRITON_INTERPRET=1``, CPU tensors) is decided
-by Triton when this module is imported. Only Triton APIs present in Triton 3.6 are used.
+Rows of the (..., T, V) inputs are addressed through (T, stride_b, stride_t)
+(:func:`_row_offset`). Whether the kernels run compiled or interpreted (``TRITON_INTERPRET=1``,
+CPU tensors) is decided by Triton when this module is imported. Only Triton APIs present in
+Triton 3.6 are used.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["stats_kernel", "grad_kernel", "INTERPRETED"]
+__all__ = ["stats_kernel", "merge_kernel", "grad_kernel", "INTERPRETED"]
 
 _LOG2E = 1.4426950408889634
 
@@ -57,16 +61,90 @@ def _term(valid, t, g):
 
 
 @triton.jit
-def _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr):
+def _load(ptr, inside, other, MASKED: tl.constexpr):
+    """One block of a row, masked by ``inside`` (``other`` outside) or, for a block known to lie
+    inside the row, unmasked (no per-element select: the loads keep their vector width)."""
+    if MASKED:
+        v = tl.load(ptr, mask=inside, other=other)
+    else:
+        v = tl.load(ptr)
+    return v
+
+
+@triton.jit
+def _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr,
+            MASKED: tl.constexpr):
     """The policy logits of one block in float32, −inf outside the row and outside the support
     (kept iff keep[v] and x_v ≥ tau, compared in float32: tau's dtype)."""
-    x = tl.load(x_row + col, mask=inside, other=float("-inf")).to(tl.float32)
+    x = _load(x_row + col, inside, float("-inf"), MASKED).to(tl.float32)
     if HAS_KEEP:
-        kept = tl.load(keep_row + col, mask=inside, other=0) != 0
+        kept = _load(keep_row + col, inside, 0, MASKED) != 0
         x = tl.where(kept, x, float("-inf"))
     if HAS_TAU:
         x = tl.where(x >= tau, x, float("-inf"))
     return x
+
+
+@triton.jit
+def _thread_max(v):
+    """[R, NT, INNER] → [NT]: the max over the axes each thread holds (no cross-thread step)."""
+    return tl.max(tl.max(v, 2), 0)
+
+
+@triton.jit
+def _thread_sum(v):
+    """[R, NT, INNER] → [NT]: the sum over the axes each thread holds."""
+    return tl.sum(tl.sum(v, 2), 0)
+
+
+@triton.jit
+def _stats_block(
+    x_row, y_row, keep_row, tau, col, inside, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
+    X_STATE: tl.constexpr, Y_STATE: tl.constexpr, MOMENT_A: tl.constexpr,
+    MOMENT_B: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """The NT partial states (m_x, s_x, m_y, s_y, a, b) [NT] after one block of columns ``col``
+    [R, NT, INNER] (each state gathers the R·INNER columns of one thread): the block's loads
+    first, then the engine's rescale-and-add per state, reduced inside each thread only."""
+    if X_STATE:
+        x = _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP, HAS_TAU, MASKED)
+    if Y_STATE:
+        y = _load(y_row + col, inside, float("-inf"), MASKED).to(tl.float32)
+    if X_STATE:
+        mx_new = tl.maximum(m_x, _thread_max(x))
+        dxs, alpha = _scales(m_x, mx_new, inv_t)
+    if Y_STATE:
+        my_new = tl.maximum(m_y, _thread_max(y))
+        dys, beta = _scales(m_y, my_new, inv_t)
+        dy = y - _finite_or_zero(my_new)[None, :, None]  # logit units
+        s_y = beta * s_y + _thread_sum(tl.exp2(dy * c2))
+        m_y = my_new
+    if X_STATE:
+        if MOMENT_A:
+            a = _rescale_moment(s_x, a, dxs - dys, alpha)
+        if MOMENT_B:
+            b = _rescale_moment(s_x, b, dxs, alpha)
+        dx = x - _finite_or_zero(mx_new)[None, :, None]
+        eu = tl.exp2(dx * c2)
+        s_x = alpha * s_x + _thread_sum(eu)
+        # 0·log 0 = 0: an entry with e^u = 0 adds nothing, except where x is finite and
+        # y = −inf (dx − dy = +inf): e^u > 0 exactly there, the term is +inf
+        if MOMENT_A:
+            d = dx - dy
+            a += _thread_sum(tl.where(eu > 0, eu * d, tl.where(d == float("inf"), d, 0.0))) * inv_t
+        if MOMENT_B:
+            b += _thread_sum(tl.where(eu > 0, eu * dx, 0.0)) * inv_t
+        m_x = mx_new
+    return m_x, s_x, m_y, s_y, a, b
+
+
+@triton.jit
+def _nan_max(m, s):
+    """The max of a model's state, NaN where its sum is NaN (a NaN logit in the support): the
+    same max whether ``tl.max`` drops NaN (compiled ``FMNMX``, Triton 3.9's interpreter) or
+    propagates it (Triton 3.6's interpreter), and the engine's (torch's max propagates)."""
+    return tl.where(s == s, m, float("nan"))
 
 
 @triton.jit
@@ -104,56 +182,64 @@ def stats_kernel(
 
     FINISH (one program per row): the row's out and stats (:func:`_finish_row`). Otherwise
     ``out[row, split, :]`` ← the state (:func:`_store_state`), merged by :func:`merge_kernel`.
+
+    A block is viewed as [R, NT, INNER]: INNER columns of 16 bytes (one vector load), NT = 256
+    (the threads of 8 warps, the most the host launches), R blocks of those. Each of the NT
+    states gathers its thread's R·INNER columns, so the loop reduces inside threads only (no
+    barrier, no shuffle); the NT states are merged once after the loop, with the engine's
+    rescale to the common maxima and a sum. Full blocks are read unmasked, the last partial
+    block masked; a program that is a whole row (``n_splits`` = 1) starts at column 0.
     """
+    XBITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
+    YBITS: tl.constexpr = y_ptr.dtype.element_ty.primitive_bitwidth
+    INNER: tl.constexpr = 128 // (XBITS if XBITS > YBITS else YBITS)
+    NT: tl.constexpr = BLOCK // INNER if BLOCK // INNER < 256 else 256
+    R: tl.constexpr = BLOCK // (NT * INNER)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    c0 = split * cols
-    c1 = tl.minimum(c0 + cols, V)
+    if n_splits == 1:  # a constexpr where the JIT specialises 1: column 0 is aligned
+        c0 = 0
+        c1 = V
+    else:
+        c0 = split * cols
+        c1 = tl.minimum(c0 + cols, V)
+    c_main = c0 + (c1 - c0) // BLOCK * BLOCK  # the end of the full blocks
     x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
     y_row = y_ptr + _row_offset(row, T, stride_yb, stride_yt)
     keep_row = keep_ptr + _row_offset(row, T, stride_kb, stride_kt)
     tau = 0.0
     if HAS_TAU:
         tau = tl.load(tau_ptr + row).to(tl.float32)
-    offs = tl.arange(0, BLOCK)
-    m_x = float("-inf")
-    m_y = float("-inf")
-    s_x = 0.0
-    s_y = 0.0
-    a = 0.0
-    b = 0.0
-    for start in range(c0, c1, BLOCK):
-        col = start + offs
-        inside = col < c1
-        if X_STATE:
-            x = _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP, HAS_TAU)
-            mx_new = tl.maximum(m_x, tl.max(x, 0))
-            dxs, alpha = _scales(m_x, mx_new, inv_t)
-        if Y_STATE:
-            y = tl.load(y_row + col, mask=inside, other=float("-inf")).to(tl.float32)
-            my_new = tl.maximum(m_y, tl.max(y, 0))
-            dys, beta = _scales(m_y, my_new, inv_t)
-            s_y = beta * s_y
-            dy = y - _finite_or_zero(my_new)  # logit units
-            s_y += tl.sum(tl.exp2(dy * c2), 0)
-            m_y = my_new
-        if X_STATE:
-            if MOMENT_A:
-                a = _rescale_moment(s_x, a, dxs - dys, alpha)
-            if MOMENT_B:
-                b = _rescale_moment(s_x, b, dxs, alpha)
-            s_x = alpha * s_x
-            dx = x - _finite_or_zero(mx_new)
-            eu = tl.exp2(dx * c2)
-            s_x += tl.sum(eu, 0)
-            # 0·log 0 = 0: an entry with e^u = 0 adds nothing, except where x is finite and
-            # y = −inf (dx − dy = +inf): e^u > 0 exactly there, the term is +inf
-            if MOMENT_A:
-                d = dx - dy
-                a += tl.sum(tl.where(eu > 0, eu * d, tl.where(d == float("inf"), d, 0.0)), 0) * inv_t
-            if MOMENT_B:
-                b += tl.sum(tl.where(eu > 0, eu * dx, 0.0), 0) * inv_t
-            m_x = mx_new
+    offs = (tl.arange(0, R)[:, None, None] * (NT * INNER) + tl.arange(0, NT)[None, :, None] * INNER
+            + tl.arange(0, INNER)[None, None, :])
+    m_x = tl.full([NT], float("-inf"), tl.float32)
+    m_y = tl.full([NT], float("-inf"), tl.float32)
+    s_x = tl.zeros([NT], tl.float32)
+    s_y = tl.zeros([NT], tl.float32)
+    a = tl.zeros([NT], tl.float32)
+    b = tl.zeros([NT], tl.float32)
+    for start in range(c0, c_main, BLOCK):
+        m_x, s_x, m_y, s_y, a, b = _stats_block(
+            x_row, y_row, keep_row, tau, start + offs, None, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
+            X_STATE, Y_STATE, MOMENT_A, MOMENT_B, HAS_KEEP, HAS_TAU, False,
+        )
+    if c_main < c1:
+        col = c_main + offs
+        m_x, s_x, m_y, s_y, a, b = _stats_block(
+            x_row, y_row, keep_row, tau, col, col < c1, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
+            X_STATE, Y_STATE, MOMENT_A, MOMENT_B, HAS_KEEP, HAS_TAU, True,
+        )
+    # the NT states → one: rescale each to the common maxima, then sum (the engine's merge)
+    big_x = tl.max(m_x, 0)
+    big_y = tl.max(m_y, 0)
+    dxs, alpha = _scales(m_x, big_x, inv_t)
+    dys, beta = _scales(m_y, big_y, inv_t)
+    a = tl.sum(_rescale_moment(s_x, a, dxs - dys, alpha), 0)
+    b = tl.sum(_rescale_moment(s_x, b, dxs, alpha), 0)
+    s_x = tl.sum(alpha * s_x, 0)
+    s_y = tl.sum(beta * s_y, 0)
+    m_x = _nan_max(big_x, s_x)
+    m_y = _nan_max(big_y, s_y)
     if FINISH:
         _finish_row(
             row, m_x, s_x, m_y, s_y, a, b, x_row, y_row, keep_row, tau, tok_ptr, mask_ptr,
@@ -347,6 +433,8 @@ def merge_kernel(
     if MOMENT_B:
         b_s = tl.load(part + SX_B, mask=live, other=0.0)
         b = tl.sum(_rescale_moment(s_xs, b_s, dxs, alpha), 0)
+    m_x = _nan_max(m_x, s_x)  # NaN whether tl.max drops NaN or not
+    m_y = _nan_max(m_y, s_y)
     if FINISH:
         tau = 0.0
         if HAS_TAU:
@@ -375,6 +463,60 @@ def _expm1(z):
     return tl.where(tl.abs(z) < 0.5, z * t, tl.exp(z) - 1.0)
 
 
+
+
+@triton.jit
+def _grad_tile(
+    x_row, y_row, keep_row, gx_row, gy_row, tau, col, inside, tok, at_tok_x, at_tok_y,
+    shift_x, log2_s_x, shift_y, log2_s_y, mean_d, mean_u, g_kl, g_lp, g_rl, g_h, inv_t, c2,
+    KL: tl.constexpr, LOGP: tl.constexpr, REF_LOGP: tl.constexpr, ENTROPY: tl.constexpr,
+    NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_P: tl.constexpr, NEED_Q: tl.constexpr,
+    HAS_TOKEN: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr, MASKED: tl.constexpr,
+):
+    """∂/∂x and ∂/∂y of one tile of columns ``col`` of a row, written in the inputs' dtypes
+    (masked by ``inside`` where MASKED: the row's last, partial tile)."""
+    if HAS_TOKEN:
+        is_tok = col == tok
+    if NEED_P:  # the policy's probabilities (KL, LOGP or ENTROPY)
+        x = _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP, HAS_TAU, MASKED)
+    if NEED_Q:  # the reference's (KL or REF_LOGP)
+        y = _load(y_row + col, inside, float("-inf"), MASKED).to(tl.float32)
+    if NEED_P:
+        dx = x - shift_x  # logit units
+        p = tl.exp2(dx * c2 - log2_s_x)
+        live = p > 0
+    if NEED_Q:
+        dy = y - shift_y
+        q = tl.exp2(dy * c2 - log2_s_y)
+    if NEED_X:
+        gx = tl.zeros(col.shape, dtype=tl.float32)
+        if KL:
+            t_kl = p * ((dx - dy) * inv_t - mean_d)
+            gx += _term(live, t_kl, g_kl)
+        if ENTROPY:
+            t_h = p * (dx * inv_t - mean_u)
+            gx -= _term(live, t_h, g_h)
+        if LOGP:
+            gx += tl.where(is_tok, at_tok_x, _term(live, -p, g_lp))
+        gx = (gx * inv_t).to(gx_row.dtype.element_ty)
+        if MASKED:
+            tl.store(gx_row + col, gx, mask=inside)
+        else:
+            tl.store(gx_row + col, gx)
+    if NEED_Y:
+        gy = tl.zeros(col.shape, dtype=tl.float32)
+        if KL:
+            qp = q - p
+            gy += _term(qp == qp, qp, g_kl)  # NaN only where both vanish
+        if REF_LOGP:
+            gy += tl.where(is_tok, at_tok_y, _term(q > 0, -q, g_rl))
+        gy = (gy * inv_t).to(gy_row.dtype.element_ty)
+        if MASKED:
+            tl.store(gy_row + col, gy, mask=inside)
+        else:
+            tl.store(gy_row + col, gy)
+
+
 @triton.jit
 def grad_kernel(
     x_ptr, y_ptr, keep_ptr, tau_ptr, gx_ptr, gy_ptr, stats_ptr, g_ptr, tok_ptr, mask_ptr,
@@ -383,14 +525,15 @@ def grad_kernel(
     KL: tl.constexpr, LOGP: tl.constexpr, REF_LOGP: tl.constexpr, ENTROPY: tl.constexpr,
     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_P: tl.constexpr, NEED_Q: tl.constexpr,
     HAS_TOKEN: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_OWNED: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_OWNED: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
     OUT_COLS: tl.constexpr, OUT_KL: tl.constexpr, OUT_LOGP: tl.constexpr,
     OUT_REF_LOGP: tl.constexpr, OUT_ENTROPY: tl.constexpr, STATS_COLS: tl.constexpr,
     ST_SHIFT_X: tl.constexpr, ST_LOG_S_X: tl.constexpr, ST_SHIFT_Y: tl.constexpr,
     ST_LOG_S_Y: tl.constexpr, ST_MEAN_D: tl.constexpr, ST_MEAN_U: tl.constexpr,
     ST_LOGP: tl.constexpr, ST_REF_LOGP: tl.constexpr,
 ):
-    """One (row, block) tile of ∂/∂x and ∂/∂y of Σ g·out from the (N, 9) stats.
+    """TILES (row, block) tiles of ∂/∂x and ∂/∂y of Σ g·out from the (N, 9) stats: program
+    (row, j) takes columns [j·TILES·BLOCK, (j + 1)·TILES·BLOCK), loading the row's scalars once.
 
     With p = π̃, q = ρ, u, w the tempered shifted logits, g = (g_kl, g_lp, g_rl, g_h) the row's
     upstream gradient (``g_ptr`` (N, 4) with strides (stride_gn, stride_gc), any float dtype)::
@@ -403,70 +546,84 @@ def grad_kernel(
     takes no onehot term. At the token the (1 − p_t)·g_lp and (1 − q_t)·g_rl factors come from
     −expm1 of the saved log-probs (exact for p_t → 1). Each term is dropped where its g is 0 and
     the p-terms where p = 0 (0·log 0, −inf logits, off the support), so masked garbage rows
-    give exactly 0 and −inf entries finite gradients. Rows of x, y and keep are addressed
-    through (T, stride_b, stride_t) (:func:`_row_offset`); gx, gy are (N, V) contiguous.
+    give exactly 0 and −inf entries finite gradients. Full tiles are read and written
+    unmasked, the row's last partial tile masked. Rows of x, y and keep are addressed through
+    (T, stride_b, stride_t) (:func:`_row_offset`); gx, gy are (N, V) contiguous.
     """
     row = tl.program_id(0).to(tl.int64)
-    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = col < V
+    c0 = tl.program_id(1) * (BLOCK * TILES)
+    c1 = tl.minimum(c0 + BLOCK * TILES, V)
+    c_main = c0 + (c1 - c0) // BLOCK * BLOCK  # the end of the full tiles
     st = stats_ptr + row * STATS_COLS
     gr = g_ptr + row * stride_gn
     counted = True
     if HAS_MASK:
         counted = tl.load(mask_ptr + row) != 0
+    g_kl = 0.0
+    g_lp = 0.0
+    g_rl = 0.0
+    g_h = 0.0
     if KL:
         g_kl = tl.where(counted, tl.load(gr + OUT_KL * stride_gc).to(tl.float32), 0.0)
     if ENTROPY:
         g_h = tl.where(counted, tl.load(gr + OUT_ENTROPY * stride_gc).to(tl.float32), 0.0)
+    tok = -1
+    at_tok_x = 0.0
+    at_tok_y = 0.0
     if HAS_TOKEN:  # LOGP or REF_LOGP (the flags combined on the host: plain constexpr tests)
         tok = tl.load(tok_ptr + row).to(tl.int64)
         counted_tok = counted & (tok != ignore_index)
         if HAS_OWNED:  # the token in another rank's columns: no onehot term here
             tok = tl.where(tl.load(owned_ptr + row) != 0, tok, -1)
-        is_tok = col == tok
     if LOGP:
         g_lp = tl.where(counted_tok, tl.load(gr + OUT_LOGP * stride_gc).to(tl.float32), 0.0)
         lp = tl.load(st + ST_LOGP)
         # at the token: (1 − p_t)·g = −expm1(log p_t)·g; 0 for a token off the support (its
         # logit, fixed at −inf by keep/tau, does not move log π̃(t))
-        at_lp = tl.where((g_lp != 0) & (lp != float("-inf")), -_expm1(lp) * g_lp, 0.0)
+        at_tok_x = tl.where((g_lp != 0) & (lp != float("-inf")), -_expm1(lp) * g_lp, 0.0)
     if REF_LOGP:
         g_rl = tl.where(counted_tok, tl.load(gr + OUT_REF_LOGP * stride_gc).to(tl.float32), 0.0)
-        at_rl = tl.where(g_rl != 0, -_expm1(tl.load(st + ST_REF_LOGP)) * g_rl, 0.0)
-    if NEED_P:  # the policy's probabilities (KL, LOGP or ENTROPY)
-        tau = 0.0
-        if HAS_TAU:
-            tau = tl.load(tau_ptr + row).to(tl.float32)
-        x = _kept_x(x_ptr + _row_offset(row, T, stride_xb, stride_xt),
-                    keep_ptr + _row_offset(row, T, stride_kb, stride_kt), tau, col, inside,
-                    HAS_KEEP, HAS_TAU)
-        dx = x - tl.load(st + ST_SHIFT_X)  # logit units
-        p = tl.exp2(dx * c2 - tl.load(st + ST_LOG_S_X) * 1.4426950408889634)
-        live = p > 0
-    if NEED_Q:  # the reference's (KL or REF_LOGP)
-        y_row = y_ptr + _row_offset(row, T, stride_yb, stride_yt)
-        y = tl.load(y_row + col, mask=inside, other=float("-inf")).to(tl.float32)
-        dy = y - tl.load(st + ST_SHIFT_Y)
-        q = tl.exp2(dy * c2 - tl.load(st + ST_LOG_S_Y) * 1.4426950408889634)
-    if NEED_X:
-        gx = tl.zeros([BLOCK], dtype=tl.float32)
-        if KL:
-            t_kl = p * ((dx - dy) * inv_t - tl.load(st + ST_MEAN_D))
-            gx += _term(live, t_kl, g_kl)
-        if ENTROPY:
-            t_h = p * (dx * inv_t - tl.load(st + ST_MEAN_U))
-            gx -= _term(live, t_h, g_h)
-        if LOGP:
-            gx += tl.where(is_tok, at_lp, _term(live, -p, g_lp))
-        tl.store(gx_ptr + row * V + col, (gx * inv_t).to(gx_ptr.dtype.element_ty), mask=inside)
-    if NEED_Y:
-        gy = tl.zeros([BLOCK], dtype=tl.float32)
-        if KL:
-            qp = q - p
-            gy += _term(qp == qp, qp, g_kl)  # NaN only where both vanish
-        if REF_LOGP:
-            gy += tl.where(is_tok, at_rl, _term(q > 0, -q, g_rl))
-        tl.store(gy_ptr + row * V + col, (gy * inv_t).to(gy_ptr.dtype.element_ty), mask=inside)
+        at_tok_y = tl.where(g_rl != 0, -_expm1(tl.load(st + ST_REF_LOGP)) * g_rl, 0.0)
+    tau = 0.0
+    if HAS_TAU:
+        tau = tl.load(tau_ptr + row).to(tl.float32)
+    shift_x = 0.0
+    log2_s_x = 0.0
+    mean_d = 0.0
+    mean_u = 0.0
+    if NEED_P:
+        shift_x = tl.load(st + ST_SHIFT_X)
+        log2_s_x = tl.load(st + ST_LOG_S_X) * 1.4426950408889634
+    if KL:
+        mean_d = tl.load(st + ST_MEAN_D)
+    if ENTROPY:
+        mean_u = tl.load(st + ST_MEAN_U)
+    shift_y = 0.0
+    log2_s_y = 0.0
+    if NEED_Q:
+        shift_y = tl.load(st + ST_SHIFT_Y)
+        log2_s_y = tl.load(st + ST_LOG_S_Y) * 1.4426950408889634
+    x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
+    y_row = y_ptr + _row_offset(row, T, stride_yb, stride_yt)
+    keep_row = keep_ptr + _row_offset(row, T, stride_kb, stride_kt)
+    gx_row = gx_ptr + row * V
+    gy_row = gy_ptr + row * V
+    offs = tl.arange(0, BLOCK)
+    for start in range(c0, c_main, BLOCK):
+        _grad_tile(
+            x_row, y_row, keep_row, gx_row, gy_row, tau, start + offs, None, tok, at_tok_x,
+            at_tok_y, shift_x, log2_s_x, shift_y, log2_s_y, mean_d, mean_u, g_kl, g_lp, g_rl,
+            g_h, inv_t, c2, KL, LOGP, REF_LOGP, ENTROPY, NEED_X, NEED_Y, NEED_P, NEED_Q,
+            HAS_TOKEN, HAS_KEEP, HAS_TAU, False,
+        )
+    if c_main < c1:
+        col = c_main + offs
+        _grad_tile(
+            x_row, y_row, keep_row, gx_row, gy_row, tau, col, col < c1, tok, at_tok_x,
+            at_tok_y, shift_x, log2_s_x, shift_y, log2_s_y, mean_d, mean_u, g_kl, g_lp, g_rl,
+            g_h, inv_t, c2, KL, LOGP, REF_LOGP, ENTROPY, NEED_X, NEED_Y, NEED_P, NEED_Q,
+            HAS_TOKEN, HAS_KEEP, HAS_TAU, True,
+        )
 
 
 # Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1).

@@ -75,6 +75,8 @@ SPLIT_UNIT = 1024
 FULL_WAVES = 8
 PROGRAM_OVERHEAD = 2
 MERGE_COST = 8
+# Backward tiles (of up to 1024 columns) per program: the row's scalars are loaded once for all.
+GRAD_TILES = 4
 
 INSTALL_HINT = "install Triton (`pip install 'klpenalty[triton]'`)"
 
@@ -355,8 +357,9 @@ def _forward(x, y, tokens, mask, keep, tau, temperature: float, ignore_index: in
     out, stats = outs if finish else (outs[0], outs[0])
     any_ptr = outs[0]
     inv_t = 1.0 / temperature
-    pointers = (rows.x, any_ptr if rows.y is None else rows.y,
-                any_ptr if rows.keep is None else rows.keep, any_ptr if tauf is None else tauf,
+    # an absent y or keep passes x (the kernel's vector width follows the pointers' dtypes)
+    pointers = (rows.x, rows.x if rows.y is None else rows.y,
+                rows.x if rows.keep is None else rows.keep, any_ptr if tauf is None else tauf,
                 any_ptr if tok is None else tok, any_ptr if maskf is None else maskf)
     kernels = _kernels()
     if splits == 1:
@@ -451,15 +454,16 @@ def _token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backw
         block = _block(vocab, 1024)
         inv_t = 1.0 / temperature
         _launch(
-            _kernels().grad_kernel, (n, -(-vocab // block)), x.device,
-            rows.x, st if rows.y is None else rows.y, st if rows.keep is None else rows.keep,
+            _kernels().grad_kernel, (n, -(-vocab // (block * GRAD_TILES))), x.device,
+            rows.x, rows.x if rows.y is None else rows.y, rows.x if rows.keep is None else rows.keep,
             st if tauf is None else tauf, gx if need_x else st, gy if write_y else st, st, g,
             st if tok is None else tok, st if maskf is None else maskf,
             st if ownedf is None else ownedf, *rows.args, g.stride(0), g.stride(1), vocab,
             inv_t, inv_t * 1.4426950408889634, ignore_index,
             **backward_constexprs(flags, need_x, write_y, keep is not None, tau is not None,
                                   maskf is not None, ownedf is not None),
-            **column_constexprs("grad"), BLOCK=block, num_warps=_warps(block),
+            **column_constexprs("grad"), BLOCK=block, TILES=GRAD_TILES,
+            num_warps=_warps(block),
         )
     return (
         gx.view(x.shape) if need_x else x.new_empty(0),

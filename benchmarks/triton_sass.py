@@ -1,0 +1,286 @@
+"""The Triton kernels as an H100/H200 would run them, read on a machine without a GPU: the
+launches the library makes compiled for sm_90 and their SASS (machine code) counted.
+
+The host code runs for real on small CPU tensors of a real vocabulary (V = 128256, one program
+per row, as for a large batch on a GPU) with each kernel launch recorded instead of run; every
+recorded launch is then compiled by the kernel's own JIT (``JITFunction.warmup``: the same
+binder, so pointer alignment, ``tt.divisibility = 16`` for ints ≡ 0 mod 16 and ints equal to 1
+as constexprs come out as on a GPU) for ``GPUTarget("cuda", 90, 32)``, behind a stand-in driver
+that names that target. The SASS comes from the ``cuobjdump`` that ships with Triton
+(``triton/backends/nvidia/bin``), the register and local-memory use from ``cuobjdump -res-usage``.
+
+For each kernel it reports the column loop (the range of a backward branch, a loop's back-edge,
+whose body holds the global loads), the instructions in it, per element pair (x and y entry of a
+column) per thread, the vector loads/stores, barriers, shuffles and transcendental (MUFU) ops in
+it, the registers and any local memory (spills). Predictions from compiled code, not timings.
+
+    python benchmarks/triton_sass.py            # the table (markdown)
+    python benchmarks/triton_sass.py --json     # the same as JSON (tests/ops/test_triton_compiled.py)
+
+Run it without ``TRITON_INTERPRET`` set (the kernels must be compiled, not interpreted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+VOCAB = 128256
+ROWS = 4  # ≥ PROGRAMS_PER_SM × the 1 "SM" of a CPU: one program per row, as at N = 32768 on a GPU
+TARGET = ("cuda", 90, 32)
+# (name, dtype, want bits (KL 1, LOGP 2, REF_LOGP 4, ENTROPY 8), support, backward)
+CASES = [
+    ("kl", "bf16", 1, None, True),
+    ("all four", "bf16", 15, None, True),
+    ("kl", "fp32", 1, None, True),
+    ("all four", "fp32", 15, None, True),
+    ("all four, keep+tau", "bf16", 15, "keep+tau", False),
+]
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
+_BRANCH = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s+(?:`?\(?)(0x[0-9a-f]+)")
+
+
+def tools() -> dict[str, str | None]:
+    """The paths of Triton's bundled ptxas and cuobjdump (None where absent)."""
+    import triton
+
+    nvbin = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    found = {}
+    for name in ("ptxas", "cuobjdump"):
+        path = os.path.join(nvbin, name)
+        found[name] = path if os.access(path, os.X_OK) else shutil.which(name)
+    return found
+
+
+def parse_sass(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction text without predicate spacing) of each SASS instruction."""
+    return [(int(addr, 16), " ".join(text.split())) for addr, text in _INSTR.findall(sass)]
+
+
+def loops(instrs: list[tuple[int, str]]) -> list[tuple[int, int]]:
+    """(first, last) instruction indices of each loop: a branch to an earlier address (its
+    back-edge) delimits [target, branch]; a branch to itself (the trap after EXIT) is none."""
+    index = {addr: i for i, (addr, _) in enumerate(instrs)}
+    found = []
+    for i, (addr, text) in enumerate(instrs):
+        m = _BRANCH.search(text)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+            found.append((index[int(m.group(1), 16)], i))
+    return found
+
+
+def _op(text: str) -> str:
+    """The opcode with its modifiers, without a predicate (``@!P0 LDG.E.128`` → ``LDG.E.128``)."""
+    parts = text.split()
+    return parts[1] if parts[0].startswith("@") and len(parts) > 1 else parts[0]
+
+
+def analyse(sass: str, elems_per_thread: int) -> dict:
+    """Counts of the whole kernel and of its column loop (the loop holding the most global
+    loads; None if there is none). ``elems_per_thread``: columns one thread takes per
+    iteration (BLOCK / threads)."""
+    instrs = parse_sass(sass)
+    ops = [_op(t) for _, t in instrs]
+    out = {
+        "instructions": len(ops),
+        "local": sum(o.startswith(("LDL", "STL")) for o in ops),
+        "loops": len(loops(instrs)),
+        "loop": None,
+    }
+    body = None
+    for first, last in loops(instrs):
+        ldg = sum(o.startswith("LDG") for o in ops[first:last + 1])
+        if ldg and (body is None or ldg > body[2]):
+            body = (first, last, ldg)
+    if body is None:
+        return out
+    lops = ops[body[0]:body[1] + 1]
+    bars = [i for i, o in enumerate(lops) if o.startswith(("BAR", "WARPSYNC", "MEMBAR"))]
+    out["loop"] = {
+        "instructions": len(lops),
+        "per_pair": len(lops) / elems_per_thread,
+        "elems_per_thread": elems_per_thread,
+        "ldg": sum(o.startswith("LDG") for o in lops),
+        "ldg128": sum(o.startswith("LDG") and o.endswith(".128") for o in lops),
+        "stg": sum(o.startswith("STG") for o in lops),
+        "stg128": sum(o.startswith("STG") and o.endswith(".128") for o in lops),
+        "bar": len(bars),
+        "ldg_after_bar": sum(o.startswith("LDG") for o in lops[bars[0]:]) if bars else 0,
+        "shfl": sum(o.startswith("SHFL") for o in lops),
+        "mufu": sum(o.startswith("MUFU") for o in lops),
+        "nop": sum(o == "NOP" for o in lops),
+    }
+    return out
+
+
+def res_usage(cuobjdump: str, cubin: bytes) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL of the kernel from ``cuobjdump -res-usage``."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        text = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+    return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
+
+
+def sass_of(cuobjdump: str, cubin: bytes) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
+class _Recorder:
+    """Stands in for the kernels module: ``kernel[grid](*args, **kwargs)`` records the launch."""
+
+    def __init__(self, module, log):
+        self._module, self._log = module, log
+
+    def __getattr__(self, name):
+        real = getattr(self._module, name)
+        if not hasattr(real, "warmup"):
+            return real
+        log = self._log
+
+        class _Launch:
+            def __getitem__(self, grid):
+                return lambda *args, **kwargs: log.append((name, real, grid, args, kwargs))
+
+        return _Launch()
+
+
+def record(case) -> list[tuple]:
+    """The kernel launches the host code makes for one case (forward, then backward)."""
+    import torch
+    from klpenalty.ops import triton_kernels as tk
+
+    _, dtype, want, support, backward = case
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(ROWS, VOCAB, generator=gen).to(dt)
+    y = torch.randn(ROWS, VOCAB, generator=gen).to(dt)
+    tokens = torch.randint(0, VOCAB, (ROWS,), generator=gen)
+    keep = tau = None
+    if support:
+        keep = torch.ones(ROWS, VOCAB, dtype=torch.bool)
+        tau = torch.full((ROWS,), -1.0)
+    log: list[tuple] = []
+    saved = tk._kernels()
+    tk._jit = _Recorder(saved, log)
+    try:
+        ops = torch.ops.klpenalty
+        _, stats = ops.triton_token_stats(x, y, tokens, None, keep, tau, 1.0, -100, want, False,
+                                          0, 0)
+        if backward:
+            grad = torch.ones(ROWS, 4)
+            ops.triton_token_stats_backward(grad, x, y, tokens, None, stats, None, keep, tau,
+                                            1.0, -100, want, True, True, 0, 0)
+    finally:
+        tk._jit = saved
+    return log
+
+
+class _Driver:
+    """The few calls ``JITFunction.warmup`` makes of the active driver, answered for sm_90."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget(*TARGET)
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        import torch
+
+        return torch.device("cpu")
+
+
+def compile_cases(cases=CASES) -> list[dict]:
+    """Compile each recorded launch of each case; one dict per launch with its counts."""
+    import triton
+    from triton.runtime.driver import driver
+
+    paths = tools()
+    if not paths["ptxas"] or not paths["cuobjdump"]:
+        raise RuntimeError(f"Triton's ptxas / cuobjdump not found: {paths}")
+    previous = driver._active  # None until a driver was asked for (none exists without a GPU)
+    driver.set_active(_Driver())
+    results = []
+    try:
+        for case in cases:
+            for name, kernel, grid, args, kwargs in record(case):
+                compiled = kernel.warmup(*args, grid=grid, **kwargs)
+                cubin = compiled.asm["cubin"]
+                sass = sass_of(paths["cuobjdump"], cubin)
+                warps = compiled.metadata.num_warps
+                block = kwargs.get("BLOCK")
+                threads = 32 * warps
+                signature = {k: v for k, v in compiled.src.signature.items() if v != "constexpr"}
+                results.append({
+                    "case": case[0], "dtype": case[1], "want": case[2], "support": case[3],
+                    "kernel": name, "grid": list(grid), "block": block, "warps": warps,
+                    "signature": signature,
+                    "attrs": {str(k): str(v) for k, v in compiled.src.attrs.items()},
+                    "resources": res_usage(paths["cuobjdump"], cubin),
+                    **analyse(sass, max(1, (block or threads) // threads)),
+                })
+    finally:
+        driver._active = previous
+    results.append({"triton": triton.__version__})
+    return results
+
+
+def table(results: list[dict]) -> str:
+    rows = ["| kernel | case | dtype | regs | loop instr | per pair | LDG (.128) | STG (.128) | "
+            "BAR | SHFL | MUFU | local |", "|---|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+    for r in results:
+        if "kernel" not in r:
+            continue
+        lp = r["loop"] or {}
+        rows.append(
+            f"| {r['kernel']} | {r['case']} | {r['dtype']} | {r['resources'].get('REG')} | "
+            f"{lp.get('instructions')} | {lp.get('per_pair', 0):.1f} | "
+            f"{lp.get('ldg')} ({lp.get('ldg128')}) | {lp.get('stg')} ({lp.get('stg128')}) | "
+            f"{lp.get('bar')} | {lp.get('shfl')} | {lp.get('mufu')} | {r['local']} |"
+        )
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the kernels must be compiled", file=sys.stderr)
+        return 2
+    results = compile_cases()
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(f"Triton {results[-1]['triton']}, target sm_90, V = {VOCAB}, one program per row\n")
+        print(table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

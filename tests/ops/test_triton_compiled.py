@@ -1,0 +1,106 @@
+"""The Triton kernels' machine code for an H100/H200 (sm_90), read without a GPU.
+
+``benchmarks/triton_sass.py`` records the launches the host code makes (V = 128256, one program
+per row), compiles each with the kernel's own JIT binder for sm_90 (the specialisation a GPU run
+gets: 16-byte-aligned pointers, ``tt.divisibility = 16`` on ints ≡ 0 mod 16) and disassembles it
+with the ``cuobjdump`` that ships with Triton. One subprocess per session (the kernels here are
+imported in interpreter mode); Triton's cache makes a rerun quick.
+
+What is asserted, for the forward and the backward, bf16 and fp32, the KL alone and all four
+statistics: the column loop (the range of a backward branch) reads with 128-bit vector loads
+only, holds no barrier and no shuffle (every reduction in it stays inside a thread) and so no
+load after one; no kernel uses local memory; the forward's loop stays within an instruction
+budget per element pair, which sets how close to the memory floor an H200 can run it
+(benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton", reason="Triton is not installed: pip install 'klpenalty[triton]'")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "triton_sass.py")
+NVBIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+
+# Instructions per element pair in the forward's loop: what the kernels reach (Triton 3.6 and
+# 3.9, see benchmarks/README.md) plus a little room; an H200 streams bf16 at 4.1 pairs/clock/SM
+# against 128 thread-instructions/clock/SM, so ~31 per pair is the most that can keep up.
+FORWARD_BUDGET = {("kl", "bf16"): 16.0, ("all four", "bf16"): 21.0,
+                  ("kl", "fp32"): 16.0, ("all four", "fp32"): 21.0}
+
+
+@pytest.fixture(scope="session")
+def compiled():
+    if not os.access(os.path.join(NVBIN, "ptxas"), os.X_OK):
+        pytest.skip(f"this Triton ships no ptxas in {NVBIN}: nothing can compile for sm_90")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.join(ROOT, "src"), ROOT,
+                                                      env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, SCRIPT, "--json"], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert results[-1]["triton"] == triton.__version__  # the subprocess compiled with this Triton
+    return [r for r in results if "kernel" in r]
+
+
+def test_the_triton_asked_for():
+    """`make test-triton-3.6` sets KLPENALTY_EXPECT_TRITON: the run must import that Triton."""
+    want = os.environ.get("KLPENALTY_EXPECT_TRITON")
+    if want:
+        assert triton.__version__ == want, (triton.__version__, triton.__file__)
+
+
+def _launches(compiled, kernel):
+    found = [r for r in compiled if r["kernel"] == kernel]
+    assert found, f"no {kernel} launch recorded"
+    return found
+
+
+def test_every_case_launches_both_kernels_with_the_gpu_specialisation(compiled):
+    """The recorded launches are the real ones: aligned pointers, divisible row strides and V."""
+    for r in compiled:
+        assert r["signature"]["x_ptr"] in ("*bf16", "*fp32"), r["signature"]
+        attrs = " ".join(r["attrs"].values())
+        assert "tt.divisibility" in attrs and "16" in attrs, r["attrs"]
+    cases = {(r["case"], r["dtype"], r["kernel"]) for r in compiled}
+    for case, dtype in FORWARD_BUDGET:
+        assert (case, dtype, "stats_kernel") in cases and (case, dtype, "grad_kernel") in cases
+
+
+def test_no_local_memory(compiled):
+    for r in compiled:
+        assert r["local"] == 0 and r["resources"].get("LOCAL", 0) == 0, (r["kernel"], r["case"])
+        assert r["resources"].get("STACK", 0) == 0, (r["kernel"], r["case"], r["resources"])
+
+
+@pytest.mark.parametrize("kernel", ["stats_kernel", "grad_kernel"])
+def test_the_column_loop_reads_16_bytes_a_load_without_barriers(kernel, compiled):
+    for r in _launches(compiled, kernel):
+        loop, name = r["loop"], (r["case"], r["dtype"])
+        assert loop is not None, f"no column loop found in {kernel} {name}"
+        if r["support"] is None:  # x and y only: every load a 128-bit one
+            assert loop["ldg"] == loop["ldg128"] > 0, (name, loop)
+            # each thread reads its columns of x and y once an iteration: 16 bytes a load
+            width = 2 if r["dtype"] == "bf16" else 4
+            assert loop["ldg128"] == 2 * loop["elems_per_thread"] * width // 16, (name, loop)
+        else:  # the keep mask (uint8) comes in 8-byte loads of the same 8 columns
+            assert loop["ldg128"] >= 2, (name, loop)
+        assert loop["bar"] == 0 and loop["ldg_after_bar"] == 0, (name, loop)
+        assert loop["shfl"] == 0, (name, loop)
+        if kernel == "grad_kernel":  # the gradients written with 128-bit stores as well
+            assert loop["stg"] == loop["stg128"] > 0, (name, loop)
+
+
+def test_forward_instructions_per_element_pair(compiled):
+    for r in _launches(compiled, "stats_kernel"):
+        key = (r["case"], r["dtype"])
+        if key in FORWARD_BUDGET:
+            assert r["loop"]["per_pair"] <= FORWARD_BUDGET[key], (key, r["loop"])

@@ -49,6 +49,7 @@ triton = pytest.importorskip("triton", reason="Triton is not installed: pip inst
 pytestmark = [
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),  # log 0
 ]
 
 

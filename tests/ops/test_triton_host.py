@@ -34,7 +34,6 @@ tl = triton.language
 pytestmark = [
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
 ]
 
@@ -121,9 +120,11 @@ def test_forward_and_backward_sync_only_for_the_check(monkeypatch, check, expect
 
 
 # --------------------------------------------------------------------------- eager ops per call
-# Measured, per call (this file's inputs): the bounds of what the host may add around the kernels
-# (the old host code: 39 / 82 / 84 forward, 40-55 backward).
-OP_BOUNDS = {"kl": 6, "all": 10, "kl-split": 7, "backward-kl": 6, "backward-all": 12}
+# Per call, as measured on this file's inputs (views and allocations only): the most the host may
+# dispatch around the kernels. The host code that finished rows in torch dispatched 51 (KL), 108
+# (all four, tokens and a mask) and 95 (KL, split rows) per forward, 12 to 44 per backward
+# (benchmarks/triton_host_ops.py, benchmarks/README.md).
+OP_BOUNDS = {"kl": 4, "all": 8, "kl-split": 5, "backward-kl": 7, "backward-all": 11}
 
 
 def test_eager_ops_per_call_are_few(monkeypatch):

@@ -10,26 +10,29 @@ in one read of the logits.
 
 **Forward.** One kernel (:func:`._triton_jit.stats_kernel`) specialised by ``tl.constexpr``
 flags (the policy's state, the reference's, the KL moment a, the entropy moment b, a support
-by keep mask and/or threshold tau). Program (row, split) walks its columns in ``BLOCK``
-chunks, reads each logit once in its own dtype (bf16/fp16/fp32), keeps the engine's state in
-float32 — maxima in logit units, s_x = Σ e^u over the support, s_y = Σ e^w,
+by keep mask and/or threshold tau, the wanted log-probs, a mask). Program (row, split) walks its
+columns in ``BLOCK`` chunks, reads each logit once in its own dtype (bf16/fp16/fp32), keeps the
+engine's state in float32 — maxima in logit units, s_x = Σ e^u over the support, s_y = Σ e^w,
 a = Σ e^u·(u − w), b = Σ e^u·u — and rescales it when a block raises a max (the engine's
-merge). It writes its partial state to an (N, splits, 6) float32 buffer; the splits of a row
-are merged with the engine's rescale-and-add in torch, and the (N,) merged state is finalized
-by :func:`.engine.stats_finalize`, so the numerics and the stats columns are the engine's. log π̃(t) and log ρ(t) come from the merged state and the
-token's logit (one gather per row). One split per row unless the rows are too few to fill the
-GPU (:func:`split_columns`); ``tile_cols`` forces the split. Float64 inputs run the streaming
-op (the kernels compute in float32).
+merge). A program that is a whole row finishes it: the engine's finalize, the token's logits
+gathered for log π̃(t) and log ρ(t), masked rows zeroed, written straight into out (N, 4) and
+stats (N, 9). Split rows write partial states to an (N, splits, 6) float32 buffer that
+:func:`._triton_jit.merge_kernel` merges and finishes, one program per row. The host dispatches
+views and the outputs' allocations only, and reads nothing back (``check=True``: one read).
+The split plan (:func:`plan_splits`) fills the GPU's waves; ``tile_cols`` forces the split.
+Float64 inputs run the streaming op (the kernels compute in float32).
 
 **Backward.** One kernel (:func:`._triton_jit.grad_kernel`) over a (rows, vocabulary blocks)
 grid recomputes π̃ (and ρ) from the stats and writes ∂/∂x and ∂/∂y of all wanted outputs
-together, once, in the inputs' dtypes; the upstream gradient (0 on masked rows, the log-prob
-columns 0 at ignored tokens) and the 0·log 0 guards are applied in the kernel, so rows with
-−inf entries get finite gradients and masked rows exactly 0.
+together, once, in the inputs' dtypes; the upstream gradient is read through its strides and
+masked in the kernel (unwanted columns, masked rows, ignored tokens; 0·log 0 guards), so rows
+with −inf entries get finite gradients and masked rows exactly 0.
 
-**Strides.** Rows are passed with their row stride: a (..., V) tensor whose leading dimensions
-flatten to one stride and whose last dimension is contiguous is read in place; any other
-layout is copied once by ``reshape``/``contiguous``.
+**Layouts.** Rows r of a (..., T, V) input are read at (r // T)·stride_b + (r % T)·stride_t
+(:func:`_strides`): in place where the dimensions before −2 collapse to one stride and the last
+dimension is contiguous (``logits[:, :-1]``, transposes of (B, T)); other layouts are copied
+once. **Device.** Every launch goes through :func:`_launch`, which makes the tensors' CUDA
+device current (Triton launches on the current device).
 
 The careful-arithmetic flag (stats column 5) marks the rows without a distribution or with
 E_π̃[u − w] = +inf only: the backward kernel always uses the guarded arithmetic.
@@ -190,11 +193,13 @@ def _strides(t: Tensor, rows_t: int) -> tuple[Tensor, int, int]:
 
 
 def _rows(x: Tensor, y: Tensor | None, keep: Tensor | None) -> _Rows:
-    """The rows of x, y and keep (same leading shape) for the kernels' row addressing."""
+    """The rows of x, y and keep for the kernels' row addressing (y and keep viewed with x's
+    leading shape, which they share: the same N rows)."""
     rows_t = x.shape[-2] if x.dim() >= 2 else 1
+    like = lambda t: t if t.shape[:-1] == x.shape[:-1] else t.reshape(*x.shape[:-1], -1)  # noqa: E731
     xs, *sx = _strides(x, rows_t)
-    ys, *sy = _strides(y, rows_t) if y is not None else (None, 0, 0)
-    ks, *sk = _strides(keep.view(torch.uint8), rows_t) if keep is not None else (None, 0, 0)
+    ys, *sy = _strides(like(y), rows_t) if y is not None else (None, 0, 0)
+    ks, *sk = _strides(like(keep).view(torch.uint8), rows_t) if keep is not None else (None, 0, 0)
     return _Rows(xs, ys, ks, (max(rows_t, 1), *sx, *sy, *sk))
 
 

@@ -32,8 +32,8 @@ NVBIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 # Instructions per element pair in the forward's loop: what the kernels reach (Triton 3.6 and
 # 3.9, see benchmarks/README.md) plus a little room; an H200 streams bf16 at 4.1 pairs/clock/SM
 # against 128 thread-instructions/clock/SM, so ~31 per pair is the most that can keep up.
-FORWARD_BUDGET = {("kl", "bf16"): 16.0, ("all four", "bf16"): 21.0,
-                  ("kl", "fp32"): 16.0, ("all four", "fp32"): 21.0}
+FORWARD_BUDGET = {("kl", "bf16"): 23.0, ("all four", "bf16"): 26.0,
+                  ("kl", "fp32"): 21.0, ("all four", "fp32"): 24.0}
 
 
 @pytest.fixture(scope="session")

@@ -86,55 +86,102 @@ def _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP: tl.constexpr, HAS_TAU: 
 
 
 @triton.jit
-def _thread_max(v):
-    """[R, NT, INNER] → [NT]: the max over the axes each thread holds (no cross-thread step)."""
-    return tl.max(tl.max(v, 2), 0)
+def _gather(row, start, offs, c1, other, R: tl.constexpr, MASKED: tl.constexpr):
+    """R consecutive [NT, INNER] pieces of a row from column ``start``, joined along new
+    trailing axes ([NT, INNER], [NT, INNER, 2] or [NT, INNER, 2, 2]): each piece is one
+    16-byte load per thread, and the joined axes stay inside the thread."""
+    step: tl.constexpr = offs.shape[0] * offs.shape[1]
+    v = _load(row + start + offs, start + offs < c1, other, MASKED)
+    if R >= 2:
+        v1 = _load(row + (start + step) + offs, start + step + offs < c1, other, MASKED)
+        if R == 2:
+            v = tl.join(v, v1)
+        else:
+            v2 = _load(row + (start + 2 * step) + offs, start + 2 * step + offs < c1, other, MASKED)
+            v3 = _load(row + (start + 3 * step) + offs, start + 3 * step + offs < c1, other, MASKED)
+            v = tl.join(tl.join(v, v1), tl.join(v2, v3))
+    return v
 
 
 @triton.jit
-def _thread_sum(v):
-    """[R, NT, INNER] → [NT]: the sum over the axes each thread holds."""
-    return tl.sum(tl.sum(v, 2), 0)
+def _thread_max(v, R: tl.constexpr):
+    """The [NT] maxima over the axes after the first (those each thread holds)."""
+    if R == 1:
+        m = tl.max(v, 1)
+    elif R == 2:
+        m = tl.max(tl.max(v, 2), 1)
+    else:
+        m = tl.max(tl.max(tl.max(v, 3), 2), 1)
+    return m
+
+
+@triton.jit
+def _thread_sum(v, R: tl.constexpr):
+    """The [NT] sums over the axes after the first (those each thread holds)."""
+    if R == 1:
+        t = tl.sum(v, 1)
+    elif R == 2:
+        t = tl.sum(tl.sum(v, 2), 1)
+    else:
+        t = tl.sum(tl.sum(tl.sum(v, 3), 2), 1)
+    return t
+
+
+@triton.jit
+def _spread(s, R: tl.constexpr):
+    """[NT] → broadcastable against the block (the inverse of the thread reductions' shape)."""
+    if R == 1:
+        e = s[:, None]
+    elif R == 2:
+        e = s[:, None, None]
+    else:
+        e = s[:, None, None, None]
+    return e
 
 
 @triton.jit
 def _stats_block(
-    x_row, y_row, keep_row, tau, col, inside, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
+    x_row, y_row, keep_row, tau, start, offs, c1, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
     X_STATE: tl.constexpr, Y_STATE: tl.constexpr, MOMENT_A: tl.constexpr,
-    MOMENT_B: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr,
+    MOMENT_B: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr, R: tl.constexpr,
     MASKED: tl.constexpr,
 ):
-    """The NT partial states (m_x, s_x, m_y, s_y, a, b) [NT] after one block of columns ``col``
-    [R, NT, INNER] (each state gathers the R·INNER columns of one thread): the block's loads
-    first, then the engine's rescale-and-add per state, reduced inside each thread only."""
+    """The NT partial states (m_x, s_x, m_y, s_y, a, b) [NT] after one block of R·NT·INNER
+    columns from ``start`` (state t gathers the R·INNER columns thread t reads): the block's
+    loads first, then the engine's rescale-and-add per state, reduced inside each thread only."""
     if X_STATE:
-        x = _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP, HAS_TAU, MASKED)
+        x = _gather(x_row, start, offs, c1, float("-inf"), R, MASKED).to(tl.float32)
+        if HAS_KEEP:
+            kept = _gather(keep_row, start, offs, c1, 0, R, MASKED) != 0
+            x = tl.where(kept, x, float("-inf"))
+        if HAS_TAU:
+            x = tl.where(x >= tau, x, float("-inf"))
     if Y_STATE:
-        y = _load(y_row + col, inside, float("-inf"), MASKED).to(tl.float32)
+        y = _gather(y_row, start, offs, c1, float("-inf"), R, MASKED).to(tl.float32)
     if X_STATE:
-        mx_new = tl.maximum(m_x, _thread_max(x))
+        mx_new = tl.maximum(m_x, _thread_max(x, R))
         dxs, alpha = _scales(m_x, mx_new, inv_t)
     if Y_STATE:
-        my_new = tl.maximum(m_y, _thread_max(y))
+        my_new = tl.maximum(m_y, _thread_max(y, R))
         dys, beta = _scales(m_y, my_new, inv_t)
-        dy = y - _finite_or_zero(my_new)[None, :, None]  # logit units
-        s_y = beta * s_y + _thread_sum(tl.exp2(dy * c2))
+        dy = y - _spread(_finite_or_zero(my_new), R)  # logit units
+        s_y = beta * s_y + _thread_sum(tl.exp2(dy * c2), R)
         m_y = my_new
     if X_STATE:
         if MOMENT_A:
             a = _rescale_moment(s_x, a, dxs - dys, alpha)
         if MOMENT_B:
             b = _rescale_moment(s_x, b, dxs, alpha)
-        dx = x - _finite_or_zero(mx_new)[None, :, None]
+        dx = x - _spread(_finite_or_zero(mx_new), R)
         eu = tl.exp2(dx * c2)
-        s_x = alpha * s_x + _thread_sum(eu)
+        s_x = alpha * s_x + _thread_sum(eu, R)
         # 0·log 0 = 0: an entry with e^u = 0 adds nothing, except where x is finite and
         # y = −inf (dx − dy = +inf): e^u > 0 exactly there, the term is +inf
         if MOMENT_A:
             d = dx - dy
-            a += _thread_sum(tl.where(eu > 0, eu * d, tl.where(d == float("inf"), d, 0.0))) * inv_t
+            a += _thread_sum(tl.where(eu > 0, eu * d, tl.where(d == float("inf"), d, 0.0)), R) * inv_t
         if MOMENT_B:
-            b += _thread_sum(tl.where(eu > 0, eu * dx, 0.0)) * inv_t
+            b += _thread_sum(tl.where(eu > 0, eu * dx, 0.0), R) * inv_t
         m_x = mx_new
     return m_x, s_x, m_y, s_y, a, b
 
@@ -183,18 +230,20 @@ def stats_kernel(
     FINISH (one program per row): the row's out and stats (:func:`_finish_row`). Otherwise
     ``out[row, split, :]`` ← the state (:func:`_store_state`), merged by :func:`merge_kernel`.
 
-    A block is viewed as [R, NT, INNER]: INNER columns of 16 bytes (one vector load), NT = 256
-    (the threads of 8 warps, the most the host launches), R blocks of those. Each of the NT
-    states gathers its thread's R·INNER columns, so the loop reduces inside threads only (no
-    barrier, no shuffle); the NT states are merged once after the loop, with the engine's
-    rescale to the common maxima and a sum. Full blocks are read unmasked, the last partial
-    block masked; a program that is a whole row (``n_splits`` = 1) starts at column 0.
+    A block is R pieces of [NT, INNER]: INNER columns of 16 bytes (one vector load per thread),
+    NT = 256 (the threads of 8 warps, the most the host launches) or fewer for small blocks.
+    Each of the NT states gathers the R·INNER columns of its thread, so the loop reduces inside
+    threads only (no barrier, no shuffle); the NT states are merged once after the loop, with
+    the engine's rescale to the common maxima and a sum. Full blocks are read unmasked, the
+    last partial block masked; a program that is a whole row (``n_splits`` = 1) starts at
+    column 0 (so its loads are aligned whenever the row stride is).
     """
     XBITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
     YBITS: tl.constexpr = y_ptr.dtype.element_ty.primitive_bitwidth
     INNER: tl.constexpr = 128 // (XBITS if XBITS > YBITS else YBITS)
     NT: tl.constexpr = BLOCK // INNER if BLOCK // INNER < 256 else 256
     R: tl.constexpr = BLOCK // (NT * INNER)
+    tl.static_assert(R == 1 or R == 2 or R == 4, "BLOCK: at most 4 loads of 16 bytes per thread")
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     if n_splits == 1:  # a constexpr where the JIT specialises 1: column 0 is aligned
@@ -210,8 +259,7 @@ def stats_kernel(
     tau = 0.0
     if HAS_TAU:
         tau = tl.load(tau_ptr + row).to(tl.float32)
-    offs = (tl.arange(0, R)[:, None, None] * (NT * INNER) + tl.arange(0, NT)[None, :, None] * INNER
-            + tl.arange(0, INNER)[None, None, :])
+    offs = tl.arange(0, NT)[:, None] * INNER + tl.arange(0, INNER)[None, :]
     m_x = tl.full([NT], float("-inf"), tl.float32)
     m_y = tl.full([NT], float("-inf"), tl.float32)
     s_x = tl.zeros([NT], tl.float32)
@@ -220,14 +268,13 @@ def stats_kernel(
     b = tl.zeros([NT], tl.float32)
     for start in range(c0, c_main, BLOCK):
         m_x, s_x, m_y, s_y, a, b = _stats_block(
-            x_row, y_row, keep_row, tau, start + offs, None, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
-            X_STATE, Y_STATE, MOMENT_A, MOMENT_B, HAS_KEEP, HAS_TAU, False,
+            x_row, y_row, keep_row, tau, start, offs, c1, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
+            X_STATE, Y_STATE, MOMENT_A, MOMENT_B, HAS_KEEP, HAS_TAU, R, False,
         )
     if c_main < c1:
-        col = c_main + offs
         m_x, s_x, m_y, s_y, a, b = _stats_block(
-            x_row, y_row, keep_row, tau, col, col < c1, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
-            X_STATE, Y_STATE, MOMENT_A, MOMENT_B, HAS_KEEP, HAS_TAU, True,
+            x_row, y_row, keep_row, tau, c_main, offs, c1, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
+            X_STATE, Y_STATE, MOMENT_A, MOMENT_B, HAS_KEEP, HAS_TAU, R, True,
         )
     # the NT states → one: rescale each to the common maxima, then sum (the engine's merge)
     big_x = tl.max(m_x, 0)

@@ -533,7 +533,7 @@ for f, b in {specs!r}:
     for fn, sig, c in [(k.stats_kernel, fwd, {{**f, **cols_f, "BLOCK": 4096}}),
                        (k.stats_kernel, fwd, {{**f, "FINISH": False, **cols_f, "BLOCK": 4096}}),
                        (k.merge_kernel, merge, {{**m, **cols_f, "SPLITS": 8}}),
-                       (k.grad_kernel, bwd, {{**b, **cols_b, "BLOCK": 1024}})]:
+                       (k.grad_kernel, bwd, {{**b, **cols_b, "BLOCK": 1024, "TILES": {tk.GRAD_TILES}}})]:
         s = {{**sig, **{{name: "constexpr" for name in c}}}}
         assert ".entry" in triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=t).asm["ptx"]
 print("OK", len({specs!r}))

@@ -313,8 +313,8 @@ def forward_constexprs(
     kl, logp, ref_logp, ent = flags
     return dict(
         X_STATE=kl or logp or ent, Y_STATE=kl or ref_logp, MOMENT_A=kl, MOMENT_B=ent,
-        HAS_KEEP=has_keep, HAS_TAU=has_tau, FINISH=finish, LOGP=logp, REF_LOGP=ref_logp,
-        HAS_MASK=has_mask,
+        HAS_KEEP=has_keep, HAS_TAU=has_tau, FINISH=finish, LOGP=logp and finish,
+        REF_LOGP=ref_logp and finish, HAS_MASK=has_mask and finish,
     )
 
 

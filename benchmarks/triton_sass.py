@@ -23,6 +23,7 @@ Run it without ``TRITON_INTERPRET`` set (the kernels must be compiled, not inter
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -34,15 +35,17 @@ import tempfile
 VOCAB = 128256
 ROWS = 4  # ≥ PROGRAMS_PER_SM × the 1 "SM" of a CPU: one program per row, as at N = 32768 on a GPU
 TARGET = ("cuda", 90, 32)
-# (name, dtype, want bits (KL 1, LOGP 2, REF_LOGP 4, ENTROPY 8), support, backward)
+# name, dtype, want bits (KL 1, LOGP 2, REF_LOGP 4, ENTROPY 8), support, backward too, the
+# vocabulary and the row stride (a vocabulary slice of wider rows: V = 50257 (GPT-2) in rows
+# padded to 50304, a multiple of 16)
 CASES = [
-    ("kl", "bf16", 1, None, True),
-    ("all four", "bf16", 15, None, True),
-    ("kl", "fp32", 1, None, True),
-    ("all four", "fp32", 15, None, True),
-    ("all four, keep+tau", "bf16", 15, "keep+tau", False),
+    dict(name="kl", dtype="bf16", want=1),
+    dict(name="all four", dtype="bf16", want=15),
+    dict(name="kl", dtype="fp32", want=1),
+    dict(name="all four", dtype="fp32", want=15),
+    dict(name="all four, keep+tau", dtype="bf16", want=15, support="keep+tau", backward=False),
+    dict(name="kl, V=50257 in rows of 50304", dtype="bf16", want=1, vocab=50257, stride=50304),
 ]
-
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
 _BRANCH = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s+(?:`?\(?)(0x[0-9a-f]+)")
 
@@ -90,6 +93,7 @@ def analyse(sass: str, elems_per_thread: int) -> dict:
     ops = [_op(t) for _, t in instrs]
     out = {
         "instructions": len(ops),
+        "per_pair_no_loop": len(ops) / elems_per_thread,
         "local": sum(o.startswith(("LDL", "STL")) for o in ops),
         "loops": len(loops(instrs)),
         "loop": None,
@@ -133,13 +137,26 @@ def res_usage(cuobjdump: str, cubin: bytes) -> dict[str, int]:
 
 
 def sass_of(cuobjdump: str, cubin: bytes) -> str:
+    """``cuobjdump -sass`` of a cubin, kept beside Triton's cache (keyed by the cubin's hash):
+    the disassembly costs more than a compile that Triton's cache answers."""
+    from triton import knobs
+
+    path = os.path.join(knobs.cache.dir, "klpenalty-sass", hashlib.sha256(cubin).hexdigest())
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read()
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True,
+        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True,
                               check=True).stdout
     finally:
         os.unlink(f.name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        f.write(sass)
+    os.replace(path + ".tmp", path)
+    return sass
 
 
 class _Recorder:
@@ -161,29 +178,31 @@ class _Recorder:
         return _Launch()
 
 
-def record(case) -> list[tuple]:
+def record(case: dict) -> list[tuple]:
     """The kernel launches the host code makes for one case (forward, then backward)."""
     import torch
     from klpenalty.ops import triton_kernels as tk
 
-    _, dtype, want, support, backward = case
-    dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[dtype]
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[case["dtype"]]
+    vocab = case.get("vocab", VOCAB)
+    stride = case.get("stride", vocab)
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(ROWS, VOCAB, generator=gen).to(dt)
-    y = torch.randn(ROWS, VOCAB, generator=gen).to(dt)
-    tokens = torch.randint(0, VOCAB, (ROWS,), generator=gen)
+    x = torch.randn(ROWS, stride, generator=gen).to(dt)[:, :vocab]
+    y = torch.randn(ROWS, stride, generator=gen).to(dt)[:, :vocab]
+    tokens = torch.randint(0, vocab, (ROWS,), generator=gen)
     keep = tau = None
-    if support:
-        keep = torch.ones(ROWS, VOCAB, dtype=torch.bool)
+    if case.get("support"):
+        keep = torch.ones(ROWS, vocab, dtype=torch.bool)
         tau = torch.full((ROWS,), -1.0)
     log: list[tuple] = []
     saved = tk._kernels()
     tk._jit = _Recorder(saved, log)
     try:
         ops = torch.ops.klpenalty
+        want = case["want"]
         _, stats = ops.triton_token_stats(x, y, tokens, None, keep, tau, 1.0, -100, want, False,
                                           0, 0)
-        if backward:
+        if case.get("backward", True):
             grad = torch.ones(ROWS, 4)
             ops.triton_token_stats_backward(grad, x, y, tokens, None, stats, None, keep, tau,
                                             1.0, -100, want, True, True, 0, 0)
@@ -237,8 +256,9 @@ def compile_cases(cases=CASES) -> list[dict]:
                 threads = 32 * warps
                 signature = {k: v for k, v in compiled.src.signature.items() if v != "constexpr"}
                 results.append({
-                    "case": case[0], "dtype": case[1], "want": case[2], "support": case[3],
-                    "kernel": name, "grid": list(grid), "block": block, "warps": warps,
+                    "case": case["name"], "dtype": case["dtype"], "want": case["want"],
+                    "support": case.get("support"), "vocab": case.get("vocab", VOCAB),
+                    "stride": case.get("stride", case.get("vocab", VOCAB)), "kernel": name, "grid": list(grid), "block": block, "warps": warps,
                     "signature": signature,
                     "attrs": {str(k): str(v) for k, v in compiled.src.attrs.items()},
                     "resources": res_usage(paths["cuobjdump"], cubin),
@@ -251,14 +271,21 @@ def compile_cases(cases=CASES) -> list[dict]:
 
 
 def table(results: list[dict]) -> str:
-    rows = ["| kernel | case | dtype | regs | loop instr | per pair | LDG (.128) | STG (.128) | "
-            "BAR | SHFL | MUFU | local |", "|---|---|---|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+    rows = ["| kernel | case | dtype | regs | instr outside the loop | loop instr | per pair | "
+            "LDG (.128) | STG (.128) | BAR | SHFL | MUFU | local |",
+            "|---|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
     for r in results:
         if "kernel" not in r:
             continue
-        lp = r["loop"] or {}
+        lp = r["loop"]
+        if lp is None:  # one tile per program: the whole kernel, per element pair of the tile
+            rows.append(f"| {r['kernel']} | {r['case']} | {r['dtype']} | "
+                        f"{r['resources'].get('REG')} | (no loop) | {r['instructions']} | "
+                        f"{r['per_pair_no_loop']:.1f} | | | | | | {r['local']} |")
+            continue
         rows.append(
             f"| {r['kernel']} | {r['case']} | {r['dtype']} | {r['resources'].get('REG')} | "
+            f"{r['instructions'] - lp['instructions']} | "
             f"{lp.get('instructions')} | {lp.get('per_pair', 0):.1f} | "
             f"{lp.get('ldg')} ({lp.get('ldg128')}) | {lp.get('stg')} ({lp.get('stg128')}) | "
             f"{lp.get('bar')} | {lp.get('shfl')} | {lp.get('mufu')} | {r['local']} |"

@@ -66,6 +66,8 @@ def _launches(compiled, kernel):
 
 def test_every_case_launches_both_kernels_with_the_gpu_specialisation(compiled):
     """The recorded launches are the real ones: aligned pointers, divisible row strides and V."""
+    padded = [r for r in compiled if r["vocab"] % 16]
+    assert padded and all(r["stride"] % 16 == 0 for r in padded)
     for r in compiled:
         assert r["signature"]["x_ptr"] in ("*bf16", "*fp32"), r["signature"]
         attrs = " ".join(r["attrs"].values())
@@ -91,8 +93,12 @@ def test_the_column_loop_reads_16_bytes_a_load_without_barriers(kernel, compiled
             # each thread reads its columns of x and y once an iteration: 16 bytes a load
             width = 2 if r["dtype"] == "bf16" else 4
             assert loop["ldg128"] == 2 * loop["elems_per_thread"] * width // 16, (name, loop)
-        else:  # the keep mask (uint8) comes in 8-byte loads of the same 8 columns
-            assert loop["ldg128"] >= 2, (name, loop)
+        else:  # the keep mask (uint8) comes in 8-byte loads of the same columns
+            assert loop["ldg128"] == 4 and loop["ldg"] == 6, (name, loop)
+        if r["vocab"] % 16 and kernel == "grad_kernel":
+            # the gradients are (N, V) contiguous: rows of V ≢ 0 mod 16 are not 16-byte
+            # aligned, so the stores go element by element (re-laid out through shared memory)
+            continue
         assert loop["bar"] == 0 and loop["ldg_after_bar"] == 0, (name, loop)
         assert loop["shfl"] == 0, (name, loop)
         if kernel == "grad_kernel":  # the gradients written with 128-bit stores as well

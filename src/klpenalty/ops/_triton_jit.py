@@ -33,19 +33,35 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _probe():
+    pass
+
+
+# Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1).
+INTERPRETED = type(_probe).__name__ == "InterpretedFunction"
+
+
+def _device(fn):
+    """A device function of the kernels: compiled with them; in the interpreter a plain Python
+    function running under the kernel's patched ``triton.language`` (the same code: the
+    interpreter re-patches the whole language at every call of a jit function, ~1 ms)."""
+    return fn if INTERPRETED else triton.jit(fn)
+
+
+@_device
 def _finite_or_zero(m):
     """The shift of a row: its max if finite, else 0 (no mass, +inf or NaN)."""
     return tl.where((m == m) & (tl.abs(m) != float("inf")), m, 0.0)
 
 
-@triton.jit
+@_device
 def _scales(m_old, m_new, inv_t):
     """(δ, α = e^δ) with δ = (m_old − m_new)/T, exactly 0 where equal (also both −inf)."""
     delta = tl.where(m_old == m_new, 0.0, (m_old - m_new) * inv_t)
     return delta, tl.exp(delta)
 
 
-@triton.jit
+@_device
 def _rescale_moment(s, a, shift, alpha):
     """α·(a + shift·s): the shift term only where the slice has mass, 0 where α = 0, +inf
     where a is +inf (KL = +inf whatever α: α may underflow to 0)."""
@@ -53,57 +69,66 @@ def _rescale_moment(s, a, shift, alpha):
     return tl.where(a == float("inf"), a, out)
 
 
-@triton.jit
+@_device
 def _term(valid, t, g):
     """t·g where ``valid`` (a block mask) and the row's scalar g ≠ 0, else exactly 0 (so that
     0·inf and 0·NaN from garbage or −inf entries never reach the gradient)."""
     return tl.where(g != 0, tl.where(valid, t * g, 0.0), 0.0)
 
 
-@triton.jit
-def _load(ptr, inside, other, MASKED: tl.constexpr):
-    """One block of a row, masked by ``inside`` (``other`` outside) or, for a block known to lie
-    inside the row, unmasked (no per-element select: the loads keep their vector width)."""
+@_device
+def _load(row, col, c1, other, MASKED: tl.constexpr):
+    """``row[col]``: masked to the columns before ``c1`` (``other`` after) or, for a block known
+    to lie before ``c1``, unmasked (no per-element select: the loads keep their vector width)."""
     if MASKED:
-        v = tl.load(ptr, mask=inside, other=other)
+        v = tl.load(row + col, mask=col < c1, other=other)
     else:
-        v = tl.load(ptr)
+        v = tl.load(row + col)
     return v
 
 
-@triton.jit
-def _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr,
-            MASKED: tl.constexpr):
-    """The policy logits of one block in float32, −inf outside the row and outside the support
-    (kept iff keep[v] and x_v ≥ tau, compared in float32: tau's dtype)."""
-    x = _load(x_row + col, inside, float("-inf"), MASKED).to(tl.float32)
+@_device
+def _store(row, col, c1, v, MASKED: tl.constexpr):
+    """``row[col] = v`` (masked as :func:`_load`)."""
+    if MASKED:
+        tl.store(row + col, v, mask=col < c1)
+    else:
+        tl.store(row + col, v)
+
+
+@_device
+def _gather(row, start, offs, c1, other, R: tl.constexpr, MASKED: tl.constexpr):
+    """``row[start + offs]`` for R = 1; for R = 2 or 4 (``offs`` [NT, INNER]), R consecutive
+    such pieces joined along new trailing axes ([NT, INNER, 2] or [NT, INNER, 2, 2]): each piece
+    is one 16-byte load per thread, and the joined axes stay inside the thread."""
+    v = _load(row, start + offs, c1, other, MASKED)
+    if R >= 2:
+        step: tl.constexpr = offs.shape[0] * offs.shape[1]
+        v1 = _load(row, (start + step) + offs, c1, other, MASKED)
+        if R == 2:
+            v = tl.join(v, v1)
+        else:
+            v2 = _load(row, (start + 2 * step) + offs, c1, other, MASKED)
+            v3 = _load(row, (start + 3 * step) + offs, c1, other, MASKED)
+            v = tl.join(tl.join(v, v1), tl.join(v2, v3))
+    return v
+
+
+@_device
+def _kept_x(x_row, keep_row, tau, start, offs, c1, HAS_KEEP: tl.constexpr,
+            HAS_TAU: tl.constexpr, R: tl.constexpr, MASKED: tl.constexpr):
+    """The policy logits of one block (:func:`_gather`) in float32, −inf outside the row and
+    outside the support (kept iff keep[v] and x_v ≥ tau, compared in float32: tau's dtype)."""
+    x = _gather(x_row, start, offs, c1, float("-inf"), R, MASKED).to(tl.float32)
     if HAS_KEEP:
-        kept = _load(keep_row + col, inside, 0, MASKED) != 0
+        kept = _gather(keep_row, start, offs, c1, 0, R, MASKED) != 0
         x = tl.where(kept, x, float("-inf"))
     if HAS_TAU:
         x = tl.where(x >= tau, x, float("-inf"))
     return x
 
 
-@triton.jit
-def _gather(row, start, offs, c1, other, R: tl.constexpr, MASKED: tl.constexpr):
-    """R consecutive [NT, INNER] pieces of a row from column ``start``, joined along new
-    trailing axes ([NT, INNER], [NT, INNER, 2] or [NT, INNER, 2, 2]): each piece is one
-    16-byte load per thread, and the joined axes stay inside the thread."""
-    step: tl.constexpr = offs.shape[0] * offs.shape[1]
-    v = _load(row + start + offs, start + offs < c1, other, MASKED)
-    if R >= 2:
-        v1 = _load(row + (start + step) + offs, start + step + offs < c1, other, MASKED)
-        if R == 2:
-            v = tl.join(v, v1)
-        else:
-            v2 = _load(row + (start + 2 * step) + offs, start + 2 * step + offs < c1, other, MASKED)
-            v3 = _load(row + (start + 3 * step) + offs, start + 3 * step + offs < c1, other, MASKED)
-            v = tl.join(tl.join(v, v1), tl.join(v2, v3))
-    return v
-
-
-@triton.jit
+@_device
 def _thread_max(v, R: tl.constexpr):
     """The [NT] maxima over the axes after the first (those each thread holds)."""
     if R == 1:
@@ -115,7 +140,7 @@ def _thread_max(v, R: tl.constexpr):
     return m
 
 
-@triton.jit
+@_device
 def _thread_sum(v, R: tl.constexpr):
     """The [NT] sums over the axes after the first (those each thread holds)."""
     if R == 1:
@@ -127,7 +152,7 @@ def _thread_sum(v, R: tl.constexpr):
     return t
 
 
-@triton.jit
+@_device
 def _spread(s, R: tl.constexpr):
     """[NT] → broadcastable against the block (the inverse of the thread reductions' shape)."""
     if R == 1:
@@ -139,7 +164,7 @@ def _spread(s, R: tl.constexpr):
     return e
 
 
-@triton.jit
+@_device
 def _stats_block(
     x_row, y_row, keep_row, tau, start, offs, c1, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
     X_STATE: tl.constexpr, Y_STATE: tl.constexpr, MOMENT_A: tl.constexpr,
@@ -150,12 +175,7 @@ def _stats_block(
     columns from ``start`` (state t gathers the R·INNER columns thread t reads): the block's
     loads first, then the engine's rescale-and-add per state, reduced inside each thread only."""
     if X_STATE:
-        x = _gather(x_row, start, offs, c1, float("-inf"), R, MASKED).to(tl.float32)
-        if HAS_KEEP:
-            kept = _gather(keep_row, start, offs, c1, 0, R, MASKED) != 0
-            x = tl.where(kept, x, float("-inf"))
-        if HAS_TAU:
-            x = tl.where(x >= tau, x, float("-inf"))
+        x = _kept_x(x_row, keep_row, tau, start, offs, c1, HAS_KEEP, HAS_TAU, R, MASKED)
     if Y_STATE:
         y = _gather(y_row, start, offs, c1, float("-inf"), R, MASKED).to(tl.float32)
     if X_STATE:
@@ -186,7 +206,7 @@ def _stats_block(
     return m_x, s_x, m_y, s_y, a, b
 
 
-@triton.jit
+@_device
 def _nan_max(m, s):
     """The max of a model's state, NaN where its sum is NaN (a NaN logit in the support): the
     same max whether ``tl.max`` drops NaN (compiled ``FMNMX``, Triton 3.9's interpreter) or
@@ -194,7 +214,7 @@ def _nan_max(m, s):
     return tl.where(s == s, m, float("nan"))
 
 
-@triton.jit
+@_device
 def _row_offset(row, T, stride_b, stride_t):
     """Element offset of row ``row`` (int64) of a (B, T, V) layout: (row // T)·stride_b +
     (row % T)·stride_t (a (N, V) layout is B = 1; the usual ``logits[:, :-1]`` is read in
@@ -262,10 +282,10 @@ def stats_kernel(
     offs = tl.arange(0, NT)[:, None] * INNER + tl.arange(0, INNER)[None, :]
     m_x = tl.full([NT], float("-inf"), tl.float32)
     m_y = tl.full([NT], float("-inf"), tl.float32)
-    s_x = tl.zeros([NT], tl.float32)
-    s_y = tl.zeros([NT], tl.float32)
-    a = tl.zeros([NT], tl.float32)
-    b = tl.zeros([NT], tl.float32)
+    s_x = tl.full([NT], 0.0, tl.float32)
+    s_y = tl.full([NT], 0.0, tl.float32)
+    a = tl.full([NT], 0.0, tl.float32)
+    b = tl.full([NT], 0.0, tl.float32)
     for start in range(c0, c_main, BLOCK):
         m_x, s_x, m_y, s_y, a, b = _stats_block(
             x_row, y_row, keep_row, tau, start, offs, c1, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
@@ -276,15 +296,17 @@ def stats_kernel(
             x_row, y_row, keep_row, tau, c_main, offs, c1, m_x, s_x, m_y, s_y, a, b, inv_t, c2,
             X_STATE, Y_STATE, MOMENT_A, MOMENT_B, HAS_KEEP, HAS_TAU, R, True,
         )
-    # the NT states → one: rescale each to the common maxima, then sum (the engine's merge)
-    big_x = tl.max(m_x, 0)
-    big_y = tl.max(m_y, 0)
+    # the NT states → one: rescale each to the common maxima, then sum (the engine's merge);
+    # the fields go through one max and one sum, joined (fewer reductions to synchronise)
+    big_x, big_y = tl.split(tl.max(tl.join(m_x, m_y), 0))
     dxs, alpha = _scales(m_x, big_x, inv_t)
     dys, beta = _scales(m_y, big_y, inv_t)
-    a = tl.sum(_rescale_moment(s_x, a, dxs - dys, alpha), 0)
-    b = tl.sum(_rescale_moment(s_x, b, dxs, alpha), 0)
-    s_x = tl.sum(alpha * s_x, 0)
-    s_y = tl.sum(beta * s_y, 0)
+    terms = tl.join(tl.join(alpha * s_x, beta * s_y),
+                    tl.join(_rescale_moment(s_x, a, dxs - dys, alpha),
+                            _rescale_moment(s_x, b, dxs, alpha)))  # [NT, 2, 2]
+    sums, moments = tl.split(tl.sum(terms, 0))
+    s_x, s_y = tl.split(sums)
+    a, b = tl.split(moments)
     m_x = _nan_max(big_x, s_x)
     m_y = _nan_max(big_y, s_y)
     if FINISH:
@@ -300,7 +322,7 @@ def stats_kernel(
                      Y_STATE, MOMENT_A, MOMENT_B, SX_M_X, SX_S_X, SX_M_Y, SX_S_Y, SX_A, SX_B)
 
 
-@triton.jit
+@_device
 def _store_state(out, m_x, s_x, m_y, s_y, a, b, Y_STATE: tl.constexpr, MOMENT_A: tl.constexpr,
                  MOMENT_B: tl.constexpr, SX_M_X: tl.constexpr, SX_S_X: tl.constexpr,
                  SX_M_Y: tl.constexpr, SX_S_Y: tl.constexpr, SX_A: tl.constexpr,
@@ -322,19 +344,19 @@ def _store_state(out, m_x, s_x, m_y, s_y, a, b, Y_STATE: tl.constexpr, MOMENT_A:
     tl.store(out + SX_B, b)
 
 
-@triton.jit
+@_device
 def _finite(v):
     """Whether v is finite (not ±inf, not NaN)."""
     return (v == v) & (tl.abs(v) != float("inf"))
 
 
-@triton.jit
+@_device
 def _nonneg(v):
     """max(v, 0) with NaN kept (compiled tl.maximum drops NaN)."""
     return tl.where(v < 0.0, 0.0, v)
 
 
-@triton.jit
+@_device
 def _token_logp(logit_t, m, s, temperature):
     """log-prob of a token: (x_t − m)/T − log s, NaN for a row without mass (s = 0); as
     :func:`.contract.token_logp`."""
@@ -342,7 +364,7 @@ def _token_logp(logit_t, m, s, temperature):
     return tl.where(s == 0.0, float("nan"), lp)
 
 
-@triton.jit
+@_device
 def _token_at(tok_ptr, row, V, ignore_index):
     """(column to read, inside [0, V), ignored) of the row's token."""
     tok = tl.load(tok_ptr + row).to(tl.int64)
@@ -350,7 +372,7 @@ def _token_at(tok_ptr, row, V, ignore_index):
     return tl.where(inside, tok, 0), inside, tok == ignore_index
 
 
-@triton.jit
+@_device
 def _finish_row(
     row, m_x, s_x, m_y, s_y, a, b, x_row, y_row, keep_row, tau, tok_ptr, mask_ptr, out_ptr,
     stats_ptr, V, temperature, ignore_index, Y_STATE: tl.constexpr, MOMENT_A: tl.constexpr,
@@ -500,7 +522,7 @@ def merge_kernel(
                      MOMENT_B, SX_M_X, SX_S_X, SX_M_Y, SX_S_Y, SX_A, SX_B)
 
 
-@triton.jit
+@_device
 def _expm1(z):
     """e^z − 1 in float32, accurate near 0 (a degree-8 Taylor polynomial for |z| < 0.5,
     relative error < 2e-8 there; e^z − 1 elsewhere): Triton's interpreter runs no libdevice."""
@@ -510,24 +532,23 @@ def _expm1(z):
     return tl.where(tl.abs(z) < 0.5, z * t, tl.exp(z) - 1.0)
 
 
-
-
-@triton.jit
+@_device
 def _grad_tile(
-    x_row, y_row, keep_row, gx_row, gy_row, tau, col, inside, tok, at_tok_x, at_tok_y,
+    x_row, y_row, keep_row, gx_row, gy_row, tau, start, offs, c1, tok, at_tok_x, at_tok_y,
     shift_x, log2_s_x, shift_y, log2_s_y, mean_d, mean_u, g_kl, g_lp, g_rl, g_h, inv_t, c2,
     KL: tl.constexpr, LOGP: tl.constexpr, REF_LOGP: tl.constexpr, ENTROPY: tl.constexpr,
     NEED_X: tl.constexpr, NEED_Y: tl.constexpr, NEED_P: tl.constexpr, NEED_Q: tl.constexpr,
     HAS_TOKEN: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """∂/∂x and ∂/∂y of one tile of columns ``col`` of a row, written in the inputs' dtypes
-    (masked by ``inside`` where MASKED: the row's last, partial tile)."""
+    """∂/∂x and ∂/∂y of one tile of columns ``start + offs`` of a row, written in the inputs' dtypes
+    (masked to the columns before ``c1`` where MASKED: the row's last, partial tile)."""
+    col = start + offs
     if HAS_TOKEN:
         is_tok = col == tok
     if NEED_P:  # the policy's probabilities (KL, LOGP or ENTROPY)
-        x = _kept_x(x_row, keep_row, tau, col, inside, HAS_KEEP, HAS_TAU, MASKED)
+        x = _kept_x(x_row, keep_row, tau, start, offs, c1, HAS_KEEP, HAS_TAU, 1, MASKED)
     if NEED_Q:  # the reference's (KL or REF_LOGP)
-        y = _load(y_row + col, inside, float("-inf"), MASKED).to(tl.float32)
+        y = _load(y_row, col, c1, float("-inf"), MASKED).to(tl.float32)
     if NEED_P:
         dx = x - shift_x  # logit units
         p = tl.exp2(dx * c2 - log2_s_x)
@@ -536,7 +557,7 @@ def _grad_tile(
         dy = y - shift_y
         q = tl.exp2(dy * c2 - log2_s_y)
     if NEED_X:
-        gx = tl.zeros(col.shape, dtype=tl.float32)
+        gx = tl.full(col.shape, 0.0, tl.float32)
         if KL:
             t_kl = p * ((dx - dy) * inv_t - mean_d)
             gx += _term(live, t_kl, g_kl)
@@ -545,23 +566,15 @@ def _grad_tile(
             gx -= _term(live, t_h, g_h)
         if LOGP:
             gx += tl.where(is_tok, at_tok_x, _term(live, -p, g_lp))
-        gx = (gx * inv_t).to(gx_row.dtype.element_ty)
-        if MASKED:
-            tl.store(gx_row + col, gx, mask=inside)
-        else:
-            tl.store(gx_row + col, gx)
+        _store(gx_row, col, c1, (gx * inv_t).to(gx_row.dtype.element_ty), MASKED)
     if NEED_Y:
-        gy = tl.zeros(col.shape, dtype=tl.float32)
+        gy = tl.full(col.shape, 0.0, tl.float32)
         if KL:
             qp = q - p
             gy += _term(qp == qp, qp, g_kl)  # NaN only where both vanish
         if REF_LOGP:
             gy += tl.where(is_tok, at_tok_y, _term(q > 0, -q, g_rl))
-        gy = (gy * inv_t).to(gy_row.dtype.element_ty)
-        if MASKED:
-            tl.store(gy_row + col, gy, mask=inside)
-        else:
-            tl.store(gy_row + col, gy)
+        _store(gy_row, col, c1, (gy * inv_t).to(gy_row.dtype.element_ty), MASKED)
 
 
 @triton.jit
@@ -658,20 +671,16 @@ def grad_kernel(
     offs = tl.arange(0, BLOCK)
     for start in range(c0, c_main, BLOCK):
         _grad_tile(
-            x_row, y_row, keep_row, gx_row, gy_row, tau, start + offs, None, tok, at_tok_x,
+            x_row, y_row, keep_row, gx_row, gy_row, tau, start, offs, c1, tok, at_tok_x,
             at_tok_y, shift_x, log2_s_x, shift_y, log2_s_y, mean_d, mean_u, g_kl, g_lp, g_rl,
             g_h, inv_t, c2, KL, LOGP, REF_LOGP, ENTROPY, NEED_X, NEED_Y, NEED_P, NEED_Q,
             HAS_TOKEN, HAS_KEEP, HAS_TAU, False,
         )
     if c_main < c1:
-        col = c_main + offs
         _grad_tile(
-            x_row, y_row, keep_row, gx_row, gy_row, tau, col, col < c1, tok, at_tok_x,
+            x_row, y_row, keep_row, gx_row, gy_row, tau, c_main, offs, c1, tok, at_tok_x,
             at_tok_y, shift_x, log2_s_x, shift_y, log2_s_y, mean_d, mean_u, g_kl, g_lp, g_rl,
             g_h, inv_t, c2, KL, LOGP, REF_LOGP, ENTROPY, NEED_X, NEED_Y, NEED_P, NEED_Q,
             HAS_TOKEN, HAS_KEEP, HAS_TAU, True,
         )
 
-
-# Triton decides at decoration time whether a kernel is interpreted (TRITON_INTERPRET=1).
-INTERPRETED = type(grad_kernel).__name__ == "InterpretedFunction"

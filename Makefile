@@ -20,7 +20,11 @@ TRITON_DEVICE_SPEC ?= triton==3.6.0
 TRITON_DEVICE_NUMPY ?= numpy<2.4
 TRITON_DEVICE := $(VENV)/triton-3.6
 TRITON_DEVICE_STAMP := $(TRITON_DEVICE)/.installed
-TRITON_TESTS ?= tests/ops/test_triton.py tests/ops/test_triton_compiled.py tests/ops/test_inf_rule.py
+# the kernels' tests, interpreted and compiled for sm_90, and the +inf rule's Triton cases; not
+# the `slow` ones (torch.compile, the PTX of every specialisation: `make test` runs those) nor
+# the float64 ones (they run the streaming ops)
+TRITON_TESTS ?= -m "not slow" -k "triton and not float64" tests/ops/test_triton.py tests/ops/test_triton_compiled.py \
+	tests/ops/test_inf_rule.py
 
 .PHONY: test install demo clean test-integrations test-triton-3.6
 

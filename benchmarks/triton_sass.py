@@ -124,15 +124,19 @@ def analyse(sass: str, elems_per_thread: int) -> dict:
     return out
 
 
-def res_usage(cuobjdump: str, cubin: bytes) -> dict[str, int]:
-    """REG, STACK, SHARED, LOCAL of the kernel from ``cuobjdump -res-usage``."""
+def _cuobjdump(cuobjdump: str, flag: str, cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(cubin)
     try:
-        text = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True,
+        return subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True,
                               check=True).stdout
     finally:
         os.unlink(f.name)
+
+
+def res_usage(cuobjdump: str, cubin: bytes) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL of the kernel from ``cuobjdump -res-usage``."""
+    text = _cuobjdump(cuobjdump, "-res-usage", cubin)
     return {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", text)}
 
 
@@ -145,13 +149,7 @@ def sass_of(cuobjdump: str, cubin: bytes) -> str:
     if os.path.exists(path):
         with open(path) as f:
             return f.read()
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(cubin)
-    try:
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True,
-                              check=True).stdout
-    finally:
-        os.unlink(f.name)
+    sass = _cuobjdump(cuobjdump, "-sass", cubin)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path + ".tmp", "w") as f:
         f.write(sass)

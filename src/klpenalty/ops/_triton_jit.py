@@ -7,19 +7,23 @@ as constexprs too (:func:`.triton_kernels.column_constexprs`):
 
 - :func:`stats_kernel` (forward): program (row, split) walks columns
   [split·cols, (split + 1)·cols) in ``BLOCK`` chunks, reading each logit once in its own dtype,
-  with the engine's state of both models in float32, and either finishes the row (one program
-  per row: out and stats, :func:`_finish_row`) or writes its partial state (the state columns
-  m_x, s_x, m_y, s_y, a, b) to ``out[row, split, :]``;
+  with the engine's state of both models in float32, one state per thread (merged once after
+  the loop), and either finishes the row (one program per row: out and stats,
+  :func:`_finish_row`) or writes its partial state (the state columns m_x, s_x, m_y, s_y, a,
+  b) to ``out[row, split, :]``;
 - :func:`merge_kernel`: one program per row merges its splits' partial states with the engine's
   rescale-and-add and finishes the row (or writes the merged state: the state op);
-- :func:`grad_kernel` (backward): (row, block) tiles of ∂/∂x and ∂/∂y of Σ g·out for all
-  wanted outputs together, recomputed from the saved per-row stats, written once in the
+- :func:`grad_kernel` (backward): TILES (row, block) tiles of ∂/∂x and ∂/∂y of Σ g·out for
+  all wanted outputs together, recomputed from the saved per-row stats, written once in the
   inputs' dtypes.
 
 Rows of the (..., T, V) inputs are addressed through (T, stride_b, stride_t)
-(:func:`_row_offset`). Whether the kernels run compiled or interpreted (``TRITON_INTERPRET=1``,
-CPU tensors) is decided by Triton when this module is imported. Only Triton APIs present in
-Triton 3.6 are used.
+(:func:`_row_offset`). Full blocks and tiles are read (and written) unmasked, each row's last
+partial one masked. ``benchmarks/triton_sass.py`` counts the machine code these compile to for
+sm_90 and ``tests/ops/test_triton_compiled.py`` checks it (docs/internals.md).
+
+Whether the kernels run compiled or interpreted (``TRITON_INTERPRET=1``, CPU tensors) is decided
+by Triton when this module is imported. Only Triton APIs present in Triton 3.6 are used.
 """
 
 from __future__ import annotations
@@ -28,8 +32,6 @@ import triton
 import triton.language as tl
 
 __all__ = ["stats_kernel", "merge_kernel", "grad_kernel", "INTERPRETED"]
-
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -129,27 +131,23 @@ def _kept_x(x_row, keep_row, tau, start, offs, c1, HAS_KEEP: tl.constexpr,
 
 
 @_device
-def _thread_max(v, R: tl.constexpr):
-    """The [NT] maxima over the axes after the first (those each thread holds)."""
-    if R == 1:
-        m = tl.max(v, 1)
-    elif R == 2:
-        m = tl.max(tl.max(v, 2), 1)
+def _reduce(v, axis: tl.constexpr, MAX: tl.constexpr):
+    if MAX:
+        r = tl.max(v, axis)
     else:
-        m = tl.max(tl.max(tl.max(v, 3), 2), 1)
-    return m
+        r = tl.sum(v, axis)
+    return r
 
 
 @_device
-def _thread_sum(v, R: tl.constexpr):
-    """The [NT] sums over the axes after the first (those each thread holds)."""
-    if R == 1:
-        t = tl.sum(v, 1)
-    elif R == 2:
-        t = tl.sum(tl.sum(v, 2), 1)
-    else:
-        t = tl.sum(tl.sum(tl.sum(v, 3), 2), 1)
-    return t
+def _thread_reduce(v, R: tl.constexpr, MAX: tl.constexpr):
+    """The [NT] maxima (MAX) or sums over the axes after the first, those each thread holds:
+    the joined axes of :func:`_gather` (none, one or two), then the INNER columns."""
+    if R == 4:
+        v = _reduce(v, 3, MAX)
+    if R >= 2:
+        v = _reduce(v, 2, MAX)
+    return _reduce(v, 1, MAX)
 
 
 @_device
@@ -179,13 +177,13 @@ def _stats_block(
     if Y_STATE:
         y = _gather(y_row, start, offs, c1, float("-inf"), R, MASKED).to(tl.float32)
     if X_STATE:
-        mx_new = tl.maximum(m_x, _thread_max(x, R))
+        mx_new = tl.maximum(m_x, _thread_reduce(x, R, True))
         dxs, alpha = _scales(m_x, mx_new, inv_t)
     if Y_STATE:
-        my_new = tl.maximum(m_y, _thread_max(y, R))
+        my_new = tl.maximum(m_y, _thread_reduce(y, R, True))
         dys, beta = _scales(m_y, my_new, inv_t)
         dy = y - _spread(_finite_or_zero(my_new), R)  # logit units
-        s_y = beta * s_y + _thread_sum(tl.exp2(dy * c2), R)
+        s_y = beta * s_y + _thread_reduce(tl.exp2(dy * c2), R, False)
         m_y = my_new
     if X_STATE:
         if MOMENT_A:
@@ -194,14 +192,15 @@ def _stats_block(
             b = _rescale_moment(s_x, b, dxs, alpha)
         dx = x - _spread(_finite_or_zero(mx_new), R)
         eu = tl.exp2(dx * c2)
-        s_x = alpha * s_x + _thread_sum(eu, R)
+        s_x = alpha * s_x + _thread_reduce(eu, R, False)
         # 0·log 0 = 0: an entry with e^u = 0 adds nothing, except where x is finite and
         # y = −inf (dx − dy = +inf): e^u > 0 exactly there, the term is +inf
         if MOMENT_A:
             d = dx - dy
-            a += _thread_sum(tl.where(eu > 0, eu * d, tl.where(d == float("inf"), d, 0.0)), R) * inv_t
+            term = tl.where(eu > 0, eu * d, tl.where(d == float("inf"), d, 0.0))
+            a += _thread_reduce(term, R, False) * inv_t
         if MOMENT_B:
-            b += _thread_sum(tl.where(eu > 0, eu * dx, 0.0), R) * inv_t
+            b += _thread_reduce(tl.where(eu > 0, eu * dx, 0.0), R, False) * inv_t
         m_x = mx_new
     return m_x, s_x, m_y, s_y, a, b
 

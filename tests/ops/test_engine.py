@@ -205,21 +205,26 @@ def test_fullgraph_compile_of_the_one_pass_call_with_a_support_mask():
 
 # ----------------------------------------------------------------------- host syncs
 class _CountSyncs:
-    """Counts reads of tensor values by the host (bool(), .item(), int(), float(), .tolist():
-    each a device-to-host synchronisation on an accelerator), also inside the custom ops."""
+    """Counts host synchronisations on an accelerator, also inside the custom ops: reads of
+    tensor values by the host (bool(), .item(), int(), float(), .tolist()) and tensors built
+    from host data (torch.tensor, torch.as_tensor, Tensor.new_tensor: a blocking pageable
+    host-to-device copy on CUDA), counted together in ``syncs``."""
 
     READS = ("__bool__", "item", "__int__", "__float__", "__index__", "tolist")
+    UPLOADS = ((torch, "tensor"), (torch, "as_tensor"), (torch.Tensor, "new_tensor"))
 
     def __init__(self, monkeypatch):
         self.syncs = 0
         for name in self.READS:
             original = getattr(torch.Tensor, name)
             monkeypatch.setattr(torch.Tensor, name, self._counting(original))
+        for owner, name in self.UPLOADS:
+            monkeypatch.setattr(owner, name, self._counting(getattr(owner, name)))
 
     def _counting(self, original):
-        def read(t, *args, **kwargs):
+        def read(*args, **kwargs):
             self.syncs += 1
-            return original(t, *args, **kwargs)
+            return original(*args, **kwargs)
 
         return read
 
@@ -227,7 +232,8 @@ class _CountSyncs:
 @pytest.mark.parametrize("check,expected", [(False, 0), (True, 1)])
 def test_accelerator_path_syncs_only_for_the_one_check(monkeypatch, check, expected):
     """On accelerators (no free host checks) a call syncs once with check=True, never without,
-    whatever the number of tiles; forward and backward."""
+    whatever the number of tiles; forward and backward (which builds no tensor from host data:
+    its column masks come from device ops)."""
     monkeypatch.setattr(streaming, "_host_checks", lambda device: False)
     x, y = _pair((6, 40), seed=8)
     x[0, 3] = NINF

@@ -171,7 +171,7 @@ def test_fullgraph_compile_gives_the_same_numbers():
 @pytest.mark.parametrize("check,expected", [(False, 0), (True, 1)])
 def test_accelerator_path_syncs_only_once(monkeypatch, check, expected):
     """Without free host checks: one host read for all of check=True's checks, none in the tile
-    loops, none in the backward."""
+    loops, none in the backward (no host-to-device copy either)."""
     monkeypatch.setattr(streaming, "_host_checks", lambda device: False)
     c = token_stats_case(torch.float32)
     x = c["x"].requires_grad_()
@@ -189,6 +189,34 @@ def test_accelerator_path_syncs_only_once(monkeypatch, check, expected):
         c["x"].detach(), c["y"], c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, -100, 15
     )
     torch.testing.assert_close(out.detach().double(), want, **tol(torch.float32))
+
+
+def test_accelerator_linear_kl_chunks_never_sync_without_checks(monkeypatch):
+    """linear_kl without host checks, check=False and no mask: no host sync in the forward or
+    the backward, whatever the number of chunks (three here, each a forward and a backward op
+    call: no tensor built from host data per chunk)."""
+    from klpenalty import linear
+
+    monkeypatch.setattr(streaming, "_host_checks", lambda device: False)
+    monkeypatch.setattr(linear, "_host_checks", lambda device: False)
+    gen = torch.Generator().manual_seed(5)
+    hp, hr = torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    wp, wr = torch.randn(40, 8, generator=gen), torch.randn(40, 8, generator=gen)
+    hp.requires_grad_()
+    tokens = torch.randint(0, 40, (6,), generator=gen)
+    tokens[1] = -100
+    with monkeypatch.context() as patch:
+        counter = _CountSyncs(patch)
+        s = linear.linear_kl(hp, wp, hr, wr, tokens=tokens, entropy=True, chunk_rows=2,
+                             backend="streaming", check=False)
+        assert counter.syncs == 0
+        (s.kl - 0.5 * s.logprobs + 0.25 * s.entropy).sum().backward()
+        assert counter.syncs == 0
+    x, y = (hp.detach() @ wp.t()), (hr @ wr.t())
+    want = token_stats_reference(x, y, tokens, None, None, None, 1.0, -100, 15)
+    got = torch.stack([s.kl, s.logprobs, s.ref_logprobs, s.entropy], -1).detach()
+    torch.testing.assert_close(got.double(), want, **tol(torch.float32))
+    assert hp.grad is not None and torch.isfinite(hp.grad).all()
 
 
 def test_forward_with_a_support_allocates_nothing_of_size_rows_by_vocab():

@@ -49,6 +49,7 @@ triton = pytest.importorskip("triton", reason="Triton is not installed: pip inst
 pytestmark = [
     pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
     pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),  # log 0
 ]
 
 
@@ -499,13 +500,15 @@ def test_kernels_compile_for_a_cuda_target():
     catch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     specs = [
-        (tk.forward_constexprs(flags, keep, tau), tk.backward_constexprs(flags, nx, ny, keep, tau))
+        (tk.forward_constexprs(flags, keep, tau, has_mask=keep),
+         tk.backward_constexprs(flags, nx, ny, keep, tau, has_mask=tau, has_owned=keep))
         for flags, keep, tau, nx, ny in _LOWERED
     ]
-    for name in ("X_STATE", "Y_STATE", "MOMENT_A", "MOMENT_B", "HAS_KEEP", "HAS_TAU"):
+    for name in ("X_STATE", "Y_STATE", "MOMENT_A", "MOMENT_B", "HAS_KEEP", "HAS_TAU", "LOGP",
+                 "REF_LOGP", "HAS_MASK"):
         assert {f[name] for f, _ in specs} == {True, False}, name
     for name in ("KL", "LOGP", "REF_LOGP", "ENTROPY", "NEED_X", "NEED_Y", "NEED_P", "NEED_Q",
-                 "HAS_TOKEN"):
+                 "HAS_TOKEN", "HAS_MASK", "HAS_OWNED"):
         assert {b[name] for _, b in specs} == {True, False}, name
     code = f"""
 import triton
@@ -513,16 +516,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from klpenalty.ops import _triton_jit as k
 t = GPUTarget("cuda", 90, 32)
-fwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32", "out_ptr": "*fp32",
-       "stride_x": "i64", "stride_y": "i64", "stride_keep": "i64", "V": "i32", "cols": "i32",
-       "n_splits": "i32", "inv_t": "fp32", "c2": "fp32"}}
+rows = {{"T": "i32", **{{f"stride_{{a}}{{d}}": "i64" for a in "xyk" for d in "bt"}}}}
+ptrs = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32", "tok_ptr": "*i64",
+        "mask_ptr": "*u8"}}
+fwd = {{**ptrs, "out_ptr": "*fp32", "stats_ptr": "*fp32", **rows, "V": "i32", "cols": "i32",
+       "n_splits": "i32", "inv_t": "fp32", "c2": "fp32", "temperature": "fp32", "ignore_index": "i32"}}
+merge = {{"parts_ptr": "*fp32", **ptrs, "out_ptr": "*fp32", "stats_ptr": "*fp32", **rows, "V": "i32",
+         "n_splits": "i32", "inv_t": "fp32", "temperature": "fp32", "ignore_index": "i32"}}
 bwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32", "gx_ptr": "*bf16",
-       "gy_ptr": "*fp32", "stats_ptr": "*fp32", "g_ptr": "*fp32", "tok_ptr": "*i64",
-       "at_tok_ptr": "*fp32", "stride_x": "i64", "stride_y": "i64", "stride_keep": "i64",
-       "V": "i32", "inv_t": "fp32", "c2": "fp32"}}
+       "gy_ptr": "*fp32", "stats_ptr": "*fp32", "g_ptr": "*fp32", "tok_ptr": "*i64", "mask_ptr": "*u8",
+       "owned_ptr": "*u8", **rows, "stride_gn": "i64", "stride_gc": "i64", "V": "i32", "inv_t": "fp32",
+       "c2": "fp32", "ignore_index": "i32"}}
 cols_f, cols_b = {tk.column_constexprs("stats")!r}, {tk.column_constexprs("grad")!r}
 for f, b in {specs!r}:
+    m = {{name: on for name, on in f.items() if name != "X_STATE"}}
     for fn, sig, c in [(k.stats_kernel, fwd, {{**f, **cols_f, "BLOCK": 4096}}),
+                       (k.stats_kernel, fwd, {{**f, "FINISH": False, **cols_f, "BLOCK": 4096}}),
+                       (k.merge_kernel, merge, {{**m, **cols_f, "SPLITS": 8}}),
                        (k.grad_kernel, bwd, {{**b, **cols_b, "BLOCK": 1024, "TILES": {tk.GRAD_TILES}}})]:
         s = {{**sig, **{{name: "constexpr" for name in c}}}}
         assert ".entry" in triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=t).asm["ptx"]

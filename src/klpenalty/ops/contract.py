@@ -49,6 +49,7 @@ __all__ = [
     "kept_logits",
     "token_upstream",
     "finish",
+    "check_finished",
     "outside_support_error",
 ]
 
@@ -148,13 +149,14 @@ def token_upstream(
     """The upstream gradient (..., 4) as (N, 4) in ``dtype``: 0 in the columns not in ``want``,
     on masked rows, and in the two log-prob columns at ignored tokens."""
     g = grad.reshape(-1, OUT_COLS).to(dtype)
-    cols = torch.tensor([bool(want & bit) for bit in Want], device=g.device)
-    g = g.masked_fill(~cols, 0.0)
+    # the column masks from device ops: no host-to-device copy (a stream sync on CUDA)
+    bits = 1 << torch.arange(OUT_COLS, device=g.device)  # (4,): the Want bit of each column
+    g = g.masked_fill((bits & int(want)) == 0, 0.0)
     if mask is not None:
         g = g.masked_fill(~mask.reshape(-1, 1), 0.0)
     if tokens is not None:
         ignored = (tokens.reshape(-1) == ignore_index).unsqueeze(-1)
-        logps = torch.tensor([False, True, True, False], device=g.device)
+        logps = (bits & int(Want.LOGP | Want.REF_LOGP)) != 0
         g = g.masked_fill(ignored & logps, 0.0)
     return g
 
@@ -255,7 +257,7 @@ def finish(
         out[:, OUT_KL] = kl
     if h is not None:
         out[:, OUT_ENTROPY] = h
-    range_bad = outside = None
+    range_bad = None
     logp, ref_logp = bool(want & Want.LOGP), bool(want & Want.REF_LOGP)
     if tokens is not None and (logp or ref_logp):
         tok, ignored = safe_tokens(tokens.reshape(-1), ignore_index)  # (N,)
@@ -273,10 +275,32 @@ def finish(
     if mask is not None:
         out.masked_fill_(~mask.reshape(-1, 1), 0.0)
     if check:  # one host read for all the checks
-        if (keep is not None or tau is not None) and logp:
-            outside = torch.isneginf(out[:, OUT_LOGP])  # counted, non-ignored, off the support
-        check_out(out, x, y, tokens, range_bad, outside, want, ignore_index)
+        check_finished(out, x, y, tokens, keep, tau, want, ignore_index, range_bad)
     return out.reshape(*leading, OUT_COLS), stats.reshape(*leading, STATS_COLS)
+
+
+def check_finished(
+    out: Tensor,
+    x: Tensor,
+    y: Tensor | None,
+    tokens: Tensor | None,
+    keep: Tensor | None,
+    tau: Tensor | None,
+    want: int,
+    ignore_index: int,
+    range_bad: Tensor | None = None,
+) -> None:
+    """The checks of ``check=True`` on a finished out (N, 4) (masked rows 0), with one host
+    read (:func:`check_out`); ``range_bad`` (N,) the tokens outside [0, V) (computed from
+    ``tokens`` when None)."""
+    logp = bool(want & Want.LOGP)
+    if range_bad is None and tokens is not None and (logp or want & Want.REF_LOGP):
+        tok, _ = safe_tokens(tokens.reshape(-1), ignore_index)
+        range_bad = (tok < 0) | (tok >= x.shape[-1])
+    outside = None
+    if (keep is not None or tau is not None) and logp:
+        outside = torch.isneginf(out[:, OUT_LOGP])  # counted, non-ignored, off the support
+    check_out(out, x, y, tokens, range_bad, outside, want, ignore_index)
 
 
 def _grad_like(x: Tensor) -> Tensor:

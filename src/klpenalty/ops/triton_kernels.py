@@ -10,26 +10,29 @@ in one read of the logits.
 
 **Forward.** One kernel (:func:`._triton_jit.stats_kernel`) specialised by ``tl.constexpr``
 flags (the policy's state, the reference's, the KL moment a, the entropy moment b, a support
-by keep mask and/or threshold tau). Program (row, split) walks its columns in ``BLOCK``
-chunks, reads each logit once in its own dtype (bf16/fp16/fp32), keeps the engine's state in
-float32 — maxima in logit units, s_x = Σ e^u over the support, s_y = Σ e^w,
+by keep mask and/or threshold tau, the wanted log-probs, a mask). Program (row, split) walks its
+columns in ``BLOCK`` chunks, reads each logit once in its own dtype (bf16/fp16/fp32), keeps the
+engine's state in float32 — maxima in logit units, s_x = Σ e^u over the support, s_y = Σ e^w,
 a = Σ e^u·(u − w), b = Σ e^u·u — and rescales it when a block raises a max (the engine's
-merge). It writes its partial state to an (N, splits, 6) float32 buffer; the splits of a row
-are merged with the engine's rescale-and-add in torch, and the (N,) merged state is finalized
-by :func:`.engine.stats_finalize`, so the numerics and the stats columns are the engine's. log π̃(t) and log ρ(t) come from the merged state and the
-token's logit (one gather per row). One split per row unless the rows are too few to fill the
-GPU (:func:`split_columns`); ``tile_cols`` forces the split. Float64 inputs run the streaming
-op (the kernels compute in float32).
+merge). A program that is a whole row finishes it: the engine's finalize, the token's logits
+gathered for log π̃(t) and log ρ(t), masked rows zeroed, written straight into out (N, 4) and
+stats (N, 9). Split rows write partial states to an (N, splits, 6) float32 buffer that
+:func:`._triton_jit.merge_kernel` merges and finishes, one program per row. The host dispatches
+views and the outputs' allocations only, and reads nothing back (``check=True``: one read).
+The split plan (:func:`plan_splits`) fills the GPU's waves; ``tile_cols`` forces the split.
+Float64 inputs run the streaming op (the kernels compute in float32).
 
 **Backward.** One kernel (:func:`._triton_jit.grad_kernel`) over a (rows, vocabulary blocks)
 grid recomputes π̃ (and ρ) from the stats and writes ∂/∂x and ∂/∂y of all wanted outputs
-together, once, in the inputs' dtypes; the upstream gradient (0 on masked rows, the log-prob
-columns 0 at ignored tokens) and the 0·log 0 guards are applied in the kernel, so rows with
-−inf entries get finite gradients and masked rows exactly 0.
+together, once, in the inputs' dtypes; the upstream gradient is read through its strides and
+masked in the kernel (unwanted columns, masked rows, ignored tokens; 0·log 0 guards), so rows
+with −inf entries get finite gradients and masked rows exactly 0.
 
-**Strides.** Rows are passed with their row stride: a (..., V) tensor whose leading dimensions
-flatten to one stride and whose last dimension is contiguous is read in place; any other
-layout is copied once by ``reshape``/``contiguous``.
+**Layouts.** Rows r of a (..., T, V) input are read at (r // T)·stride_b + (r % T)·stride_t
+(:func:`_strides`): in place where the dimensions before −2 collapse to one stride and the last
+dimension is contiguous (``logits[:, :-1]``, transposes of (B, T)); other layouts are copied
+once. **Device.** Every launch goes through :func:`_launch`, which makes the tensors' CUDA
+device current (Triton launches on the current device).
 
 The careful-arithmetic flag (stats column 5) marks the rows without a distribution or with
 E_π̃[u − w] = +inf only: the backward kernel always uses the guarded arithmetic.
@@ -37,21 +40,26 @@ E_π̃[u − w] = +inf only: the backward kernel always uses the guarded arithme
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import math
 import os
 import warnings
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from .. import _validation as v
 from . import contract, streaming
 from .contract import Want
-from .engine import StatsState, state_to_tensor, stats_finalize, stats_rescale
 
 __all__ = [
     "available",
     "interpreted",
     "check_device",
     "split_columns",
+    "plan_splits",
     "forward_constexprs",
     "backward_constexprs",
     "column_constexprs",
@@ -61,8 +69,15 @@ __all__ = [
 
 # Columns per forward/backward block: 4096 bf16 = 8 KiB per row and model per step.
 MAX_BLOCK = 4096
-# Programs per SM the forward wants before it splits rows across programs.
+# Programs per SM that run at once (the forward's occupancy): one wave is PROGRAMS_PER_SM·SMs.
 PROGRAMS_PER_SM = 4
+# The split heuristic (plan_splits): the finest split of a row (columns), the waves of rows from
+# which a row is never split, and, in units of one SPLIT_UNIT block per program, the fixed cost
+# of a program (its prologue, epilogue and the first loads' latency) and of the merge kernel.
+SPLIT_UNIT = 1024
+FULL_WAVES = 8
+PROGRAM_OVERHEAD = 2
+MERGE_COST = 8
 # Backward tiles (of up to 1024 columns) per program: the row's scalars are loaded once for all.
 GRAD_TILES = 4
 
@@ -139,10 +154,62 @@ def check_device(device: torch.device) -> None:
 
 
 # ------------------------------------------------------------------------------ launch helpers
-def _rows(x: Tensor) -> Tensor:
-    """(..., V) → (N, V) with unit column stride: a view when the layout allows, else a copy."""
-    xf = x.reshape(-1, x.shape[-1])
-    return xf if xf.stride(-1) == 1 or xf.shape[-1] <= 1 else xf.contiguous()
+def _on_device(device: torch.device):
+    """The context of a launch: the tensors' CUDA device made current (Triton launches on the
+    current device, whatever the tensors' device), nothing elsewhere."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _launch(kernel, grid: tuple[int, ...], device: torch.device, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` on ``device`` (every launch of the backend)."""
+    with _on_device(device):
+        kernel[grid](*args, **kwargs)
+
+
+class _Rows(NamedTuple):
+    """The (..., V) inputs of a call as rows r = b·T + t read in place: x, y, keep (uint8; y
+    and keep None where not read) and (T, stride_b, stride_t) for each of the three."""
+
+    x: Tensor
+    y: Tensor | None
+    keep: Tensor | None
+    args: tuple[int, ...]  # T, x's (stride_b, stride_t), y's, keep's
+
+
+def _strides(t: Tensor, rows_t: int) -> tuple[Tensor, int, int]:
+    """(t, stride_b, stride_t): row r of t's (..., V) starts at element (r // T)·stride_b +
+    (r % T)·stride_t, T = ``rows_t`` (t's dimension −2). ``t`` itself when its last dimension
+    is contiguous and the dimensions before −2 collapse to one stride (``logits[:, :-1]``,
+    transposes of (B, T)); else a contiguous copy."""
+    if t.dim() == 1:
+        return t, 0, 0
+    shape, stride = t.shape, t.stride()
+    if shape[-1] <= 1 or stride[-1] == 1:
+        outer = [(size, step) for size, step in zip(shape[:-2], stride[:-2]) if size != 1]
+        if all(s0 == s1 * n1 for (_, s0), (n1, s1) in zip(outer, outer[1:])):
+            return t, (outer[-1][1] if outer else 0), stride[-2]
+    t = t.contiguous()
+    return t, rows_t * shape[-1], shape[-1]
+
+
+def _rows(x: Tensor, y: Tensor | None, keep: Tensor | None) -> _Rows:
+    """The rows of x, y and keep for the kernels' row addressing (y and keep viewed with x's
+    leading shape, which they share: the same N rows)."""
+    rows_t = x.shape[-2] if x.dim() >= 2 else 1
+    like = lambda t: t if t.shape[:-1] == x.shape[:-1] else t.reshape(*x.shape[:-1], -1)  # noqa: E731
+    xs, *sx = _strides(x, rows_t)
+    ys, *sy = _strides(like(y), rows_t) if y is not None else (None, 0, 0)
+    ks, *sk = _strides(like(keep).view(torch.uint8), rows_t) if keep is not None else (None, 0, 0)
+    return _Rows(xs, ys, ks, (max(rows_t, 1), *sx, *sy, *sk))
+
+
+def _flat(t: Tensor | None, dtype: torch.dtype | None = None) -> Tensor | None:
+    """A per-row (...) tensor as contiguous (N,) (a view where it is one), viewed as
+    ``dtype``."""
+    if t is None:
+        return None
+    t = t.reshape(-1).contiguous()
+    return t if dtype is None else t.view(dtype)
 
 
 def _block(vocab: int, cap: int = MAX_BLOCK) -> int:
@@ -155,24 +222,54 @@ def _sm_count(device: torch.device) -> int:
     return 1
 
 
+def _filled(programs: int, wave: int) -> bool:
+    """Whether ``programs`` fill their waves: the last one at least 90 % full, or ≥
+    :data:`FULL_WAVES` waves (a partial last one then costs at most 1/9 of the time)."""
+    waves = programs / wave
+    return waves >= FULL_WAVES or waves / math.ceil(waves) >= 0.9
+
+
+@functools.lru_cache(maxsize=4096)
+def plan_splits(n_rows: int, vocab: int, sms: int) -> tuple[int, int]:
+    """(BLOCK, columns per program) of the forward for an (n_rows, vocab) problem on a GPU with
+    ``sms`` multiprocessors, whose wave is :data:`PROGRAMS_PER_SM`·sms programs.
+
+    A row is split into programs of k·:data:`SPLIT_UNIT` columns (k from the whole row down to
+    one unit). The predicted time of a plan is ⌈programs / wave⌉·(k + :data:`PROGRAM_OVERHEAD`)
+    (+ :data:`MERGE_COST` for the merge kernel), in units of one SPLIT_UNIT block per program: a
+    partial last wave costs a whole one. The plan is the fastest of those that fill their waves
+    (:func:`_filled`), else the fastest: near-integral waves where some split gives them, short
+    splits for few rows. From FULL_WAVES waves of rows on a row is never split. Ties take
+    fewer splits.
+    """
+    wave = PROGRAMS_PER_SM * max(1, sms)
+    units = max(1, -(-vocab // SPLIT_UNIT))
+    whole = (_block(vocab), max(vocab, 1))
+    if n_rows <= 0 or n_rows >= FULL_WAVES * wave or units == 1:
+        return whole
+    best, best_key = None, None
+    for splits in sorted({-(-units // k) for k in range(1, units + 1)}):  # those k can give
+        k = -(-units // splits)  # the shortest programs of that count
+        cost = -(-(n_rows * splits) // wave) * (k + PROGRAM_OVERHEAD)
+        cost += MERGE_COST if splits > 1 else 0
+        key = (not _filled(n_rows * splits, wave), cost)
+        if best_key is None or key < best_key:
+            block = SPLIT_UNIT * min(MAX_BLOCK // SPLIT_UNIT, k & -k)  # divides k·SPLIT_UNIT
+            best, best_key = (whole if splits == 1 else (block, k * SPLIT_UNIT)), key
+    return best
+
+
 def split_columns(n_rows: int, vocab: int, device: torch.device, vocab_chunk: int = 0) -> tuple[int, int]:
-    """(BLOCK, columns per program) of the forward for an (n_rows, vocab) problem.
+    """(BLOCK, columns per program) of the forward for an (n_rows, vocab) problem on
+    ``device``: :func:`plan_splits` with the device's SM count (1 on CPU: the interpreter).
 
     ``vocab_chunk`` > 0 forces programs of that many columns (rounded up to the block; the
-    block shrinks to fit the chunk). Otherwise a row is split only when the rows alone give
-    fewer than :data:`PROGRAMS_PER_SM` programs per SM, into at most that many programs, each
-    at least 4 blocks long.
+    block shrinks to fit the chunk).
     """
     if vocab_chunk > 0:
         block = _block(min(vocab_chunk, vocab))
         return block, -(-vocab_chunk // block) * block
-    block = _block(vocab)
-    want = PROGRAMS_PER_SM * _sm_count(device)
-    if n_rows >= want:
-        return block, max(vocab, 1)
-    blocks = -(-vocab // block)
-    splits = max(1, min(-(-want // max(n_rows, 1)), blocks // 4))
-    return block, -(-blocks // splits) * block
+    return plan_splits(n_rows, vocab, _sm_count(device))
 
 
 def _warps(block: int) -> int:
@@ -190,29 +287,40 @@ def _wanted(want: int) -> tuple[bool, bool, bool, bool]:
     return tuple(bool(want & bit) for bit in Want)
 
 
+_STATE_NAMES = ("STATE_COLS", "SX_M_X", "SX_S_X", "SX_M_Y", "SX_S_Y", "SX_A", "SX_B")
+_OUT_NAMES = ("OUT_COLS", "OUT_KL", "OUT_LOGP", "OUT_REF_LOGP", "OUT_ENTROPY")
+_STATS_NAMES = ("STATS_COLS", "ST_SHIFT_X", "ST_LOG_S_X", "ST_SHIFT_Y", "ST_LOG_S_Y",
+                "ST_MEAN_D", "ST_MEAN_U", "ST_LOGP", "ST_REF_LOGP")
+
+
 def column_constexprs(kernel: str) -> dict[str, int]:
     """The column layout of :mod:`.contract` as the ``tl.constexpr`` s of a kernel
-    (``"stats"``: the state columns; ``"grad"``: the out and stats columns)."""
+    (``"stats"``: :func:`._triton_jit.stats_kernel` and ``merge_kernel``, the state, out and
+    stats columns; ``"grad"``: the out and stats columns of ``grad_kernel``)."""
     if kernel == "stats":
-        names = ("STATE_COLS", "SX_M_X", "SX_S_X", "SX_M_Y", "SX_S_Y", "SX_A", "SX_B")
+        names = _STATE_NAMES + _OUT_NAMES + _STATS_NAMES + ("ST_CAREFUL",)
     else:
-        names = ("OUT_COLS", "STATS_COLS", "ST_SHIFT_X", "ST_LOG_S_X", "ST_SHIFT_Y",
-                 "ST_LOG_S_Y", "ST_MEAN_D", "ST_MEAN_U")
+        names = _OUT_NAMES + _STATS_NAMES
     return {name: getattr(contract, name) for name in names}
 
 
-def forward_constexprs(flags, has_keep: bool, has_tau: bool) -> dict[str, bool]:
+def forward_constexprs(
+    flags, has_keep: bool, has_tau: bool, finish: bool = True, has_mask: bool = False
+) -> dict[str, bool]:
     """The ``tl.constexpr`` flags of :func:`._triton_jit.stats_kernel` for the wanted outputs
-    ``flags`` = (kl, logp, ref_logp, entropy) (:func:`_wanted`) and the support."""
+    ``flags`` = (kl, logp, ref_logp, entropy) (:func:`_wanted`) and the support; ``finish``:
+    the kernel writes out and stats (one program per row), else partial states."""
     kl, logp, ref_logp, ent = flags
     return dict(
         X_STATE=kl or logp or ent, Y_STATE=kl or ref_logp, MOMENT_A=kl, MOMENT_B=ent,
-        HAS_KEEP=has_keep, HAS_TAU=has_tau,
+        HAS_KEEP=has_keep, HAS_TAU=has_tau, FINISH=finish, LOGP=logp and finish,
+        REF_LOGP=ref_logp and finish, HAS_MASK=has_mask and finish,
     )
 
 
 def backward_constexprs(
-    flags, need_x: bool, need_y: bool, has_keep: bool, has_tau: bool
+    flags, need_x: bool, need_y: bool, has_keep: bool, has_tau: bool, has_mask: bool = False,
+    has_owned: bool = False,
 ) -> dict[str, bool]:
     """The ``tl.constexpr`` flags of :func:`._triton_jit.grad_kernel` (as
     :func:`forward_constexprs`; ``need_x``/``need_y``: the gradients written)."""
@@ -221,74 +329,80 @@ def backward_constexprs(
         KL=kl, LOGP=logp, REF_LOGP=ref_logp, ENTROPY=ent, NEED_X=need_x, NEED_Y=need_y,
         NEED_P=(need_x and (kl or logp or ent)) or (need_y and kl),
         NEED_Q=need_y or (need_x and kl), HAS_TOKEN=logp or ref_logp,
-        HAS_KEEP=has_keep, HAS_TAU=has_tau,
+        HAS_KEEP=has_keep, HAS_TAU=has_tau, HAS_MASK=has_mask,
+        HAS_OWNED=has_owned and (logp or ref_logp),
     )
 
 
-def _support_args(keep: Tensor | None, tau: Tensor | None, n: int):
-    """(keep rows (N, V) as uint8 or None, their row stride, tau (N,) or None)."""
-    keepf = _rows(keep).view(torch.uint8) if keep is not None else None
-    tauf = tau.reshape(n).contiguous() if tau is not None else None
-    return keepf, (keepf.stride(0) if keepf is not None else 0), tauf
+_MERGED = ("X_STATE",)  # the forward flags merge_kernel does not take
 
 
-def _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature: float, vocab_chunk: int):
-    """Run :func:`._triton_jit.stats_kernel` over (N, splits) programs; the merged
-    :class:`.engine.StatsState` of whole rows (fields not computed are None)."""
-    kl, logp, ref_logp, ent = flags
-    n, vocab = xf.shape
-    device = xf.device
-    block, cols = split_columns(n, vocab, device, vocab_chunk)
+def _forward(x, y, tokens, mask, keep, tau, temperature: float, ignore_index: int, want: int,
+             tile_cols: int, finish: bool) -> tuple[Tensor, ...]:
+    """The forward kernels on (..., V) logits: ``finish`` → (out (N, 4), stats (N, 9)), else
+    the merged state (N, 6). One program per row writes them directly; split rows write
+    partial states that :func:`._triton_jit.merge_kernel` merges (and finishes)."""
+    flags = kl, logp, ref_logp, _ = _wanted(want)
+    rows = _rows(x, y if kl or ref_logp else None, keep)
+    vocab = x.shape[-1]
+    n = x.numel() // vocab
+    device = x.device
+    new = functools.partial(torch.empty, dtype=torch.float32, device=device)
+    outs = (new((n, contract.OUT_COLS)), new((n, contract.STATS_COLS))) if finish else (
+        new((n, contract.STATE_COLS)),)
+    if n == 0:
+        return outs
+    block, cols = split_columns(n, vocab, device, tile_cols)
     splits = max(1, -(-vocab // cols))
-    parts = torch.empty((n, splits, contract.STATE_COLS), dtype=torch.float32, device=device)
-    constexprs = forward_constexprs(flags, keepf is not None, tauf is not None)
-    if n:
-        inv_t = 1.0 / temperature
-        _kernels().stats_kernel[(n, splits)](
-            xf, xf if yf is None else yf, xf if keepf is None else keepf,
-            parts if tauf is None else tauf, parts,
-            xf.stride(0), 0 if yf is None else yf.stride(0), stride_keep,
-            vocab, cols, splits, inv_t, inv_t * 1.4426950408889634,
+    tauf = _flat(tau)
+    tok = _flat(tokens) if finish and (logp or ref_logp) else None
+    maskf = _flat(mask, torch.uint8) if finish else None
+    constexprs = forward_constexprs(flags, keep is not None, tau is not None, finish,
+                                    maskf is not None)
+    out, stats = outs if finish else (outs[0], outs[0])
+    any_ptr = outs[0]
+    inv_t = 1.0 / temperature
+    # an absent y or keep passes x (the kernel's vector width follows the pointers' dtypes)
+    pointers = (rows.x, rows.x if rows.y is None else rows.y,
+                rows.x if rows.keep is None else rows.keep, any_ptr if tauf is None else tauf,
+                any_ptr if tok is None else tok, any_ptr if maskf is None else maskf)
+    kernels = _kernels()
+    if splits == 1:
+        _launch(
+            kernels.stats_kernel, (n, 1), device, *pointers, out, stats, *rows.args, vocab,
+            cols, 1, inv_t, inv_t * 1.4426950408889634, temperature, ignore_index,
             **constexprs, **column_constexprs("stats"), BLOCK=block, num_warps=_warps(block),
         )
-    m_x, s_x, m_y, s_y, a, b = parts.unbind(-1)  # (N, splits) each
-    has_y = constexprs["Y_STATE"]
-    state = StatsState(m_x, s_x, b if ent else None, m_y if has_y else None,
-                       s_y if has_y else None, a if kl else None)
-    if splits > 1:  # the engine's merge: rescale to the common maxima, then a sum
-        big_y = m_y.amax(1, keepdim=True) if has_y else None
-        state = stats_rescale(state, m_x.amax(1, keepdim=True), big_y, temperature)
-        state = StatsState(*(None if f is None else f.sum(1) for f in state))._replace(
-            m_x=state.m_x[:, 0], m_y=None if big_y is None else state.m_y[:, 0]
-        )
-    else:
-        state = StatsState(*(None if f is None else f[:, 0] for f in state))
-    return state
+        return outs
+    parts = new((n, splits, contract.STATE_COLS))
+    _launch(
+        kernels.stats_kernel, (n, splits), device, *pointers, parts, parts, *rows.args, vocab,
+        cols, splits, inv_t, inv_t * 1.4426950408889634, temperature, ignore_index,
+        **{**constexprs, "FINISH": False}, **column_constexprs("stats"), BLOCK=block,
+        num_warps=_warps(block),
+    )
+    merge_flags = {k: f for k, f in constexprs.items() if k not in _MERGED}
+    _launch(
+        kernels.merge_kernel, (n,), device, parts, *pointers, out, stats, *rows.args, vocab,
+        splits, inv_t, temperature, ignore_index, **merge_flags,
+        SPLITS=max(2, 1 << (splits - 1).bit_length()), **column_constexprs("stats"),
+        num_warps=1,
+    )
+    return outs
 
 
 contract.define_ops("triton")
 
 
-def _rows_state(x, y, keep, tau, temperature: float, want: int, tile_cols: int):
-    """(xf, yf, keep rows as uint8, tau rows, merged state) of (..., V) logits: the forward
-    kernel over (N, splits) programs and the merge of the splits."""
-    flags = kl, _, ref_logp, _ = _wanted(want)
-    xf = _rows(x)  # (N, V)
-    yf = _rows(y) if kl or ref_logp else None  # (N, V)
-    keepf, stride_keep, tauf = _support_args(keep, tau, xf.shape[0])
-    state = _forward_state(xf, yf, keepf, stride_keep, tauf, flags, temperature, tile_cols)
-    return xf, yf, keepf, tauf, state
-
-
 def _token_stats_state_op(x, y, keep, tau, temperature, want, tile_rows, tile_cols):
     """The unfinalized state (N, 6) of (..., V) logits over these columns and (N,) careful
-    flags (the state op of :mod:`.contract`), from the forward kernel."""
+    flags (the state op of :mod:`.contract`), from the forward kernels."""
     if _portable(x, y):
         return streaming.token_stats_state_op(
             x, y, keep, tau, temperature, want, tile_rows, tile_cols
         )
-    xf, _, _, _, state = _rows_state(x, y, keep, tau, temperature, want, tile_cols)
-    return state_to_tensor(state), torch.zeros(xf.shape[0], dtype=torch.bool, device=x.device)
+    (state,) = _forward(x, y, None, None, keep, tau, temperature, -100, want, tile_cols, False)
+    return state, torch.zeros(state.shape[0], dtype=torch.bool, device=x.device)
 
 
 def _token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
@@ -296,21 +410,20 @@ def _token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
     tile_cols,
 ):
     """(..., V) logits → out (..., 4) = (KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃)) and stats (..., 9)
-    (the forward op of :mod:`.contract`), in one read of each logit; ``tile_cols`` > 0 forces
-    the split width (``tile_rows`` is unused: one program per row)."""
+    (the forward op of :mod:`.contract`), in one read of each logit, written by the kernels;
+    ``tile_cols`` > 0 forces the split width (``tile_rows`` is unused: one program per row)."""
     if _portable(x, y):
         return streaming.token_stats_op(
             x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
             tile_cols,
         )
     v.check_want(want, y is not None, tokens is not None)
-    xf, yf, keepf, tauf, state = _rows_state(x, y, keep, tau, temperature, want, tile_cols)
-    kl_val, h, stats = stats_finalize(state, None)  # (N,), (N,), (N, 9)
-    keep_rows = None if keepf is None else keepf.view(torch.bool)
-    return contract.finish(
-        x, y, xf, yf, tokens, mask, keep, tau, keep_rows, tauf, state, kl_val, h, stats,
-        temperature, ignore_index, want, check,
-    )
+    out, stats = _forward(x, y, tokens, mask, keep, tau, temperature, ignore_index, want,
+                          tile_cols, True)
+    if check:  # one host read for all the checks
+        contract.check_finished(out, x, y, tokens, keep, tau, want, ignore_index)
+    leading = x.shape[:-1]
+    return out.view(*leading, contract.OUT_COLS), stats.view(*leading, contract.STATS_COLS)
 
 
 def _token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backward"]
@@ -319,49 +432,43 @@ def _token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backw
 ):
     """∂/∂x (..., V) and ∂/∂y (..., V) of Σ grad·out (grad (..., 4)) in one read of the
     logits, in their dtypes (an empty tensor for one that is not needed); the backward op of
-    :mod:`.contract` (where ``owned`` is False the token's own entry is not added)."""
+    :mod:`.contract` (where ``owned`` is False the token's own entry is not added). The
+    upstream gradient's masking (unwanted columns, masked rows, ignored tokens) and the
+    token's factors are applied in the kernel."""
     if _portable(x, y):
         return streaming.token_stats_backward_op(
             grad, x, y, tokens, owned, stats, mask, keep, tau, temperature, ignore_index, want,
             need_x, need_y, tile_rows, tile_cols,
         )
-    flags = kl, logp, ref_logp, ent = _wanted(want)
+    flags = kl, logp, ref_logp, _ = _wanted(want)
     need_y = need_y and y is not None
-    xf = _rows(x)  # (N, V)
-    n, vocab = xf.shape
-    yf = _rows(y) if (kl or ref_logp) and y is not None else None  # (N, V)
-    st = stats.reshape(n, contract.STATS_COLS).contiguous()  # (N, 9)
-    g = contract.token_upstream(grad, mask, tokens, ignore_index, want, st.dtype)  # (N, 4)
-    tok = None
-    at_tok = st.new_zeros(n, 2)
-    if logp or ref_logp:
-        tok, _ = contract.safe_tokens(tokens.reshape(-1), ignore_index)
-        if owned is not None:  # a token in another rank's columns: no entry of its own here
-            tok = tok.masked_fill(~owned.reshape(-1), -1)
-        lp, lq = st[:, contract.ST_LOGP], st[:, contract.ST_REF_LOGP]
-        # at the token: (1 − p_t)·g = −expm1(log p_t)·g, exact for p_t near 1; 0 for a token
-        # off the support (its logit, fixed at −inf by keep/tau, does not move log π̃(t))
-        at_tok = torch.stack([-torch.expm1(lp) * g[:, 1], -torch.expm1(lq) * g[:, 2]], -1)
-        at_tok[:, 0] = at_tok[:, 0].masked_fill(torch.isneginf(lp), 0.0)
-        at_tok = torch.where(g[:, 1:3] != 0, at_tok, 0.0)
+    use_y = (kl or ref_logp) and y is not None
+    vocab = x.shape[-1]
+    n = x.numel() // vocab
     gx = torch.empty((n, vocab), dtype=x.dtype, device=x.device) if need_x else None
     gy = None
     if need_y:  # a reference not in any wanted output gets a zero gradient
-        gy = (torch.empty if yf is not None else torch.zeros)((n, vocab), dtype=y.dtype,
-                                                               device=x.device)
-    write_y = need_y and yf is not None
+        gy = (torch.empty if use_y else torch.zeros)((n, vocab), dtype=y.dtype, device=x.device)
+    write_y = need_y and use_y
     if n and (need_x or write_y):
-        keepf, stride_keep, tauf = _support_args(keep, tau, n)
+        rows = _rows(x, y if use_y else None, keep)
+        st = _flat(stats).view(n, contract.STATS_COLS)
+        g = grad.reshape(n, contract.OUT_COLS)  # (N, 4), read through its strides
+        tok = _flat(tokens) if logp or ref_logp else None
+        maskf, ownedf, tauf = _flat(mask, torch.uint8), _flat(owned, torch.uint8), _flat(tau)
         block = _block(vocab, 1024)
         inv_t = 1.0 / temperature
-        _kernels().grad_kernel[(n, -(-vocab // (block * GRAD_TILES)))](
-            xf, xf if yf is None else yf, xf if keepf is None else keepf,
-            st if tauf is None else tauf, gx if need_x else st, gy if write_y else st,
-            st, g.contiguous(), st if tok is None else tok, at_tok.contiguous(),
-            xf.stride(0), 0 if yf is None else yf.stride(0), stride_keep,
-            vocab, inv_t, inv_t * 1.4426950408889634,
-            **backward_constexprs(flags, need_x, write_y, keepf is not None, tauf is not None),
-            **column_constexprs("grad"), BLOCK=block, TILES=GRAD_TILES, num_warps=_warps(block),
+        _launch(
+            _kernels().grad_kernel, (n, -(-vocab // (block * GRAD_TILES))), x.device,
+            rows.x, rows.x if rows.y is None else rows.y, rows.x if rows.keep is None else rows.keep,
+            st if tauf is None else tauf, gx if need_x else st, gy if write_y else st, st, g,
+            st if tok is None else tok, st if maskf is None else maskf,
+            st if ownedf is None else ownedf, *rows.args, g.stride(0), g.stride(1), vocab,
+            inv_t, inv_t * 1.4426950408889634, ignore_index,
+            **backward_constexprs(flags, need_x, write_y, keep is not None, tau is not None,
+                                  maskf is not None, ownedf is not None),
+            **column_constexprs("grad"), BLOCK=block, TILES=GRAD_TILES,
+            num_warps=_warps(block),
         )
     return (
         gx.view(x.shape) if need_x else x.new_empty(0),

@@ -1,13 +1,17 @@
 """The op contract of every backend: the want flags, the output / stats / state columns, the
-three op schemas (defined here, once), their fake implementations and autograd, and the finish
+four op schemas (defined here, once), their fake implementations and autograd, and the finish
 and checks that every backend's forward shares.
 
-A backend ``<b>`` implements three ops of ``torch.ops.klpenalty`` with the schemas of
+A backend ``<b>`` implements four ops of ``torch.ops.klpenalty`` with the schemas of
 :data:`SCHEMAS` (see docs/design.md):
 
 - ``<b>_token_stats(x, y?, tokens?, mask?, keep?, tau?, temperature, ignore_index, want, check,
-  tile_rows, tile_cols) -> (out (..., 4), stats (..., 9))``: KL(π̃‖ρ), log π̃(t), log ρ(t),
-  H(π̃), the columns in ``want`` (:class:`Want`), in one read of the logits;
+  tile_rows, tile_cols, top_k, top_p, min_p) -> (out (..., 4), stats (..., 10))``: KL(π̃‖ρ),
+  log π̃(t), log ρ(t), H(π̃), the columns in ``want`` (:class:`Want`), in one read of the
+  logits. Where the sampler settings cut (:func:`sampler_cuts`), the op computes their
+  threshold τ_s itself, row by row (the ``sampling_threshold`` op's), and the support is
+  keep ∧ x ≥ max(tau, τ_s); the τ used is the stats column ``ST_TAU``, which the backward is
+  given as its ``tau``;
 - ``<b>_token_stats_backward(grad (..., 4), x, y?, tokens?, owned?, stats, mask?, keep?, tau?,
   temperature, ignore_index, want, need_x, need_y, tile_rows, tile_cols) -> (grad_x or empty,
   grad_y or empty)``; ``owned`` (...) bool or None: where False the token lies outside these
@@ -15,9 +19,12 @@ A backend ``<b>`` implements three ops of ``torch.ops.klpenalty`` with the schem
   −π·g/T terms of the log-prob columns are;
 - ``<b>_token_stats_state(x, y?, keep?, tau?, temperature, want, tile_rows, tile_cols) ->
   (state (N, 6), careful (N,) bool)``: the engine's per-row state over these columns
-  (:data:`STATE_COLS`), unfinalized, for the vocabulary-parallel merge.
+  (:data:`STATE_COLS`), unfinalized, for the vocabulary-parallel merge;
+- ``<b>_sampling_threshold(x, top_k, top_p, min_p, temperature) -> tau (...)``: the per-row
+  threshold of top-k → top-p → min-p sampling (:func:`klpenalty.sampling.sampling_threshold`'s
+  rule) in the compute dtype: −inf where nothing is cut, NaN for a row holding NaN.
 
-:func:`define_ops` defines the three schemas for a backend name and registers the fakes (so
+:func:`define_ops` defines the four schemas for a backend name and registers the fakes (so
 ``torch.compile`` traces through with ``fullgraph=True``) and the autograd formula of the
 forward: the first derivative is the backend's backward op; a second derivative
 (``create_graph=True``) recomputes the first with differentiable PyTorch ops on (..., V)
@@ -51,6 +58,7 @@ __all__ = [
     "finish",
     "check_finished",
     "outside_support_error",
+    "sampler_cuts",
 ]
 
 
@@ -71,9 +79,9 @@ class Want(IntFlag):
 OUT_COLS = 4
 OUT_KL, OUT_LOGP, OUT_REF_LOGP, OUT_ENTROPY = range(OUT_COLS)
 
-# stats columns (..., 9) in the compute dtype: what the backward reads. Columns a call does
+# stats columns (..., 10) in the compute dtype: what the backward reads. Columns a call does
 # not need hold 0; rows masked out hold anything (never read).
-STATS_COLS = 9
+STATS_COLS = 10
 (
     ST_SHIFT_X,  # finite max of the policy logits on the support (0 if none)
     ST_LOG_S_X,  # log Σ e^u
@@ -84,18 +92,19 @@ STATS_COLS = 9
     ST_MEAN_U,  # E_π̃[u]
     ST_LOGP,  # log π̃(t)
     ST_REF_LOGP,  # log ρ(t)
+    ST_TAU,  # the support's threshold: tau, or the sampler's, or their maximum (−inf: none)
 ) = range(STATS_COLS)
 
 # state columns (N, 6): the engine's unfinalized StatsState (m in logit units; sums against m)
 STATE_COLS = 6
 SX_M_X, SX_S_X, SX_M_Y, SX_S_Y, SX_A, SX_B = range(STATE_COLS)
 
-# The three schemas, "{b}" the backend's name; the C++ backend only implements them.
+# The four schemas, "{b}" the backend's name; the C++ backend only implements them.
 SCHEMAS = {
     "token_stats": (
         "{b}_token_stats(Tensor x, Tensor? y, Tensor? tokens, Tensor? mask, Tensor? keep, "
         "Tensor? tau, float temperature, int ignore_index, int want, bool check, int tile_rows, "
-        "int tile_cols) -> (Tensor, Tensor)"
+        "int tile_cols, int top_k, float top_p, float min_p) -> (Tensor, Tensor)"
     ),
     "token_stats_backward": (
         "{b}_token_stats_backward(Tensor grad, Tensor x, Tensor? y, Tensor? tokens, "
@@ -106,6 +115,10 @@ SCHEMAS = {
     "token_stats_state": (
         "{b}_token_stats_state(Tensor x, Tensor? y, Tensor? keep, Tensor? tau, "
         "float temperature, int want, int tile_rows, int tile_cols) -> (Tensor, Tensor)"
+    ),
+    "sampling_threshold": (
+        "{b}_sampling_threshold(Tensor x, int top_k, float top_p, float min_p, "
+        "float temperature) -> Tensor"
     ),
 }
 
@@ -367,23 +380,30 @@ def _token_stats_grads_differentiable(
     return grad_x.to(x.dtype), grad_y
 
 
+def sampler_cuts(vocab: int, top_k: int, top_p: float, min_p: float) -> bool:
+    """Whether the op arguments ``top_k`` / ``top_p`` / ``min_p`` cut anything at ``vocab``
+    columns: 1 ≤ top_k < V, top_p < 1, min_p > 0 (top_k = 0, top_p = 1, min_p = 0: unused)."""
+    return 0 < top_k < vocab or top_p < 1.0 or min_p > 0.0
+
+
 def op_name(backend: str, op: str) -> str:
     """The qualified name ``klpenalty::<backend>_<op>`` of one of a backend's ops."""
     return f"klpenalty::{backend}_{op}"
 
 
 def define_ops(backend: str) -> None:
-    """Define the three ops of ``backend`` from :data:`SCHEMAS` (once per process), with their
+    """Define the four ops of ``backend`` from :data:`SCHEMAS` (once per process), with their
     fakes and the forward's autograd. The backend registers its implementations after."""
     if backend in _DEFINED:
         return
     _DEFINED.add(backend)
     for schema in SCHEMAS.values():
         _LIB.define(schema.format(b=backend))
-    fwd, bwd, state = (op_name(backend, op) for op in SCHEMAS)
+    fwd, bwd, state, threshold = (op_name(backend, op) for op in SCHEMAS)
 
     @torch.library.register_fake(fwd)
-    def _(x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tr, tc):
+    def _(x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tr, tc, top_k,
+          top_p, min_p):
         dtype = compute_dtype(x) if y is None else compute_dtype(x, y)
         leading = x.shape[:-1]
         return (
@@ -404,8 +424,14 @@ def define_ops(backend: str) -> None:
         n = x.numel() // x.shape[-1] if x.shape[-1] else 0
         return x.new_empty((n, STATE_COLS), dtype=dtype), x.new_empty(n, dtype=torch.bool)
 
+    @torch.library.register_fake(threshold)
+    def _(x, top_k, top_p, min_p, temperature):
+        return x.new_empty(x.shape[:-1], dtype=compute_dtype(x))
+
     def setup_context(ctx, inputs, output):
-        x, y, tokens, mask, keep, tau, temperature, ignore_index, want, _, tr, tc = inputs
+        x, y, tokens, mask, keep, tau, temperature, ignore_index, want, _, tr, tc = inputs[:12]
+        if sampler_cuts(x.shape[-1], *inputs[12:]):  # the backward's support: the τ used
+            tau = output[1][..., ST_TAU]
         ctx.save_for_backward(x, y, tokens, mask, keep, tau, output[1])
         ctx.args = (temperature, ignore_index, want, tr, tc)
 
@@ -428,7 +454,7 @@ def define_ops(backend: str) -> None:
                 grad_out, x, y, tokens, None, stats, mask, keep, tau, temperature,
                 ignore_index, want, need_x, need_y, tr, tc,
             )
-        return (gx if need_x else None, gy if need_y else None, *([None] * 10))
+        return (gx if need_x else None, gy if need_y else None, *([None] * 13))
 
     torch.library.register_autograd(fwd, backward, setup_context=setup_context)
 
@@ -436,7 +462,7 @@ def define_ops(backend: str) -> None:
 def implement(backend: str, key: str, **impls) -> None:
     """Register ``backend``'s implementations of its ops for the dispatch ``key`` (a device
     type such as ``"CPU"``/``"CUDA"``, or ``"CompositeExplicitAutograd"`` for any device):
-    ``token_stats=``, ``token_stats_backward=``, ``token_stats_state=`` (plain functions with
-    the schemas' arguments)."""
+    ``token_stats=``, ``token_stats_backward=``, ``token_stats_state=``,
+    ``sampling_threshold=`` (plain functions with the schemas' arguments)."""
     for op, fn in impls.items():
         _LIB.impl(op_name(backend, op).split("::")[1], fn, key)

@@ -63,7 +63,7 @@ constexpr int64_t kGrainElements = 1 << 16; // work per parallel task, in elemen
 
 // the want bits and the out / stats / state columns of klpenalty/ops/contract.py
 constexpr int64_t kWantKL = 1, kWantLogp = 2, kWantRefLogp = 4, kWantEntropy = 8;
-constexpr int64_t kOutCols = 4, kStatsCols = 9;
+constexpr int64_t kOutCols = 4, kStatsCols = 10;
 enum StatsCol : int {
   kShiftX, kLogSX, kShiftY, kLogSY, kMeanD, kCareful, kMeanU, kLogpT, kRefLogpT
 };
@@ -1019,6 +1019,8 @@ void finalize_row(const RowState& row, int64_t want, bool x_state, bool y_state,
                   const T* yr, const Support& sup, int64_t tok, double T_, O* out, O* st) {
   std::fill(out, out + kOutCols, O(0));
   std::fill(st, st + kStatsCols, O(0));
+  st[kStatsCols - 1] = static_cast<O>(
+      !sup.has_tau ? -kInf : (sup.tau_double ? sup.tau_d : static_cast<double>(sup.tau_f)));
   const double lsx = std::log(row.s_x), lsy = std::log(row.s_y);
   const double shx = finite_or_zero(row.m_x), shy = finite_or_zero(row.m_y);
   const bool valid_x = row.s_x > 0 && std::isfinite(row.s_x);
@@ -1089,7 +1091,9 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
     const std::optional<at::Tensor>& tokens, const std::optional<at::Tensor>& mask,
     const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& tau, double T,
     int64_t ignore_index, int64_t want, bool check, int64_t /*tile_rows*/,
-    int64_t /*tile_cols*/) {
+    int64_t /*tile_cols*/, int64_t top_k, double top_p, double min_p) {
+  TORCH_CHECK_VALUE(!((top_k > 0 && top_k < x_arg.size(-1)) || top_p < 1.0 || min_p > 0.0),
+                    "native_token_stats: sampler settings are not supported by this build");
   const StatsArgs a(x_arg, y_arg, tokens, mask, keep, tau, T, want);
   const RowAccess ra(a);
   if (check && a.tok.defined()) {

@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["stats_kernel", "merge_kernel", "grad_kernel", "INTERPRETED"]
+__all__ = ["stats_kernel", "merge_kernel", "grad_kernel", "threshold_kernel", "INTERPRETED"]
 
 
 @triton.jit
@@ -237,6 +237,7 @@ def stats_kernel(
     ST_SHIFT_X: tl.constexpr, ST_LOG_S_X: tl.constexpr, ST_SHIFT_Y: tl.constexpr,
     ST_LOG_S_Y: tl.constexpr, ST_MEAN_D: tl.constexpr, ST_CAREFUL: tl.constexpr,
     ST_MEAN_U: tl.constexpr, ST_LOGP: tl.constexpr, ST_REF_LOGP: tl.constexpr,
+    ST_TAU: tl.constexpr,
 ):
     """The state (m_x, s_x, m_y, s_y, a, b) of a row over the split's columns; c2 = log2(e)/T.
 
@@ -314,7 +315,7 @@ def stats_kernel(
             out_ptr, stats_ptr, V, temperature, ignore_index, Y_STATE, MOMENT_A, MOMENT_B,
             HAS_KEEP, HAS_TAU, LOGP, REF_LOGP, HAS_MASK, OUT_COLS, OUT_KL, OUT_LOGP,
             OUT_REF_LOGP, OUT_ENTROPY, STATS_COLS, ST_SHIFT_X, ST_LOG_S_X, ST_SHIFT_Y,
-            ST_LOG_S_Y, ST_MEAN_D, ST_CAREFUL, ST_MEAN_U, ST_LOGP, ST_REF_LOGP,
+            ST_LOG_S_Y, ST_MEAN_D, ST_CAREFUL, ST_MEAN_U, ST_LOGP, ST_REF_LOGP, ST_TAU,
         )
     else:
         _store_state(out_ptr + (row * n_splits + split) * STATE_COLS, m_x, s_x, m_y, s_y, a, b,
@@ -381,7 +382,7 @@ def _finish_row(
     OUT_ENTROPY: tl.constexpr, STATS_COLS: tl.constexpr, ST_SHIFT_X: tl.constexpr,
     ST_LOG_S_X: tl.constexpr, ST_SHIFT_Y: tl.constexpr, ST_LOG_S_Y: tl.constexpr,
     ST_MEAN_D: tl.constexpr, ST_CAREFUL: tl.constexpr, ST_MEAN_U: tl.constexpr,
-    ST_LOGP: tl.constexpr, ST_REF_LOGP: tl.constexpr,
+    ST_LOGP: tl.constexpr, ST_REF_LOGP: tl.constexpr, ST_TAU: tl.constexpr,
 ):
     """out[row] (KL, log π̃(t), log ρ(t), H) and stats[row] (the columns of the contract) from
     the merged state of a whole row: :func:`.engine.stats_finalize` and the token part of
@@ -443,6 +444,10 @@ def _finish_row(
     tl.store(st + ST_MEAN_U, mean_u)
     tl.store(st + ST_LOGP, lp)
     tl.store(st + ST_REF_LOGP, lq)
+    tau_used = float("-inf")  # the threshold of the support (−inf: none)
+    if HAS_TAU:
+        tau_used = tau
+    tl.store(st + ST_TAU, tau_used)
     if HAS_MASK:
         counted = tl.load(mask_ptr + row) != 0
         kl = tl.where(counted, kl, 0.0)
@@ -471,6 +476,7 @@ def merge_kernel(
     ST_SHIFT_X: tl.constexpr, ST_LOG_S_X: tl.constexpr, ST_SHIFT_Y: tl.constexpr,
     ST_LOG_S_Y: tl.constexpr, ST_MEAN_D: tl.constexpr, ST_CAREFUL: tl.constexpr,
     ST_MEAN_U: tl.constexpr, ST_LOGP: tl.constexpr, ST_REF_LOGP: tl.constexpr,
+    ST_TAU: tl.constexpr,
 ):
     """One row: the engine's merge of its ``n_splits`` partial states (``parts`` (N, splits,
     6) from :func:`stats_kernel`; SPLITS a power of two ≥ n_splits): rescale to the common
@@ -514,7 +520,7 @@ def merge_kernel(
             out_ptr, stats_ptr, V, temperature, ignore_index, Y_STATE, MOMENT_A, MOMENT_B,
             HAS_KEEP, HAS_TAU, LOGP, REF_LOGP, HAS_MASK, OUT_COLS, OUT_KL, OUT_LOGP,
             OUT_REF_LOGP, OUT_ENTROPY, STATS_COLS, ST_SHIFT_X, ST_LOG_S_X, ST_SHIFT_Y,
-            ST_LOG_S_Y, ST_MEAN_D, ST_CAREFUL, ST_MEAN_U, ST_LOGP, ST_REF_LOGP,
+            ST_LOG_S_Y, ST_MEAN_D, ST_CAREFUL, ST_MEAN_U, ST_LOGP, ST_REF_LOGP, ST_TAU,
         )
     else:
         _store_state(out_ptr + row * STATE_COLS, m_x, s_x, m_y, s_y, a, b, Y_STATE, MOMENT_A,
@@ -683,3 +689,172 @@ def grad_kernel(
             HAS_TOKEN, HAS_KEEP, HAS_TAU, True,
         )
 
+
+
+# ------------------------------------------------------------------ the sampler's threshold
+@_device
+def _order_key(x):
+    """The int32 key of float32 values whose signed order is the values' order (−0 as +0, so
+    that equal values have equal keys): the bits, with the 31 below the sign flipped where the
+    sign is set."""
+    bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@_device
+def _key_value(k):
+    """The float32 value of an (int64 scalar) key of :func:`_order_key` (its inverse)."""
+    k32 = k.to(tl.int32)
+    return (k32 ^ ((k32 >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@_device
+def _key_shift(lo, hi, F: tl.constexpr):
+    """The smallest s with (hi − lo) >> s < F: the keys [lo, hi] fall into F buckets of 2^s."""
+    s = (hi - lo) * 0
+    while ((hi - lo) >> s) >= F:
+        s += 1
+    return s
+
+
+@_device
+def _bucket_sums(x_row, V, lo, hi, s, m_s, temperature, offs, WEIGHTED: tl.constexpr,
+                 BLOCK: tl.constexpr, F: tl.constexpr):
+    """One read of a row: per bucket j of the keys [lo, hi] (bucket (key − lo) >> s), the count
+    [F] of its elements and, WEIGHTED, their unnormalised mass Σ exp(x/T − m_s) [F] in float64
+    (x/T rounded as the float32 division, the exponential in float64)."""
+    bins = tl.arange(0, F)
+    cnt = tl.zeros([F], tl.int32)
+    mass = tl.zeros([F], tl.float64)
+    for start in range(0, V, BLOCK):
+        col = start + offs
+        x = tl.load(x_row + col, mask=col < V, other=float("nan")).to(tl.float32)
+        k = _order_key(x).to(tl.int64)
+        inside = (x == x) & (k >= lo) & (k <= hi)
+        hit = tl.where(inside, (k - lo) >> s, -1)[:, None] == bins[None, :]  # [BLOCK, F]
+        cnt += tl.sum(hit.to(tl.int32), 0)
+        if WEIGHTED:
+            e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
+            mass += tl.sum(tl.where(hit, e[:, None], 0.0), 0)
+    return cnt, mass
+
+
+@_device
+def _pick(v, bins, j):
+    """v[j] of a [F] vector (0 where j is outside)."""
+    return tl.sum(tl.where(bins == j, v, 0 * v), 0)
+
+
+@triton.jit
+def threshold_kernel(
+    x_ptr, tau_in_ptr, tau_ptr, T, stride_xb, stride_xt, V, top_k, top_p_bits,
+    log_min_p_bits, temperature, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
+    HAS_TAU: tl.constexpr, BLOCK: tl.constexpr, F: tl.constexpr,
+):
+    """τ of one row (program) for top-k → top-p → min-p sampling (:mod:`klpenalty.sampling`'s
+    rule: temperature first, ties kept), written to ``tau[row]`` as a float32 logit of the row;
+    HAS_TAU: max(tau_in[row], τ) (NaN if either is). −inf where nothing is cut (an all −inf
+    row), NaN for a row holding NaN. ``top_p`` and ``log min_p`` come as the int64 bits of
+    their float64 values (a float argument would be rounded to float32).
+
+    Every search is a radix select over the order-preserving int32 keys of the logits
+    (:func:`_order_key`): the key interval [lo, hi] known to hold the answer is cut into F
+    buckets of 2^s keys, one read of the row (:func:`_bucket_sums`) sums each bucket, the
+    bucket holding the answer becomes the interval; a bucket of single keys ends it, so a
+    search takes ⌈log_F(hi − lo + 1)⌉ reads (at most 8 for F = 16).
+
+    - pass 0: the row's max M, min, smallest logit > −inf, and whether it holds NaN;
+    - top-k (TOP_K): the k-th largest key by counts (the elements above the interval carried
+      along): τ_k, and the ties with it kept (x ≥ τ_k);
+    - one read for Z = Σ exp(x/T − M/T) (float64) over x ≥ τ_k, x > −inf, and for min-p
+      (MIN_P): τ_m = min{x : (x − M)/T ≥ log min_p} (the float32 (x − M)/T against a float64
+      log), at most M;
+    - top-p (TOP_P): the smallest key K among x ≥ τ_k, x > −inf with mass(keys > K) < p·Z,
+      by the buckets' float64 masses: in bucket j the largest element has exactly the mass
+      of the buckets above (A_j) before it, so the answer lies in the lowest non-empty bucket
+      with A_j < p·Z.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
+    top_p = top_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    log_min_p = log_min_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    offs = tl.arange(0, BLOCK)
+    bins = tl.arange(0, F)
+    big = tl.full([BLOCK], float("-inf"), tl.float32)
+    small = tl.full([BLOCK], float("inf"), tl.float32)
+    small_finite = tl.full([BLOCK], float("inf"), tl.float32)
+    nan = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, V, BLOCK):
+        col = start + offs
+        valid = col < V
+        x = tl.load(x_row + col, mask=valid, other=float("-inf")).to(tl.float32)
+        num = valid & (x == x)
+        big = tl.maximum(big, tl.where(num, x, float("-inf")))
+        small = tl.minimum(small, tl.where(num, x, float("inf")))
+        small_finite = tl.minimum(small_finite, tl.where(valid & (x > float("-inf")), x,
+                                                         float("inf")))
+        nan = tl.maximum(nan, (valid & (x != x)).to(tl.int32))
+    top = tl.max(big, 0)
+    has_nan = tl.max(nan, 0) > 0
+    key_top = _order_key(top).to(tl.int64)
+    tau = float("-inf")
+    tau_k = float("-inf")
+    if TOP_K:
+        lo = _order_key(tl.min(small, 0)).to(tl.int64)
+        hi = tl.where(has_nan, lo, key_top)  # a NaN row: no search (its τ is NaN)
+        above = (lo * 0).to(tl.int64)  # elements with keys > hi
+        while lo < hi:
+            s = _key_shift(lo, hi, F)
+            cnt, _ = _bucket_sums(x_row, V, lo, hi, s, 0.0, temperature, offs, False, BLOCK, F)
+            c = cnt.to(tl.int64)
+            # at_least[j]: the elements with keys in buckets ≥ j, plus those above
+            at_least = above + tl.sum(tl.where(bins[None, :] >= bins[:, None], c[None, :], 0), 1)
+            j = tl.sum((at_least >= top_k).to(tl.int32), 0) - 1  # the bucket of the k-th
+            above = _pick(at_least, bins, j) - _pick(c, bins, j)
+            lo = lo + (j.to(tl.int64) << s)
+            hi = tl.minimum(hi, lo + (((s * 0) + 1) << s) - 1)
+        tau_k = _key_value(lo)
+        tau = tau_k
+    if TOP_P or MIN_P:
+        m_s = tl.math.div_rn(top, temperature).to(tl.float64)
+        floor = tl.maximum(tau_k, tl.min(small_finite, 0))  # the smallest candidate of top-p
+        z_acc = tl.zeros([BLOCK], tl.float64)
+        kept_min = tl.full([BLOCK], float("inf"), tl.float32)
+        for start in range(0, V, BLOCK):
+            col = start + offs
+            valid = col < V
+            x = tl.load(x_row + col, mask=valid, other=float("-inf")).to(tl.float32)
+            if TOP_P:
+                e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
+                z_acc += tl.where(valid & (x >= floor), e, 0.0)
+            if MIN_P:
+                u = tl.math.div_rn(x - top, temperature).to(tl.float64)
+                kept_min = tl.minimum(kept_min, tl.where(valid & (u >= log_min_p), x,
+                                                         float("inf")))
+        if MIN_P:
+            tau = tl.maximum(tau, tl.minimum(tl.min(kept_min, 0), top))
+        if TOP_P:
+            target = top_p * tl.sum(z_acc, 0)
+            hi = key_top
+            # M = ±inf (or NaN in the row): τ_p = M, the sampler's convention
+            lo = tl.where(has_nan | (tl.abs(top) == float("inf")), hi,
+                          _order_key(floor).to(tl.int64))
+            above_m = tl.zeros([], tl.float64)  # the mass of the candidates with keys > hi
+            while lo < hi:
+                s = _key_shift(lo, hi, F)
+                cnt, mass = _bucket_sums(x_row, V, lo, hi, s, m_s, temperature, offs, True,
+                                         BLOCK, F)
+                # before[j]: the mass of the buckets above j (exactly 0 for the empty ones)
+                before = above_m + tl.sum(
+                    tl.where(bins[None, :] > bins[:, None], mass[None, :], 0.0), 1)
+                j = tl.min(tl.where((cnt > 0) & (before < target), bins, F - 1), 0)
+                above_m = _pick(before, bins, j)
+                lo = lo + (j.to(tl.int64) << s)
+                hi = tl.minimum(hi, lo + (((s * 0) + 1) << s) - 1)
+            tau = tl.maximum(tau, _key_value(lo))
+    tau = tl.where(has_nan, float("nan"), tau)
+    if HAS_TAU:
+        given = tl.load(tau_in_ptr + row).to(tl.float32)
+        tau = tl.where(given != given, given, tl.maximum(tau, given))
+        tau = tl.where(has_nan, float("nan"), tau)
+    tl.store(tau_ptr + row, tau)

@@ -44,6 +44,7 @@ import contextlib
 import functools
 import math
 import os
+import struct
 import warnings
 from typing import NamedTuple
 
@@ -51,6 +52,7 @@ import torch
 from torch import Tensor
 
 from .. import _validation as v
+from .. import sampling
 from . import contract, streaming
 from .contract import Want
 
@@ -298,7 +300,7 @@ def column_constexprs(kernel: str) -> dict[str, int]:
     (``"stats"``: :func:`._triton_jit.stats_kernel` and ``merge_kernel``, the state, out and
     stats columns; ``"grad"``: the out and stats columns of ``grad_kernel``)."""
     if kernel == "stats":
-        names = _STATE_NAMES + _OUT_NAMES + _STATS_NAMES + ("ST_CAREFUL",)
+        names = _STATE_NAMES + _OUT_NAMES + _STATS_NAMES + ("ST_CAREFUL", "ST_TAU")
     else:
         names = _OUT_NAMES + _STATS_NAMES
     return {name: getattr(contract, name) for name in names}
@@ -391,6 +393,54 @@ def _forward(x, y, tokens, mask, keep, tau, temperature: float, ignore_index: in
     return outs
 
 
+# Buckets per read of a threshold search (:func:`._triton_jit.threshold_kernel`): 4 bits of
+# the 32-bit key per read; a power of two.
+THRESHOLD_BUCKETS = 16
+# Columns per block of the threshold kernel (its [BLOCK, buckets] bucket sums).
+THRESHOLD_BLOCK = 1024
+
+
+def _float64_bits(value: float) -> int:
+    """The bits of a float64 as an int64 (a kernel's float arguments arrive as float32)."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def _threshold(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: float,
+               tau: Tensor | None = None) -> Tensor:
+    """τ (N,) float32 of the sampler settings on the rows of (..., V) logits (the rule of
+    :mod:`klpenalty.sampling`), or max(tau, τ) (NaN where either is) where ``tau`` (...) is
+    given: one program per row of :func:`._triton_jit.threshold_kernel`, launched on x's device,
+    nothing read back. The settings cut (:func:`.contract.sampler_cuts`)."""
+    vocab = x.shape[-1]
+    n = x.numel() // vocab
+    out = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n == 0:
+        return out
+    rows = _rows(x, None, None)
+    tauf = _flat(tau)
+    block = _block(vocab, THRESHOLD_BLOCK)
+    _launch(
+        _kernels().threshold_kernel, (n,), x.device, rows.x, out if tauf is None else tauf,
+        out, *rows.args[:3], vocab, top_k if 0 < top_k < vocab else 0,
+        _float64_bits(top_p), _float64_bits(math.log(min_p) if min_p > 0.0 else 0.0),
+        temperature, TOP_K=0 < top_k < vocab, TOP_P=top_p < 1.0, MIN_P=min_p > 0.0,
+        HAS_TAU=tauf is not None, BLOCK=block, F=THRESHOLD_BUCKETS, num_warps=_warps(block),
+    )
+    return out
+
+
+def check_sampler_args(top_k: int, top_p: float, min_p: float, temperature: float) -> None:
+    """The op arguments of the sampler: top_k ≥ 0 (0: unused), top_p in (0, 1], min_p in
+    [0, 1], temperature > 0 (ValueError / TypeError naming the argument)."""
+    if top_k:
+        sampling.check_top_k(top_k)
+    elif top_k != 0:
+        raise ValueError(f"top_k must be 0 (unused) or an int >= 1, got {top_k}")
+    sampling.check_top_p(top_p)
+    sampling.check_min_p(min_p)
+    v.check_temperature(temperature)
+
+
 contract.define_ops("triton")
 
 
@@ -418,13 +468,11 @@ def _token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
             tile_cols, top_k, top_p, min_p,
         )
     v.check_want(want, y is not None, tokens is not None)
-    if contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):
-        tau = contract.combined_tau(
-            tau, streaming.sampling_threshold_op(x, top_k, top_p, min_p, temperature)
-        )
+    check_sampler_args(top_k, top_p, min_p, temperature)
+    if contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):  # τ = max(tau, τ_s), (N,)
+        tau = _threshold(x, top_k, top_p, min_p, temperature, tau)
     out, stats = _forward(x, y, tokens, mask, keep, tau, temperature, ignore_index, want,
                           tile_cols, True)
-    stats[:, contract.ST_TAU] = -float("inf") if tau is None else tau.reshape(-1)
     if check:  # one host read for all the checks
         contract.check_finished(out, x, y, tokens, keep, tau, want, ignore_index)
     leading = x.shape[:-1]
@@ -481,8 +529,21 @@ def _token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backw
     )
 
 
+def _sampling_threshold_op(x, top_k, top_p, min_p, temperature):  # SCHEMAS["sampling_threshold"]
+    """τ (...) float32 of top-k → top-p → min-p sampling on (..., V) logits (the threshold op
+    of :mod:`.contract`, :func:`klpenalty.sampling.sampling_threshold`'s rule): −inf where
+    nothing is cut, NaN for a row holding NaN; computed by :func:`._triton_jit.threshold_kernel`
+    (float64 logits and empty vocabularies: the streaming op)."""
+    if _portable(x):
+        return streaming.sampling_threshold_op(x, top_k, top_p, min_p, temperature)
+    check_sampler_args(top_k, top_p, min_p, temperature)
+    if not contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):
+        return torch.full(x.shape[:-1], -math.inf, dtype=torch.float32, device=x.device)
+    return _threshold(x, top_k, top_p, min_p, temperature).view(x.shape[:-1])
+
+
 contract.implement(
     "triton", "CompositeExplicitAutograd", token_stats=_token_stats_op,
     token_stats_backward=_token_stats_backward_op, token_stats_state=_token_stats_state_op,
-    sampling_threshold=streaming.sampling_threshold_op,
+    sampling_threshold=_sampling_threshold_op,
 )

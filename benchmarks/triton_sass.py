@@ -35,8 +35,8 @@ import tempfile
 VOCAB = 128256
 ROWS = 4  # ≥ PROGRAMS_PER_SM × the 1 "SM" of a CPU: one program per row, as at N = 32768 on a GPU
 TARGET = ("cuda", 90, 32)
-# name, dtype, want bits (KL 1, LOGP 2, REF_LOGP 4, ENTROPY 8), support, backward too, the
-# vocabulary and the row stride (a vocabulary slice of wider rows: V = 50257 (GPT-2) in rows
+# name, dtype, want bits (KL 1, LOGP 2, REF_LOGP 4, ENTROPY 8), support, the sampler's
+# (top_k, top_p, min_p), backward too, the vocabulary and the row stride (a vocabulary slice of wider rows: V = 50257 (GPT-2) in rows
 # padded to 50304, a multiple of 16)
 CASES = [
     dict(name="kl", dtype="bf16", want=1),
@@ -45,6 +45,11 @@ CASES = [
     dict(name="all four", dtype="fp32", want=15),
     dict(name="all four, keep+tau", dtype="bf16", want=15, support="keep+tau", backward=False),
     dict(name="kl, V=50257 in rows of 50304", dtype="bf16", want=1, vocab=50257, stride=50304),
+    # the sampler's threshold (threshold_kernel) launched before the forward
+    dict(name="kl, top-k+top-p+min-p", dtype="bf16", want=1, sampler=(50, 0.9, 0.05),
+         backward=False),
+    dict(name="kl, top-k+top-p+min-p", dtype="fp32", want=1, sampler=(50, 0.9, 0.05),
+         backward=False),
 ]
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
 _BRANCH = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s+(?:`?\(?)(0x[0-9a-f]+)")
@@ -198,8 +203,9 @@ def record(case: dict) -> list[tuple]:
     try:
         ops = torch.ops.klpenalty
         want = case["want"]
+        top_k, top_p, min_p = case.get("sampler", (0, 1.0, 0.0))
         _, stats = ops.triton_token_stats(x, y, tokens, None, keep, tau, 1.0, -100, want, False,
-                                          0, 0)
+                                          0, 0, top_k, top_p, min_p)
         if case.get("backward", True):
             grad = torch.ones(ROWS, 4)
             ops.triton_token_stats_backward(grad, x, y, tokens, None, stats, None, keep, tau,

@@ -12,6 +12,7 @@ its own tests). Shapes are small: the interpreter runs each program in numpy.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -542,3 +543,143 @@ print("OK", len({specs!r}))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=300, cwd=ROOT)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------- the sampler's threshold
+def _sampler_rows(dtype, vocab, seed):
+    """(8, vocab) rows of every kind a threshold must get right: random, one-hot-like,
+    near-uniform, ties at every boundary, −inf entries, one finite entry, all −inf, a NaN."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(8, vocab, generator=g, dtype=torch.float64) * 2.0
+    x[1] = -30.0
+    x[1, 3] = 10.0  # one-hot-like
+    x[2] *= 1e-3  # near-uniform
+    x[3] = torch.randint(0, 4, (vocab,), generator=g).double()  # 4 values, many ties each
+    x[4, ::3] = NINF
+    x[5] = NINF
+    x[5, vocab // 2] = 1.5  # one finite logit
+    x[6] = NINF
+    x[7, 1] = float("nan")
+    return x.to(dtype)
+
+
+# (top_k, top_p, min_p, temperature): the op's convention (0 / 1.0 / 0.0: unused)
+SAMPLER_SETTINGS = [
+    (1, 1.0, 0.0, 1.0),
+    (7, 1.0, 0.0, 1.0),
+    (0, 0.3, 0.0, 1.0),
+    (0, 0.9, 0.0, 0.6),
+    (0, 1.0, 0.05, 1.0),
+    (0, 1.0, 1.0, 1.7),  # min_p = 1: the largest logit and its ties
+    (5, 0.8, 0.0, 1.3),  # top-p on the renormalised top-k distribution
+    (20, 0.95, 0.1, 0.8),
+    (10_000, 1.0, 0.0, 1.0),  # top_k ≥ V: nothing cut
+]
+
+
+def _threshold_rule(x, top_k, top_p, min_p, temperature):
+    """sampling.py's rule on the op's arguments (0 / 1 / 0 = unused)."""
+    from klpenalty import sampling
+
+    return sampling.threshold_rows(x, top_k or None, top_p if top_p < 1.0 else None,
+                                   min_p if min_p > 0.0 else None, temperature, None,
+                                   sampling.LOCAL)
+
+
+def _same(a, b):
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(0.0),
+                                                                        b.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=str)
+@pytest.mark.parametrize("vocab", [37, 300])
+def test_sampling_threshold_kernel_matches_the_rule_and_the_float64_kept_sets(dtype, vocab):
+    """The threshold kernel against sampling.py's rule (the same τ, a logit of the row) and the
+    float64 kept sets of tests/test_sampling.py (sort, cut, renormalise), on rows of every
+    kind; V = 300: more than one block and not a multiple of one."""
+    from tests.test_sampling import ref_kept
+
+    x = _sampler_rows(dtype, vocab, seed=vocab)
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    for top_k, top_p, min_p, temperature in SAMPLER_SETTINGS:
+        tau = op(_on(x), top_k, top_p, min_p, temperature).cpu()
+        assert tau.dtype == torch.float32 and tau.shape == (8,)
+        want = _threshold_rule(x, top_k, top_p, min_p, temperature)
+        assert _same(tau, want), (top_k, top_p, min_p, temperature, tau, want)
+        cut = top_k < vocab or top_p < 1.0 or min_p > 0.0
+        assert torch.isnan(tau[7]) == cut  # a NaN row keeps nothing where something is cut
+        kw = dict(top_k=top_k or None, top_p=top_p, min_p=min_p, temperature=temperature)
+        for r in range(7):  # the float64 kept sets (all −inf row: everything "kept")
+            assert torch.equal(x[r].float() >= tau[r], ref_kept(x[r], **kw)), (r, kw)
+
+
+def test_sampling_threshold_kernel_on_strided_rows_and_boundaries():
+    """(B, T, V) rows read in place (logits[:, :-1]) give the contiguous rows' τ; exact top-p
+    boundaries (the mass before a token exactly p drops it); the empty batch."""
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    x = make_logits((2, 5, 70), torch.bfloat16, seed=3)[0]
+    view = x[:, :-1]
+    for setting in [(5, 0.9, 0.05, 1.0), (0, 0.7, 0.0, 0.5)]:
+        tau = op(_on(view), *setting).cpu()
+        assert tau.shape == (2, 4)
+        assert torch.equal(tau, op(_on(view.contiguous()), *setting).cpu())
+        assert torch.equal(tau, _threshold_rule(view, *setting))
+    # four tokens of masses 1/2, 1/4, 1/8, 1/8: p = 0.75 keeps two (the third has 0.75 before
+    # it), p = 0.75 + 2^-40 three
+    row = torch.tensor([[math.log(4.0), math.log(2.0), 0.0, 0.0, NINF]])
+    assert op(_on(row), 0, 0.75, 0.0, 1.0).item() == pytest.approx(math.log(2.0))
+    assert op(_on(row), 0, 0.75 + 2.0 ** -40, 0.0, 1.0).item() == 0.0
+    assert op(_on(row), 0, 0.5, 0.0, 1.0).item() == pytest.approx(math.log(4.0))
+    assert op(_on(torch.empty(0, 3, 9)), 3, 0.5, 0.0, 1.0).shape == (0, 3)
+    with pytest.raises(ValueError, match="top_p"):
+        op(_on(row), 0, 1.5, 0.0, 1.0)
+    with pytest.raises(ValueError, match="top_k"):
+        op(_on(row), -2, 1.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("dtype,vocab_chunk", [(torch.float32, 0), (torch.bfloat16, 16)],
+                         ids=["fp32", "bf16-split"])
+def test_forward_with_the_sampler_settings(dtype, vocab_chunk):
+    """The forward given top_k / top_p / min_p computes τ_s in the kernels: the out and stats
+    of the forward given that τ (identical; ST_TAU = the τ used, max(tau, τ_s) with a tau given
+    too) and the float64 reference on that support; gradients through ST_TAU."""
+    from klpenalty.ops import contract
+    from klpenalty.ops.reference import token_stats_reference
+
+    x, y = make_logits((2, 3, 41), dtype, seed=7)
+    x.view(-1, 41)[4, ::5] = NINF
+    tokens = x.float().argmax(-1)
+    tokens[1, 2] = 5
+    op = torch.ops.klpenalty.triton_token_stats
+    fixed = torch.full((2, 3), -1.0)
+    fixed[0, 0] = 2.5  # above the sampler's τ on that row
+    for top_k, top_p, min_p, temperature in [(6, 1.0, 0.0, 1.0), (0, 0.85, 0.0, 0.7),
+                                             (9, 0.9, 0.04, 1.2)]:
+        for tau in (None, fixed):
+            args = [_on(x), _on(y), _on(tokens), None, None, None if tau is None else _on(tau),
+                    temperature, -100, 15, False, 0, vocab_chunk]
+            out, stats = op(*args, top_k, top_p, min_p)
+            tau_s = torch.ops.klpenalty.triton_sampling_threshold(
+                _on(x), top_k, top_p, min_p, temperature)
+            used = tau_s if tau is None else torch.maximum(tau_s, _on(tau))
+            args[5] = used
+            out2, stats2 = op(*args, 0, 1.0, 0.0)
+            assert torch.equal(out.nan_to_num(), out2.nan_to_num())
+            assert torch.equal(stats.nan_to_num(), stats2.nan_to_num())
+            assert torch.equal(stats[..., contract.ST_TAU], used)
+            want = token_stats_reference(x, y, tokens, None, None, used.cpu(), temperature,
+                                         -100, 15)
+            torch.testing.assert_close(out.cpu().double(), want, **tol(dtype))
+    # no support at all: ST_TAU is −inf
+    _, stats = op(_on(x), _on(y), None, None, None, None, 1.0, -100, 1, False, 0, 0, 0, 1.0, 0.0)
+    assert torch.all(stats[..., contract.ST_TAU] == NINF)
+    # the gradient of the fused forward: that of the forward given the τ it used
+    xs = _on(x).clone().requires_grad_()
+    out, stats = op(xs, _on(y), _on(tokens), None, None, None, 0.9, -100, 15, False, 0,
+                    vocab_chunk, 8, 0.9, 0.0)
+    (gx,) = torch.autograd.grad(out.nan_to_num().sum(), xs)
+    xs2 = _on(x).clone().requires_grad_()
+    out2, _ = op(xs2, _on(y), _on(tokens), None, None, stats[..., contract.ST_TAU].detach(),
+                 0.9, -100, 15, False, 0, vocab_chunk, 0, 1.0, 0.0)
+    (gx2,) = torch.autograd.grad(out2.nan_to_num().sum(), xs2)
+    assert torch.equal(gx, gx2)

@@ -693,19 +693,23 @@ def grad_kernel(
 
 # ------------------------------------------------------------------ the sampler's threshold
 @_device
-def _order_key(x):
+def _order_key(x, KEY_SHIFT: tl.constexpr):
     """The int32 key of float32 values whose signed order is the values' order (−0 as +0, so
     that equal values have equal keys): the bits, with the 31 below the sign flipped where the
-    sign is set."""
+    sign is set, shifted right by KEY_SHIFT (the low bits that are 0 in the input's dtype: 16
+    for bf16, 13 for fp16, 0 for fp32)."""
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)) >> KEY_SHIFT
 
 
 @_device
-def _key_value(k):
-    """The float32 value of an (int64 scalar) key of :func:`_order_key` (its inverse)."""
+def _key_value(k, KEY_SHIFT: tl.constexpr):
+    """The float32 value of an (int64 scalar) key of :func:`_order_key` (its inverse: the low
+    bits shifted out are 0 in a positive value's bits, 1 in a negative one's key)."""
     k32 = k.to(tl.int32)
-    return (k32 ^ ((k32 >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+    low = tl.where(k32 < 0, (1 << KEY_SHIFT) - 1, 0)
+    full = (k32 << KEY_SHIFT) | low
+    return (full ^ ((full >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
 @_device
@@ -718,25 +722,31 @@ def _key_shift(lo, hi, F: tl.constexpr):
 
 
 @_device
-def _bucket_sums(x_row, V, lo, hi, s, m_s, temperature, offs, WEIGHTED: tl.constexpr,
-                 BLOCK: tl.constexpr, F: tl.constexpr):
+def _bucket_sums(x_row, V, lo, hi, s, m_s, temperature, WEIGHTED: tl.constexpr,
+                 KEY_SHIFT: tl.constexpr, BT: tl.constexpr, F: tl.constexpr):
     """One read of a row: per bucket j of the keys [lo, hi] (bucket (key − lo) >> s), the count
     [F] of its elements and, WEIGHTED, their unnormalised mass Σ exp(x/T − m_s) [F] in float64
-    (x/T rounded as the float32 division, the exponential in float64)."""
-    bins = tl.arange(0, F)
-    cnt = tl.zeros([F], tl.int32)
-    mass = tl.zeros([F], tl.float64)
-    for start in range(0, V, BLOCK):
-        col = start + offs
+    (x/T rounded as the float32 division, the exponential in float64). Blocks of BT columns,
+    one per thread, as [F, BT] tiles: each thread adds its column into its own F buckets
+    (no reduction in the loop); the threads' sums are added once, after it."""
+    cols = tl.arange(0, BT)[None, :]  # [1, BT]
+    bins = tl.arange(0, F)[:, None]  # [F, 1]
+    width = (hi - lo).to(tl.uint32)
+    lo32 = lo.to(tl.int32)
+    shift = s.to(tl.uint32)
+    cnt = tl.zeros([F, BT], tl.int32)
+    mass = tl.zeros([F, BT], tl.float64)
+    for start in range(0, V, BT):
+        col = start + cols
         x = tl.load(x_row + col, mask=col < V, other=float("nan")).to(tl.float32)
-        k = _order_key(x).to(tl.int64)
-        inside = (x == x) & (k >= lo) & (k <= hi)
-        hit = tl.where(inside, (k - lo) >> s, -1)[:, None] == bins[None, :]  # [BLOCK, F]
-        cnt += tl.sum(hit.to(tl.int32), 0)
+        d = (_order_key(x, KEY_SHIFT) - lo32).to(tl.uint32, bitcast=True)  # mod 2^32
+        inside = (x == x) & (d <= width)
+        hit = tl.where(inside, (d >> shift).to(tl.int32), -1) == bins  # [F, BT]
+        cnt += hit.to(tl.int32)
         if WEIGHTED:
             e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
-            mass += tl.sum(tl.where(hit, e[:, None], 0.0), 0)
-    return cnt, mass
+            mass += tl.where(hit, e, 0.0)
+    return tl.sum(cnt, 1), tl.sum(mass, 1)
 
 
 @_device
@@ -748,20 +758,23 @@ def _pick(v, bins, j):
 @triton.jit
 def threshold_kernel(
     x_ptr, tau_in_ptr, tau_ptr, T, stride_xb, stride_xt, V, top_k, top_p_bits,
-    log_min_p_bits, temperature, TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr,
-    HAS_TAU: tl.constexpr, BLOCK: tl.constexpr, F: tl.constexpr,
+    log_min_p_bits, window_bits, temperature, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
+    MIN_P: tl.constexpr, HAS_TAU: tl.constexpr, KEY_SHIFT: tl.constexpr,
+    BLOCK: tl.constexpr, BT: tl.constexpr, F: tl.constexpr,
 ):
     """τ of one row (program) for top-k → top-p → min-p sampling (:mod:`klpenalty.sampling`'s
     rule: temperature first, ties kept), written to ``tau[row]`` as a float32 logit of the row;
     HAS_TAU: max(tau_in[row], τ) (NaN if either is). −inf where nothing is cut (an all −inf
-    row), NaN for a row holding NaN. ``top_p`` and ``log min_p`` come as the int64 bits of
-    their float64 values (a float argument would be rounded to float32).
+    row), NaN for a row holding NaN. ``top_p``, ``log min_p`` and ``window`` come as the int64
+    bits of their float64 values (a float argument would be rounded to float32).
 
     Every search is a radix select over the order-preserving int32 keys of the logits
     (:func:`_order_key`): the key interval [lo, hi] known to hold the answer is cut into F
-    buckets of 2^s keys, one read of the row (:func:`_bucket_sums`) sums each bucket, the
+    buckets of 2^s keys, one read of the row (:func:`_bucket_sums`) sums each bucket, and the
     bucket holding the answer becomes the interval; a bucket of single keys ends it, so a
-    search takes ⌈log_F(hi − lo + 1)⌉ reads (at most 8 for F = 16).
+    search takes ⌈log_F(hi − lo + 1)⌉ reads (16-bit keys for bf16/fp16 logits: at most 4).
+    Pass 0 and the Z read take blocks of BLOCK columns (16 bytes per thread and load), the
+    searches blocks of BT (the threads: one column each).
 
     - pass 0: the row's max M, min, smallest logit > −inf, and whether it holds NaN;
     - top-k (TOP_K): the k-th largest key by counts (the elements above the interval carried
@@ -771,19 +784,25 @@ def threshold_kernel(
       log), at most M;
     - top-p (TOP_P): the smallest key K among x ≥ τ_k, x > −inf with mass(keys > K) < p·Z,
       by the buckets' float64 masses: in bucket j the largest element has exactly the mass
-      of the buckets above (A_j) before it, so the answer lies in the lowest non-empty bucket
-      with A_j < p·Z.
+      of the buckets above (before_j) before it, so the answer lies in the lowest non-empty
+      bucket with before_j < p·Z. The search starts at x ≥ (M/T + window)·T (``window`` =
+      log((1 − p)/V) − 2, rounded down): the logits below hold less than 1 − p of the mass
+      together, so each has more than p before it.
     """
+    XBITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
+    INNER: tl.constexpr = 128 // XBITS
+    NT: tl.constexpr = BLOCK // INNER
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
     top_p = top_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
     log_min_p = log_min_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    offs = tl.arange(0, BLOCK)
+    window = window_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    offs = tl.arange(0, NT)[:, None] * INNER + tl.arange(0, INNER)[None, :]
     bins = tl.arange(0, F)
-    big = tl.full([BLOCK], float("-inf"), tl.float32)
-    small = tl.full([BLOCK], float("inf"), tl.float32)
-    small_finite = tl.full([BLOCK], float("inf"), tl.float32)
-    nan = tl.zeros([BLOCK], tl.int32)
+    big = tl.full([NT, INNER], float("-inf"), tl.float32)
+    small = tl.full([NT, INNER], float("inf"), tl.float32)
+    small_finite = tl.full([NT, INNER], float("inf"), tl.float32)
+    nan = tl.zeros([NT, INNER], tl.int32)
     for start in range(0, V, BLOCK):
         col = start + offs
         valid = col < V
@@ -794,18 +813,19 @@ def threshold_kernel(
         small_finite = tl.minimum(small_finite, tl.where(valid & (x > float("-inf")), x,
                                                          float("inf")))
         nan = tl.maximum(nan, (valid & (x != x)).to(tl.int32))
-    top = tl.max(big, 0)
-    has_nan = tl.max(nan, 0) > 0
-    key_top = _order_key(top).to(tl.int64)
+    top = tl.max(tl.max(big, 1), 0)
+    has_nan = tl.max(tl.max(nan, 1), 0) > 0
+    key_top = _order_key(top, KEY_SHIFT).to(tl.int64)
     tau = float("-inf")
     tau_k = float("-inf")
     if TOP_K:
-        lo = _order_key(tl.min(small, 0)).to(tl.int64)
+        lo = _order_key(tl.min(tl.min(small, 1), 0), KEY_SHIFT).to(tl.int64)
         hi = tl.where(has_nan, lo, key_top)  # a NaN row: no search (its τ is NaN)
         above = (lo * 0).to(tl.int64)  # elements with keys > hi
         while lo < hi:
             s = _key_shift(lo, hi, F)
-            cnt, _ = _bucket_sums(x_row, V, lo, hi, s, 0.0, temperature, offs, False, BLOCK, F)
+            cnt, _ = _bucket_sums(x_row, V, lo, hi, s, 0.0, temperature, False, KEY_SHIFT,
+                                  BT, F)
             c = cnt.to(tl.int64)
             # at_least[j]: the elements with keys in buckets ≥ j, plus those above
             at_least = above + tl.sum(tl.where(bins[None, :] >= bins[:, None], c[None, :], 0), 1)
@@ -813,13 +833,13 @@ def threshold_kernel(
             above = _pick(at_least, bins, j) - _pick(c, bins, j)
             lo = lo + (j.to(tl.int64) << s)
             hi = tl.minimum(hi, lo + (((s * 0) + 1) << s) - 1)
-        tau_k = _key_value(lo)
+        tau_k = _key_value(lo, KEY_SHIFT)
         tau = tau_k
     if TOP_P or MIN_P:
         m_s = tl.math.div_rn(top, temperature).to(tl.float64)
-        floor = tl.maximum(tau_k, tl.min(small_finite, 0))  # the smallest candidate of top-p
-        z_acc = tl.zeros([BLOCK], tl.float64)
-        kept_min = tl.full([BLOCK], float("inf"), tl.float32)
+        floor = tl.maximum(tau_k, tl.min(tl.min(small_finite, 1), 0))  # top-p's candidates
+        z_acc = tl.zeros([NT, INNER], tl.float64)
+        kept_min = tl.full([NT, INNER], float("inf"), tl.float32)
         for start in range(0, V, BLOCK):
             col = start + offs
             valid = col < V
@@ -832,18 +852,21 @@ def threshold_kernel(
                 kept_min = tl.minimum(kept_min, tl.where(valid & (u >= log_min_p), x,
                                                          float("inf")))
         if MIN_P:
-            tau = tl.maximum(tau, tl.minimum(tl.min(kept_min, 0), top))
+            tau = tl.maximum(tau, tl.minimum(tl.min(tl.min(kept_min, 1), 0), top))
         if TOP_P:
-            target = top_p * tl.sum(z_acc, 0)
+            target = top_p * tl.sum(tl.sum(z_acc, 1), 0)
             hi = key_top
+            # the window's lowest logit, rounded down (a NaN or −inf bound: no narrowing)
+            cut = (m_s + window) * temperature
+            cut = tl.where(cut == cut, cut - 1e-6 * tl.abs(cut), float("-inf")).to(tl.float32)
+            lo = _order_key(tl.maximum(floor, cut), KEY_SHIFT).to(tl.int64)
             # M = ±inf (or NaN in the row): τ_p = M, the sampler's convention
-            lo = tl.where(has_nan | (tl.abs(top) == float("inf")), hi,
-                          _order_key(floor).to(tl.int64))
+            lo = tl.where(has_nan | (tl.abs(top) == float("inf")), hi, lo)
             above_m = tl.zeros([], tl.float64)  # the mass of the candidates with keys > hi
             while lo < hi:
                 s = _key_shift(lo, hi, F)
-                cnt, mass = _bucket_sums(x_row, V, lo, hi, s, m_s, temperature, offs, True,
-                                         BLOCK, F)
+                cnt, mass = _bucket_sums(x_row, V, lo, hi, s, m_s, temperature, True,
+                                         KEY_SHIFT, BT, F)
                 # before[j]: the mass of the buckets above j (exactly 0 for the empty ones)
                 before = above_m + tl.sum(
                     tl.where(bins[None, :] > bins[:, None], mass[None, :], 0.0), 1)
@@ -851,7 +874,7 @@ def threshold_kernel(
                 above_m = _pick(before, bins, j)
                 lo = lo + (j.to(tl.int64) << s)
                 hi = tl.minimum(hi, lo + (((s * 0) + 1) << s) - 1)
-            tau = tl.maximum(tau, _key_value(lo))
+            tau = tl.maximum(tau, _key_value(lo, KEY_SHIFT))
     tau = tl.where(has_nan, float("nan"), tau)
     if HAS_TAU:
         given = tl.load(tau_in_ptr + row).to(tl.float32)

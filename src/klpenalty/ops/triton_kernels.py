@@ -396,8 +396,14 @@ def _forward(x, y, tokens, mask, keep, tau, temperature: float, ignore_index: in
 # Buckets per read of a threshold search (:func:`._triton_jit.threshold_kernel`): 4 bits of
 # the 32-bit key per read; a power of two.
 THRESHOLD_BUCKETS = 16
-# Columns per block of the threshold kernel (its [BLOCK, buckets] bucket sums).
+# Columns per block of the threshold kernel (each thread sums its 16 bytes of columns into
+# its buckets).
 THRESHOLD_BLOCK = 1024
+# Warps of a threshold program (a search reads one column per thread at a time).
+THRESHOLD_WARPS = 8
+# The low bits of a float32 key that are 0 for logits of the dtype (16-bit keys for 16-bit
+# logits: half the reads of a search).
+_KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
 
 
 def _float64_bits(value: float) -> int:
@@ -419,12 +425,17 @@ def _threshold(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: f
     rows = _rows(x, None, None)
     tauf = _flat(tau)
     block = _block(vocab, THRESHOLD_BLOCK)
+    cut_p = top_p < 1.0
+    # top-p's search starts where the logits below hold < 1 − p of the mass together
+    window = math.log((1.0 - top_p) / vocab) - 2.0 if cut_p else 0.0
     _launch(
         _kernels().threshold_kernel, (n,), x.device, rows.x, out if tauf is None else tauf,
         out, *rows.args[:3], vocab, top_k if 0 < top_k < vocab else 0,
         _float64_bits(top_p), _float64_bits(math.log(min_p) if min_p > 0.0 else 0.0),
-        temperature, TOP_K=0 < top_k < vocab, TOP_P=top_p < 1.0, MIN_P=min_p > 0.0,
-        HAS_TAU=tauf is not None, BLOCK=block, F=THRESHOLD_BUCKETS, num_warps=_warps(block),
+        _float64_bits(window), temperature, TOP_K=0 < top_k < vocab, TOP_P=cut_p,
+        MIN_P=min_p > 0.0, HAS_TAU=tauf is not None, KEY_SHIFT=_KEY_SHIFT[x.dtype],
+        BLOCK=block, BT=min(block, 32 * THRESHOLD_WARPS), F=THRESHOLD_BUCKETS,
+        num_warps=THRESHOLD_WARPS if block >= 32 * THRESHOLD_WARPS else 1,
     )
     return out
 

@@ -609,7 +609,7 @@ def test_sampling_threshold_kernel_matches_the_rule_and_the_float64_kept_sets(dt
         cut = top_k < vocab or top_p < 1.0 or min_p > 0.0
         assert torch.isnan(tau[7]) == cut  # a NaN row keeps nothing where something is cut
         kw = dict(top_k=top_k or None, top_p=top_p, min_p=min_p, temperature=temperature)
-        for r in range(7):  # the float64 kept sets (all −inf row: everything "kept")
+        for r in range(6):  # the float64 kept sets (of the rows with a distribution)
             assert torch.equal(x[r].float() >= tau[r], ref_kept(x[r], **kw)), (r, kw)
 
 
@@ -624,12 +624,19 @@ def test_sampling_threshold_kernel_on_strided_rows_and_boundaries():
         assert tau.shape == (2, 4)
         assert torch.equal(tau, op(_on(view.contiguous()), *setting).cpu())
         assert torch.equal(tau, _threshold_rule(view, *setting))
-    # four tokens of masses 1/2, 1/4, 1/8, 1/8: p = 0.75 keeps two (the third has 0.75 before
-    # it), p = 0.75 + 2^-40 three
-    row = torch.tensor([[math.log(4.0), math.log(2.0), 0.0, 0.0, NINF]])
-    assert op(_on(row), 0, 0.75, 0.0, 1.0).item() == pytest.approx(math.log(2.0))
-    assert op(_on(row), 0, 0.75 + 2.0 ** -40, 0.0, 1.0).item() == 0.0
-    assert op(_on(row), 0, 0.5, 0.0, 1.0).item() == pytest.approx(math.log(4.0))
+    # top-p decided in float64: p just above (kept) and just below (dropped) the mass before a
+    # token, 1e-9 apart in relative terms (float32 exponentials or sums would blur this)
+    g = torch.Generator().manual_seed(5)
+    row = torch.randn(1, 40, generator=g) * 1.5
+    vals = row[0].double().sort(descending=True).values
+    scaled = row[0] / 0.8
+    m = scaled.max()
+    log_z = m.double() + torch.exp(scaled.double() - m.double()).sum().log()  # all float64
+    before = torch.cumsum(torch.exp(scaled.double().sort(descending=True).values - log_z), 0)
+    for j in (1, 5, 20):
+        p = before[j - 1].item()  # the mass before the (j + 1)-th largest
+        assert op(_on(row), 0, p * (1 + 1e-9), 0.0, 0.8).item() == vals[j].item()
+        assert op(_on(row), 0, p * (1 - 1e-9), 0.0, 0.8).item() == vals[j - 1].item()
     assert op(_on(torch.empty(0, 3, 9)), 3, 0.5, 0.0, 1.0).shape == (0, 3)
     with pytest.raises(ValueError, match="top_p"):
         op(_on(row), 0, 1.5, 0.0, 1.0)

@@ -25,6 +25,14 @@ call of the Triton backend's ``token_stats`` (read once), forward and forward+ba
 gradient of the sum of the three), at ``--one-pass-shapes`` (default 8x4096x128256 bf16).
 Their GB/s and floor ratio count one read of both inputs; their errors cover all three outputs.
 
+Sampler rows (``--sampler-shapes``, default 1x2048x128256 bf16): ``full_kl`` on the Triton
+backend untruncated against the same call with ``top_k=50``, ``top_p=0.9``, ``min_p=0.05`` and
+``top_k=50, top_p=0.9`` (the threshold computed in the kernels before the KL), forward and
+forward+backward, and the threshold alone (``klpenalty.sampling.sampling_threshold``) by the Triton kernel and by
+the portable rule in PyTorch ops (``ops/thresholds.py``, what the streaming backend runs): its
+time against the plain KL's is the cost of truncating. Their errors: against float64 on the
+support of the portable rule's threshold (``tol_ok`` of the threshold rows: the same τ as it).
+
 The ``compile`` rows run last, after every other row: a fresh ``torch.compile`` (static shapes)
 per shape and mode, its first call's seconds in ``compile_s``; all of them share
 ``--compile-budget`` seconds (an alarm stops a compilation that overruns; later ones are
@@ -100,6 +108,8 @@ def _parse(argv):
                    help="torch.compile backend of the compile rows")
     p.add_argument("--one-pass-shapes", nargs="*", default=["8x4096x128256"],
                    help="BxTxV shapes (bf16) of the one-pass rows; none to skip them")
+    p.add_argument("--sampler-shapes", nargs="*", default=["1x2048x128256"],
+                   help="BxTxV shapes (bf16) of the sampler rows; none to skip them")
     p.add_argument("--out", default=OUT_DIR, help="folder for bench_gpu.csv / bench_gpu.md")
     p.add_argument("--linear", action="store_true",
                    help="the linear_kl rows instead (bench_gpu_linear.{csv,md})")
@@ -459,6 +469,66 @@ def run_one_pass_case(ctx, table, shape):
             measure(ctx, table, row, fn, x, y, mode, reference, floors, moved)
 
 
+# (provider, full_kl's sampler keywords) of the sampler rows; the first is the plain KL
+SAMPLER_ROWS = [
+    ("full_kl", {}),
+    ("full_kl top_k=50", {"top_k": 50}),
+    ("full_kl top_p=0.9", {"top_p": 0.9}),
+    ("full_kl min_p=0.05", {"min_p": 0.05}),
+    ("full_kl top_k=50 top_p=0.9", {"top_k": 50, "top_p": 0.9}),
+]
+THRESHOLD_ROW = {"top_k": 50, "top_p": 0.9}  # the threshold-alone rows' settings
+
+
+def run_sampler_case(ctx, table, shape):
+    """The sampler rows at one bf16 shape: full_kl with each setting of SAMPLER_ROWS (both
+    modes), then the threshold alone (forward) by the Triton kernel and by the portable rule."""
+    import klpenalty
+    from klpenalty import sampling
+    from klpenalty.ops import contract, thresholds
+    from klpenalty.ops.reference import full_kl_reference
+
+    torch = ctx.torch
+    x, y, _ = _inputs(torch, shape, torch.bfloat16)
+    floors, moved = _floors(torch, x, y, ctx.args.repeats)
+
+    def rule(xs, kw):  # the portable rule's τ of rows xs (k, V)
+        return thresholds.threshold_rows(xs, kw.get("top_k"), kw.get("top_p"), kw.get("min_p"),
+                                         1.0, None, thresholds.LOCAL)
+
+    def reference_for(kw):
+        def reference(xs, ys, rows):
+            tau = rule(xs.detach(), kw) if kw else None
+            # −1e30 off the support: e^u = 0 there as with −inf, and float64 autograd stays
+            # finite (0·(−inf) would give NaN gradients)
+            kept = contract.kept_logits(xs.double(), None, tau).clamp_min(-1e30)
+            return (full_kl_reference(kept, ys),)
+
+        return reference
+
+    for mode in MODES:
+        print(f"{shape} bf16 sampler {mode}: floor {floors[mode]:.3f} ms", flush=True)
+        for name, kw in SAMPLER_ROWS:
+            def fn(a, b, kw=kw):
+                return (klpenalty.full_kl(a, b, backend="triton", **kw),)
+
+            row = {"shape": "x".join(map(str, shape)), "dtype": "bf16", "mode": mode,
+                   "provider": name}
+            measure(ctx, table, row, fn, x, y, mode, reference_for(kw), floors, moved)
+
+    def same_tau(xs, ys, rows):  # the threshold rows' "reference": the portable rule's τ
+        return (rule(xs, THRESHOLD_ROW).double(),)
+
+    label = " ".join(f"{k}={v}" for k, v in THRESHOLD_ROW.items())
+    for name, backend in (("triton", "triton"), ("portable rule", "streaming")):
+        def fn(a, b, backend=backend):
+            return (sampling.sampling_threshold(a, backend=backend, **THRESHOLD_ROW),)
+
+        row = {"shape": "x".join(map(str, shape)), "dtype": "bf16", "mode": "fwd",
+               "provider": f"threshold {label} {name}"}
+        measure(ctx, table, row, fn, x, y, "fwd", same_tau, floors, moved)
+
+
 # --------------------------------------------------------------------------- the --linear rows
 # Each kind of row is one function of the context (torch, F, klpenalty, the frozen reference
 # hr, wr, sampled tokens, n, h, v, chunk_rows) returning [(provider, chunk_rows or "",
@@ -601,6 +671,9 @@ def main(argv=None) -> int:
             _release(torch)
     for text in args.one_pass_shapes:  # one pass vs three calls
         run_one_pass_case(ctx, table, tuple(int(n) for n in text.lower().split("x")))
+        _release(torch)
+    for text in args.sampler_shapes:  # truncated KL vs the plain one
+        run_sampler_case(ctx, table, tuple(int(n) for n in text.lower().split("x")))
         _release(torch)
     if "compile" in providers:  # last: the compilations take the longest
         for shape, dname in cases:

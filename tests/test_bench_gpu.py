@@ -26,7 +26,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 BENCH = ROOT / "benchmarks" / "bench_gpu.py"
-TINY = ["--shapes", "1x2x64", "--dtypes", "bf16", "--repeats", "1", "--warmup", "0"]
+TINY = ["--shapes", "1x2x64", "--dtypes", "bf16", "--repeats", "1", "--warmup", "0",
+        "--sampler-shapes"]
 
 
 class _Event:
@@ -149,14 +150,17 @@ def test_default_rows_are_written_as_measured(bench, tmp_path):
                         Path(self.md_path).read_text().count("\n| 1x2x64 |")))
 
     bench.Table.add = add_and_read
-    assert bench.main(TINY + ["--one-pass-shapes", "1x2x64", "--compile-backend", "eager",
-                              "--out", str(tmp_path)]) == 0
+    assert bench.main(TINY + ["--one-pass-shapes", "1x2x64", "--sampler-shapes", "1x2x64",
+                              "--compile-backend", "eager", "--out", str(tmp_path)]) == 0
     rows = _csv(tmp_path / "bench_gpu.csv")
     assert on_disk == [(i, i) for i in range(1, len(rows) + 1)]
     seen = [(r["mode"], r["provider"]) for r in rows]
+    sampler = [name for name, _ in bench.SAMPLER_ROWS]
     for name in ["triton", "seed", "kl_div", "compile", "kl+logp+H 3 calls",
-                 "kl+logp+H token_stats"]:
+                 "kl+logp+H token_stats", *sampler]:
         assert ("fwd", name) in seen and ("fwd+bwd", name) in seen, name
+    assert [p for m, p in seen if p.startswith("threshold")] == [
+        "threshold top_k=50 top_p=0.9 triton", "threshold top_k=50 top_p=0.9 portable rule"]
     assert ("fwd+bwd", "liger") not in seen  # forward only
     assert not any(p == "streaming" for _, p in seen)  # off unless named
     assert [r for r in rows if r["note"]] == []  # a row that recorded an exception

@@ -108,10 +108,13 @@ def test_forward_and_backward_sync_only_for_the_check(monkeypatch, check, expect
     with monkeypatch.context() as patch:
         counter = _CountSyncs(patch)
         _Launches(patch, counter)
-        for chunk in (0, 16) if not check else (0,):
+        # the sampler's threshold too (computed in the kernels): top-k + top-p + min-p
+        for chunk, sampler in [(0, (0, 1.0, 0.0)), (16, (0, 1.0, 0.0)), (0, (5, 0.9, 0.05))][
+                :(1 if check else 3)]:
             counter.syncs = 0
             out, _ = torch.ops.klpenalty.triton_token_stats(
-                x, y, c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, -100, 15, check, 0, chunk, 0, 1.0, 0.0
+                x, y, c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, -100, 15, check, 0, chunk,
+                *sampler,
             )
             assert counter.syncs == expected
             counter.syncs = 0
@@ -124,7 +127,8 @@ def test_forward_and_backward_sync_only_for_the_check(monkeypatch, check, expect
 # dispatch around the kernels. The host code that finished rows in torch dispatched 51 (KL), 108
 # (all four, tokens and a mask) and 95 (KL, split rows) per forward, 12 to 44 per backward
 # (benchmarks/triton_host_ops.py, benchmarks/README.md).
-OP_BOUNDS = {"kl": 4, "all": 8, "kl-split": 5, "backward-kl": 7, "backward-all": 11}
+OP_BOUNDS = {"kl": 4, "all": 8, "kl-split": 5, "kl-sampler": 6, "backward-kl": 7,
+             "backward-all": 11}
 
 
 def test_eager_ops_per_call_are_few(monkeypatch):
@@ -134,18 +138,23 @@ def test_eager_ops_per_call_are_few(monkeypatch):
     x, y, tokens, mask = _case()
     launches = _Launches(monkeypatch)
     (out, st), ops = _count(tk._token_stats_op, x, y, None, None, None, None, 1.0, -100, 1,
-                            False, 0, 0)
+                            False, 0, 0, 0, 1.0, 0.0)
     assert len(ops) <= OP_BOUNDS["kl"], ops
     assert launches.names() == ["stats_kernel"]
     (out4, st4), ops = _count(tk._token_stats_op, x, y, tokens, mask, None, None, 0.8, -100, 15,
-                              False, 0, 0)
+                              False, 0, 0, 0, 1.0, 0.0)
     assert len(ops) <= OP_BOUNDS["all"], ops
     launches.calls.clear()
     (out_s, _), ops = _count(tk._token_stats_op, x, y, None, None, None, None, 1.0, -100, 1,
-                             False, 0, 16)
+                             False, 0, 16, 0, 1.0, 0.0)
     assert len(ops) <= OP_BOUNDS["kl-split"], ops
     assert launches.names() == ["stats_kernel", "merge_kernel"]
     torch.testing.assert_close(out_s, out, **tol(torch.float32))
+    launches.calls.clear()  # the sampler's threshold: one more launch, its (N,) buffer
+    _, ops = _count(tk._token_stats_op, x, y, None, None, None, None, 1.0, -100, 1, False, 0, 0,
+                    5, 0.9, 0.05)
+    assert len(ops) <= OP_BOUNDS["kl-sampler"], ops
+    assert launches.names() == ["threshold_kernel", "stats_kernel"]
     grad = torch.ones(2, 3, 4, device=DEVICE).expand(2, 3, 4)  # as autograd hands out.sum()'s
     (gx, _), ops = _count(tk._token_stats_backward_op, grad, x, y, None, None, st, None, None,
                           None, 1.0, -100, 1, True, False, 0, 0)
@@ -173,13 +182,15 @@ def test_the_usual_slice_is_read_in_place(monkeypatch):
         tok = tokens if x.shape[:2] == (2, 4) else tokens.t().contiguous()
         gg = g if x.shape[:2] == (2, 4) else g.transpose(0, 1).contiguous()
         with _CountOps() as mode:
-            out, st = tk._token_stats_op(x, y, tok, None, None, None, 0.9, -100, 15, False, 0, 0)
+            out, st = tk._token_stats_op(x, y, tok, None, None, None, 0.9, -100, 15, False, 0, 0, 0,
+                                          1.0, 0.0)
             gx, gy = tk._token_stats_backward_op(gg, x, y, tok, None, st, None, None, None, 0.9,
                                                  -100, 15, True, True, 0, 0)
         copies = [op for op in mode.ops if "copy" in op or "clone" in op or "contiguous" in op]
         assert not copies, mode.ops
         xc, yc = x.contiguous(), y.contiguous()
-        out_c, st_c = tk._token_stats_op(xc, yc, tok, None, None, None, 0.9, -100, 15, False, 0, 0)
+        out_c, st_c = tk._token_stats_op(xc, yc, tok, None, None, None, 0.9, -100, 15, False, 0, 0,
+                                      0, 1.0, 0.0)
         assert torch.equal(out, out_c) and torch.equal(st, st_c)
         if x.shape[:2] == (2, 4):  # the slice: its gradients too
             gx_c, gy_c = tk._token_stats_backward_op(gg, xc, yc, tok, None, st_c, None, None,
@@ -233,7 +244,7 @@ def test_launches_run_under_the_tensors_device(monkeypatch):
     x, y, tokens, mask = _case()
     xg = x.clone().requires_grad_()
     out, _ = torch.ops.klpenalty.triton_token_stats(xg, y, tokens, mask, None, None, 1.0, -100,
-                                                   15, False, 0, 16)
+                                                   15, False, 0, 16, 0, 1.0, 0.0)
     out.sum().backward()
     torch.ops.klpenalty.triton_token_stats_state(x, y, None, None, 1.0, 15, 0, 0)
     assert launches.names() == ["stats_kernel", "merge_kernel", "grad_kernel", "stats_kernel"]
@@ -287,7 +298,8 @@ def test_results_do_not_depend_on_the_split_count(monkeypatch):
     try:
         assert -(-vocab // tk.split_columns(6, vocab, DEVICE)[1]) > 1
         for chunk in (0, 16):  # the heuristic's two splits, three forced
-            out, _ = torch.ops.klpenalty.triton_token_stats(*args, 0.7, -100, 15, False, 0, chunk)
+            out, _ = torch.ops.klpenalty.triton_token_stats(*args, 0.7, -100, 15, False, 0, chunk,
+                                                            0, 1.0, 0.0)
             torch.testing.assert_close(out.double(), want, **tol(torch.float32))
     finally:
         tk.plan_splits.cache_clear()

@@ -90,6 +90,40 @@ def _op(text: str) -> str:
     return parts[1] if parts[0].startswith("@") and len(parts) > 1 else parts[0]
 
 
+_LOAD_BYTES = {".128": 16, ".64": 8, ".U16": 2, ".S16": 2, ".U8": 1, ".S8": 1}
+
+
+def _load_bytes(op: str) -> int:
+    """Bytes one thread reads with a global load (``LDG.E.64``: 8; no width suffix: 4)."""
+    return next((n for suffix, n in _LOAD_BYTES.items() if op.endswith(suffix)), 4)
+
+
+def inner_loops(instrs: list[tuple[int, str]], elem_bytes: int) -> list[dict]:
+    """The innermost loops that load (no other loop inside them), in order: their
+    instructions, the elements one thread reads an iteration (from the loads' widths), the
+    instructions per element, barriers, shuffles, MUFU and float64 (D*) instructions."""
+    ops = [_op(t) for _, t in instrs]
+    found = loops(instrs)
+    out = []
+    for first, last in found:
+        if any(first <= a and b <= last and (a, b) != (first, last) for a, b in found):
+            continue
+        body = ops[first:last + 1]
+        loaded = sum(_load_bytes(o) for o in body if o.startswith("LDG"))
+        if not loaded:
+            continue
+        elems = max(1, loaded // elem_bytes)
+        out.append({
+            "instructions": len(body), "elems_per_thread": elems,
+            "per_elem": len(body) / elems,
+            "bar": sum(o.startswith(("BAR", "WARPSYNC", "MEMBAR")) for o in body),
+            "shfl": sum(o.startswith("SHFL") for o in body),
+            "mufu": sum(o.startswith("MUFU") for o in body),
+            "fp64": sum(o.startswith(("DADD", "DMUL", "DFMA", "DSETP")) for o in body),
+        })
+    return out
+
+
 def analyse(sass: str, elems_per_thread: int) -> dict:
     """Counts of the whole kernel and of its column loop (the loop holding the most global
     loads; None if there is none). ``elems_per_thread``: columns one thread takes per
@@ -267,6 +301,8 @@ def compile_cases(cases=CASES) -> list[dict]:
                     "attrs": {str(k): str(v) for k, v in compiled.src.attrs.items()},
                     "resources": res_usage(paths["cuobjdump"], cubin),
                     **analyse(sass, max(1, (block or threads) // threads)),
+                    "inner_loops": inner_loops(parse_sass(sass), {"bf16": 2, "fp16": 2,
+                                                                  "fp32": 4}[case["dtype"]]),
                 })
     finally:
         driver._active = previous
@@ -294,6 +330,15 @@ def table(results: list[dict]) -> str:
             f"{lp.get('ldg')} ({lp.get('ldg128')}) | {lp.get('stg')} ({lp.get('stg128')}) | "
             f"{lp.get('bar')} | {lp.get('shfl')} | {lp.get('mufu')} | {r['local']} |"
         )
+    threshold = [r for r in results if r.get("kernel") == "threshold_kernel"]
+    if threshold:  # its searches: the innermost loops, in the kernel's order
+        rows += ["", "threshold_kernel's column loops (pass 0, the top-k search, the Z read, the "
+                 "top-p search): instructions per element", "",
+                 "| case | dtype | " + " | ".join(f"loop {i}" for i in range(4)) + " |",
+                 "|---|---|" + "---:|" * 4]
+        for r in threshold:
+            cells = [f"{lp['per_elem']:.1f}" for lp in r["inner_loops"]]
+            rows.append(f"| {r['case']} | {r['dtype']} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 

@@ -690,3 +690,37 @@ def test_forward_with_the_sampler_settings(dtype, vocab_chunk):
                  0.9, -100, 15, False, 0, vocab_chunk, 0, 1.0, 0.0)
     (gx2,) = torch.autograd.grad(out2.nan_to_num().sum(), xs2)
     assert torch.equal(gx, gx2)
+
+
+@pytest.mark.slow
+def test_threshold_kernel_compiles_for_a_cuda_target():
+    """The threshold kernel lowers to PTX for sm_90 in each combination of the settings the
+    host launches (top-k, top-p, min-p, a tau given) and each key width (bf16, fp16, fp32)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = textwrap.dedent(f"""
+        import itertools, triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from klpenalty.ops import _triton_jit as k
+        t = GPUTarget("cuda", 90, 32)
+        n = 0
+        for (dt, shift), (top_k, top_p, min_p, has_tau) in itertools.product(
+                [("*bf16", 16), ("*fp16", 13), ("*fp32", 0)],
+                [(1, 0, 0, 0), (0, 1, 0, 1), (0, 0, 1, 0), (1, 1, 1, 1)]):
+            sig = {{"x_ptr": dt, "tau_in_ptr": "*fp32", "tau_ptr": "*fp32", "T": "i32",
+                   "stride_xb": "i64", "stride_xt": "i64", "V": "i32", "top_k": "i32",
+                   "top_p_bits": "i64", "log_min_p_bits": "i64", "window_bits": "i64",
+                   "temperature": "fp32"}}
+            c = dict(TOP_K=bool(top_k), TOP_P=bool(top_p), MIN_P=bool(min_p),
+                     HAS_TAU=bool(has_tau), KEY_SHIFT=shift, BLOCK={tk.THRESHOLD_BLOCK},
+                     BT={32 * tk.THRESHOLD_WARPS}, F={tk.THRESHOLD_BUCKETS})
+            s = {{**sig, **{{name: "constexpr" for name in c}}}}
+            src = ASTSource(fn=k.threshold_kernel, signature=s, constexprs=c)
+            assert ".entry" in triton.compile(src, target=t).asm["ptx"]
+            n += 1
+        print("OK", n)
+    """)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=600, cwd=ROOT)
+    assert done.returncode == 0 and "OK 12" in done.stdout, done.stderr[-3000:]

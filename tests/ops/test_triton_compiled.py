@@ -11,7 +11,8 @@ statistics: the column loop (the range of a backward branch) reads with 128-bit 
 only, holds no barrier and no shuffle (every reduction in it stays inside a thread) and so no
 load after one; no kernel uses local memory; the forward's loop stays within an instruction
 budget per element pair, which sets how close to the memory floor an H200 can run it
-(benchmarks/README.md).
+(benchmarks/README.md); the sampler's threshold kernel (top-k + top-p + min-p before a KL)
+keeps its column loops free of cross-thread reductions and within their budgets.
 """
 
 from __future__ import annotations
@@ -110,3 +111,23 @@ def test_forward_instructions_per_element_pair(compiled):
         key = (r["case"], r["dtype"])
         if key in FORWARD_BUDGET:
             assert r["loop"]["per_pair"] <= FORWARD_BUDGET[key], (key, r["loop"])
+
+
+# Instructions per element of the threshold kernel's four column loops (pass 0, the top-k
+# search, the Z read, the top-p search), Triton 3.6, plus a little room: a search read costs
+# ~5x (count) and ~15x (mass: float64 exponentials and bucket sums) a plain read of the row.
+THRESHOLD_BUDGET = (18.0, 95.0, 115.0, 250.0)
+
+
+def test_the_threshold_kernel_loops(compiled):
+    """The sampler's threshold kernel (launched before the forward where the settings cut):
+    its four column loops reduce nothing across threads (no barrier, no shuffle inside) and
+    stay within their instruction budgets per element."""
+    found = _launches(compiled, "threshold_kernel")
+    assert {r["dtype"] for r in found} == {"bf16", "fp32"}
+    for r in found:
+        loops = r["inner_loops"]
+        assert len(loops) == len(THRESHOLD_BUDGET), (r["dtype"], loops)
+        for lp, budget in zip(loops, THRESHOLD_BUDGET):
+            assert lp["bar"] == 0 and lp["shfl"] == 0, (r["dtype"], lp)
+            assert lp["per_elem"] <= budget, (r["dtype"], lp, budget)

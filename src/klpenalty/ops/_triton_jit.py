@@ -1,7 +1,7 @@
 """The Triton kernels of the ``"triton"`` backend (imported only by :mod:`.triton_kernels`, lazily:
 importing this module imports Triton).
 
-Three kernels serve the three ops of the backend, specialised by ``tl.constexpr`` flags so that
+Four kernels serve the four ops of the backend, specialised by ``tl.constexpr`` flags so that
 each call reads and computes only what it needs; the column layouts of :mod:`.contract` come in
 as constexprs too (:func:`.triton_kernels.column_constexprs`):
 
@@ -16,6 +16,9 @@ as constexprs too (:func:`.triton_kernels.column_constexprs`):
 - :func:`grad_kernel` (backward): TILES (row, block) tiles of ∂/∂x and ∂/∂y of Σ g·out for
   all wanted outputs together, recomputed from the saved per-row stats, written once in the
   inputs' dtypes.
+- :func:`threshold_kernel` (the sampling threshold op, and before :func:`stats_kernel` where
+  the forward's sampler settings cut): one program per row, the top-k → top-p → min-p
+  threshold by radix selects over order-preserving keys of the logits.
 
 Rows of the (..., T, V) inputs are addressed through (T, stride_b, stride_t)
 (:func:`_row_offset`). Full blocks and tiles are read (and written) unmasked, each row's last
@@ -597,7 +600,7 @@ def grad_kernel(
     ST_LOG_S_Y: tl.constexpr, ST_MEAN_D: tl.constexpr, ST_MEAN_U: tl.constexpr,
     ST_LOGP: tl.constexpr, ST_REF_LOGP: tl.constexpr,
 ):
-    """TILES (row, block) tiles of ∂/∂x and ∂/∂y of Σ g·out from the (N, 9) stats: program
+    """TILES (row, block) tiles of ∂/∂x and ∂/∂y of Σ g·out from the (N, 10) stats: program
     (row, j) takes columns [j·TILES·BLOCK, (j + 1)·TILES·BLOCK), loading the row's scalars once.
 
     With p = π̃, q = ρ, u, w the tempered shifted logits, g = (g_kl, g_lp, g_rl, g_h) the row's

@@ -4,9 +4,9 @@ state in fused GPU kernels.
 The kernels live in :mod:`._triton_jit`, imported at the first call (Triton is an optional
 dependency: ``pip install 'klpenalty[triton]'``; this module imports without it).
 
-The three ops of :mod:`.contract`, ``klpenalty::triton_token_stats``, ``_backward`` and
-``_state``, compute every per-token statistic — KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃) —
-in one read of the logits.
+The four ops of :mod:`.contract`, ``klpenalty::triton_token_stats``, ``_backward``,
+``_state`` and ``_sampling_threshold``: the first three compute every per-token statistic —
+KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃) — in one read of the logits.
 
 **Forward.** One kernel (:func:`._triton_jit.stats_kernel`) specialised by ``tl.constexpr``
 flags (the policy's state, the reference's, the KL moment a, the entropy moment b, a support
@@ -16,11 +16,17 @@ engine's state in float32 — maxima in logit units, s_x = Σ e^u over the suppo
 a = Σ e^u·(u − w), b = Σ e^u·u — and rescales it when a block raises a max (the engine's
 merge). A program that is a whole row finishes it: the engine's finalize, the token's logits
 gathered for log π̃(t) and log ρ(t), masked rows zeroed, written straight into out (N, 4) and
-stats (N, 9). Split rows write partial states to an (N, splits, 6) float32 buffer that
+stats (N, 10). Split rows write partial states to an (N, splits, 6) float32 buffer that
 :func:`._triton_jit.merge_kernel` merges and finishes, one program per row. The host dispatches
 views and the outputs' allocations only, and reads nothing back (``check=True``: one read).
 The split plan (:func:`plan_splits`) fills the GPU's waves; ``tile_cols`` forces the split.
 Float64 inputs run the streaming op (the kernels compute in float32).
+
+**The sampler's threshold.** Where top_k / top_p / min_p cut, the forward first launches
+:func:`._triton_jit.threshold_kernel` (one program per row: radix selects over order-preserving
+keys of the logits, float64 masses; docs/internals.md), which writes max(tau, τ_s) into an (N,)
+buffer that the statistics kernels read as their tau and write into the stats column
+``ST_TAU``; the threshold op runs the same kernel alone.
 
 **Backward.** One kernel (:func:`._triton_jit.grad_kernel`) over a (rows, vocabulary blocks)
 grid recomputes π̃ (and ρ) from the stats and writes ∂/∂x and ∂/∂y of all wanted outputs
@@ -341,7 +347,7 @@ _MERGED = ("X_STATE",)  # the forward flags merge_kernel does not take
 
 def _forward(x, y, tokens, mask, keep, tau, temperature: float, ignore_index: int, want: int,
              tile_cols: int, finish: bool) -> tuple[Tensor, ...]:
-    """The forward kernels on (..., V) logits: ``finish`` → (out (N, 4), stats (N, 9)), else
+    """The forward kernels on (..., V) logits: ``finish`` → (out (N, 4), stats (N, 10)), else
     the merged state (N, 6). One program per row writes them directly; split rows write
     partial states that :func:`._triton_jit.merge_kernel` merges (and finishes)."""
     flags = kl, logp, ref_logp, _ = _wanted(want)
@@ -470,9 +476,11 @@ def _token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
     x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
     tile_cols, top_k, top_p, min_p,
 ):
-    """(..., V) logits → out (..., 4) = (KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃)) and stats (..., 9)
+    """(..., V) logits → out (..., 4) = (KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃)) and stats (..., 10)
     (the forward op of :mod:`.contract`), in one read of each logit, written by the kernels;
-    ``tile_cols`` > 0 forces the split width (``tile_rows`` is unused: one program per row)."""
+    ``tile_cols`` > 0 forces the split width (``tile_rows`` is unused: one program per row).
+    Where the sampler settings cut, :func:`_threshold` runs first (its τ, max with ``tau``, is
+    the support's threshold and the stats column ``ST_TAU``)."""
     if _portable(x, y):
         return streaming.token_stats_op(
             x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,

@@ -781,7 +781,8 @@ def threshold_kernel(
 
     - pass 0: the row's max M, min, smallest logit > −inf, and whether it holds NaN;
     - top-k (TOP_K): the k-th largest key by counts (the elements above the interval carried
-      along): τ_k, and the ties with it kept (x ≥ τ_k);
+      along): τ_k, and the ties with it kept (x ≥ τ_k); for k ≤ BLOCK the search starts at
+      the smallest of pass 0's BLOCK partial maxima (a lower bound of τ_k);
     - one read for Z = Σ exp(x/T − M/T) (float64) over x ≥ τ_k, x > −inf, and for min-p
       (MIN_P): τ_m = min{x : (x − M)/T ≥ log min_p} (the float32 (x − M)/T against a float64
       log), at most M;
@@ -822,7 +823,11 @@ def threshold_kernel(
     tau = float("-inf")
     tau_k = float("-inf")
     if TOP_K:
-        lo = _order_key(tl.min(tl.min(small, 1), 0), KEY_SHIFT).to(tl.int64)
+        # for k ≤ BLOCK the search starts at the smallest of pass 0's BLOCK partial maxima
+        # (each the value of a distinct logit, or −inf: at most the row's BLOCK-th largest,
+        # so at most its k-th), else at the row's min
+        low = tl.where(top_k <= BLOCK, tl.min(tl.min(big, 1), 0), tl.min(tl.min(small, 1), 0))
+        lo = _order_key(low, KEY_SHIFT).to(tl.int64)
         hi = tl.where(has_nan, lo, key_top)  # a NaN row: no search (its τ is NaN)
         above = (lo * 0).to(tl.int64)  # elements with keys > hi
         while lo < hi:

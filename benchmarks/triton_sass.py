@@ -332,10 +332,11 @@ def table(results: list[dict]) -> str:
         )
     threshold = [r for r in results if r.get("kernel") == "threshold_kernel"]
     if threshold:  # its searches: the innermost loops, in the kernel's order
-        rows += ["", "threshold_kernel's column loops (pass 0, the top-k search, the Z read, the "
-                 "top-p search): instructions per element", "",
-                 "| case | dtype | " + " | ".join(f"loop {i}" for i in range(4)) + " |",
-                 "|---|---|" + "---:|" * 4]
+        names = ["pass 0", "top-k count", "Z read", "top-p float32", "float64 check",
+                 "top-p float64"]
+        rows += ["", "threshold_kernel's column loops: instructions per element", "",
+                 "| case | dtype | " + " | ".join(names) + " |",
+                 "|---|---|" + "---:|" * len(names)]
         for r in threshold:
             cells = [f"{lp['per_elem']:.1f}" for lp in r["inner_loops"]]
             rows.append(f"| {r['case']} | {r['dtype']} | " + " | ".join(cells) + " |")

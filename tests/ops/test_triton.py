@@ -613,9 +613,10 @@ def test_sampling_threshold_kernel_matches_the_rule_and_the_float64_kept_sets(dt
             assert torch.equal(x[r].float() >= tau[r], ref_kept(x[r], **kw)), (r, kw)
 
 
-def test_sampling_threshold_kernel_on_strided_rows_and_boundaries():
-    """(B, T, V) rows read in place (logits[:, :-1]) give the contiguous rows' τ; exact top-p
-    boundaries (the mass before a token exactly p drops it); the empty batch."""
+def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
+    """(B, T, V) rows read in place (logits[:, :-1]) give the contiguous rows' τ; top-p
+    boundaries 1e-9 apart, where the float32 search's answer fails its float64 check and the
+    float64 search decides; the empty batch; bad settings."""
     op = torch.ops.klpenalty.triton_sampling_threshold
     x = make_logits((2, 5, 70), torch.bfloat16, seed=3)[0]
     view = x[:, :-1]
@@ -633,10 +634,23 @@ def test_sampling_threshold_kernel_on_strided_rows_and_boundaries():
     m = scaled.max()
     log_z = m.double() + torch.exp(scaled.double() - m.double()).sum().log()  # all float64
     before = torch.cumsum(torch.exp(scaled.double().sort(descending=True).values - log_z), 0)
+    searches = []  # interpreted: the float64 search runs where the float32 one's check fails
+    if not CUDA:
+        from klpenalty.ops import _triton_jit
+
+        bucket_sums = _triton_jit._bucket_sums
+
+        def counted(*args):
+            searches.append(args[7])  # MASS: 1 float32, 2 float64
+            return bucket_sums(*args)
+
+        monkeypatch.setattr(_triton_jit, "_bucket_sums", counted)
     for j in (1, 5, 20):
         p = before[j - 1].item()  # the mass before the (j + 1)-th largest
         assert op(_on(row), 0, p * (1 + 1e-9), 0.0, 0.8).item() == vals[j].item()
         assert op(_on(row), 0, p * (1 - 1e-9), 0.0, 0.8).item() == vals[j - 1].item()
+    assert CUDA or (1 in searches and 2 in searches)
+    monkeypatch.undo()
     assert op(_on(torch.empty(0, 3, 9)), 3, 0.5, 0.0, 1.0).shape == (0, 3)
     with pytest.raises(ValueError, match="top_p"):
         op(_on(row), 0, 1.5, 0.0, 1.0)

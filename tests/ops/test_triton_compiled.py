@@ -113,16 +113,16 @@ def test_forward_instructions_per_element_pair(compiled):
             assert r["loop"]["per_pair"] <= FORWARD_BUDGET[key], (key, r["loop"])
 
 
-# Instructions per element of the threshold kernel's four column loops (pass 0, the top-k
-# search, the Z read, the top-p search), Triton 3.6, plus a little room: a search read costs
-# ~5x (count) and ~15x (mass: float64 exponentials and bucket sums) a plain read of the row.
-THRESHOLD_BUDGET = (18.0, 95.0, 115.0, 250.0)
+# Instructions per element of the threshold kernel's column loops, in its order: pass 0, the
+# top-k search (counts), the Z read, top-p's search with float32 masses, the float64 check of
+# its answer, the float64 search (where the check fails): Triton 3.6, plus a little room.
+THRESHOLD_BUDGET = (18.0, 95.0, 115.0, 150.0, 105.0, 250.0)
 
 
 def test_the_threshold_kernel_loops(compiled):
     """The sampler's threshold kernel (launched before the forward where the settings cut):
-    its four column loops reduce nothing across threads (no barrier, no shuffle inside) and
-    stay within their instruction budgets per element."""
+    its column loops reduce nothing across threads (no barrier, no shuffle inside) and stay
+    within their instruction budgets per element."""
     found = _launches(compiled, "threshold_kernel")
     assert {r["dtype"] for r in found} == {"bf16", "fp32"}
     for r in found:

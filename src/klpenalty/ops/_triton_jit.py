@@ -725,20 +725,24 @@ def _key_shift(lo, hi, F: tl.constexpr):
 
 
 @_device
-def _bucket_sums(x_row, V, lo, hi, s, m_s, temperature, WEIGHTED: tl.constexpr,
+def _bucket_sums(x_row, V, lo, hi, s, m_s, temperature, MASS: tl.constexpr,
                  KEY_SHIFT: tl.constexpr, BT: tl.constexpr, F: tl.constexpr):
     """One read of a row: per bucket j of the keys [lo, hi] (bucket (key − lo) >> s), the count
-    [F] of its elements and, WEIGHTED, their unnormalised mass Σ exp(x/T − m_s) [F] in float64
-    (x/T rounded as the float32 division, the exponential in float64). Blocks of BT columns,
-    one per thread, as [F, BT] tiles: each thread adds its column into its own F buckets
-    (no reduction in the loop); the threads' sums are added once, after it."""
+    [F] of its elements and their unnormalised mass Σ exp(x/T − m_s) [F] (float64; MASS = 0:
+    not computed, 1: float32 exponentials summed in float32 per thread, 2: float64
+    exponentials and sums; x/T rounded as the float32 division). Blocks of BT columns, one per
+    thread, as [F, BT] tiles: each thread adds its column into its own F buckets (no reduction
+    in the loop); the threads' sums are added once, after it."""
     cols = tl.arange(0, BT)[None, :]  # [1, BT]
     bins = tl.arange(0, F)[:, None]  # [F, 1]
     width = (hi - lo).to(tl.uint32)
     lo32 = lo.to(tl.int32)
     shift = s.to(tl.uint32)
     cnt = tl.zeros([F, BT], tl.int32)
-    mass = tl.zeros([F, BT], tl.float64)
+    if MASS == 1:
+        mass = tl.zeros([F, BT], tl.float32)
+    else:
+        mass = tl.zeros([F, BT], tl.float64)
     for start in range(0, V, BT):
         col = start + cols
         x = tl.load(x_row + col, mask=col < V, other=float("nan")).to(tl.float32)
@@ -746,10 +750,52 @@ def _bucket_sums(x_row, V, lo, hi, s, m_s, temperature, WEIGHTED: tl.constexpr,
         inside = (x == x) & (d <= width)
         hit = tl.where(inside, (d >> shift).to(tl.int32), -1) == bins  # [F, BT]
         cnt += hit.to(tl.int32)
-        if WEIGHTED:
+        if MASS == 1:
+            e = tl.exp(tl.math.div_rn(x, temperature) - m_s.to(tl.float32))
+            mass += tl.where(hit, e, 0.0)
+        if MASS == 2:
             e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
             mass += tl.where(hit, e, 0.0)
-    return tl.sum(cnt, 1), tl.sum(mass, 1)
+    return tl.sum(cnt, 1), tl.sum(mass.to(tl.float64), 1)
+
+
+@_device
+def _mass_search(x_row, V, lo, hi, above_m, target, m_s, temperature, MASS: tl.constexpr,
+                 KEY_SHIFT: tl.constexpr, BT: tl.constexpr, F: tl.constexpr):
+    """top-p's search from the keys [lo, hi] (``above_m``: the mass of the candidates above
+    hi): the smallest key K with mass(keys > K) < target, by the buckets' masses of
+    :func:`_bucket_sums` (MASS 1 or 2). In bucket j the largest element has exactly the mass of
+    the buckets above (before_j) before it, so the answer lies in the lowest non-empty bucket
+    with before_j < target. Returns (K, K, the mass above K)."""
+    bins = tl.arange(0, F)
+    while lo < hi:
+        s = _key_shift(lo, hi, F)
+        cnt, mass = _bucket_sums(x_row, V, lo, hi, s, m_s, temperature, MASS, KEY_SHIFT, BT, F)
+        # before[j]: the mass of the buckets above j (exactly 0 for the empty ones)
+        before = above_m + tl.sum(tl.where(bins[None, :] > bins[:, None], mass[None, :], 0.0), 1)
+        j = tl.min(tl.where((cnt > 0) & (before < target), bins, F - 1), 0)
+        above_m = _pick(before, bins, j)
+        lo = lo + (j.to(tl.int64) << s)
+        hi = tl.minimum(hi, lo + (((s * 0) + 1) << s) - 1)
+    return lo, hi, above_m
+
+
+@_device
+def _mass_at(x_row, V, key, m_s, temperature, offs, KEY_SHIFT: tl.constexpr):
+    """One read: the float64 masses Σ exp(x/T − m_s) of the logits with keys > ``key`` and of
+    those with key ``key``."""
+    BLOCK: tl.constexpr = offs.shape[0] * offs.shape[1]
+    k32 = key.to(tl.int32)
+    above = tl.zeros(offs.shape, tl.float64)
+    at = tl.zeros(offs.shape, tl.float64)
+    for start in range(0, V, BLOCK):
+        col = start + offs
+        x = tl.load(x_row + col, mask=col < V, other=float("nan")).to(tl.float32)
+        k = _order_key(x, KEY_SHIFT)
+        e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
+        above += tl.where((x == x) & (k > k32), e, 0.0)
+        at += tl.where((x == x) & (k == k32), e, 0.0)
+    return tl.sum(tl.sum(above, 1), 0), tl.sum(tl.sum(at, 1), 0)
 
 
 @_device
@@ -786,12 +832,12 @@ def threshold_kernel(
     - one read for Z = Σ exp(x/T − M/T) (float64) over x ≥ τ_k, x > −inf, and for min-p
       (MIN_P): τ_m = min{x : (x − M)/T ≥ log min_p} (the float32 (x − M)/T against a float64
       log), at most M;
-    - top-p (TOP_P): the smallest key K among x ≥ τ_k, x > −inf with mass(keys > K) < p·Z,
-      by the buckets' float64 masses: in bucket j the largest element has exactly the mass
-      of the buckets above (before_j) before it, so the answer lies in the lowest non-empty
-      bucket with before_j < p·Z. The search starts at x ≥ (M/T + window)·T (``window`` =
-      log((1 − p)/V) − 2, rounded down): the logits below hold less than 1 − p of the mass
-      together, so each has more than p before it.
+    - top-p (TOP_P): the smallest key K among x ≥ τ_k, x > −inf with mass(keys > K) < p·Z
+      (:func:`_mass_search`), searched with float32 masses and checked in one float64 read
+      (:func:`_mass_at`): mass(keys > K) < p·Z ≤ mass(keys ≥ K), or K the lowest candidate;
+      where the check fails the search runs again with float64 masses. The search starts at
+      x ≥ (M/T + window)·T (``window`` = log((1 − p)/V) − 2, rounded down): the logits below
+      hold less than 1 − p of the mass together, so each has more than p before it.
     """
     XBITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
     INNER: tl.constexpr = 128 // XBITS
@@ -832,8 +878,7 @@ def threshold_kernel(
         above = (lo * 0).to(tl.int64)  # elements with keys > hi
         while lo < hi:
             s = _key_shift(lo, hi, F)
-            cnt, _ = _bucket_sums(x_row, V, lo, hi, s, 0.0, temperature, False, KEY_SHIFT,
-                                  BT, F)
+            cnt, _ = _bucket_sums(x_row, V, lo, hi, s, 0.0, temperature, 0, KEY_SHIFT, BT, F)
             c = cnt.to(tl.int64)
             # at_least[j]: the elements with keys in buckets ≥ j, plus those above
             at_least = above + tl.sum(tl.where(bins[None, :] >= bins[:, None], c[None, :], 0), 1)
@@ -870,18 +915,19 @@ def threshold_kernel(
             lo = _order_key(tl.maximum(floor, cut), KEY_SHIFT).to(tl.int64)
             # M = ±inf (or NaN in the row): τ_p = M, the sampler's convention
             lo = tl.where(has_nan | (tl.abs(top) == float("inf")), hi, lo)
-            above_m = tl.zeros([], tl.float64)  # the mass of the candidates with keys > hi
-            while lo < hi:
-                s = _key_shift(lo, hi, F)
-                cnt, mass = _bucket_sums(x_row, V, lo, hi, s, m_s, temperature, True,
-                                         KEY_SHIFT, BT, F)
-                # before[j]: the mass of the buckets above j (exactly 0 for the empty ones)
-                before = above_m + tl.sum(
-                    tl.where(bins[None, :] > bins[:, None], mass[None, :], 0.0), 1)
-                j = tl.min(tl.where((cnt > 0) & (before < target), bins, F - 1), 0)
-                above_m = _pick(before, bins, j)
-                lo = lo + (j.to(tl.int64) << s)
-                hi = tl.minimum(hi, lo + (((s * 0) + 1) << s) - 1)
+            # a search with float32 masses, its answer K checked in float64 (mass(keys > K) <
+            # target ≤ mass(keys ≥ K), or K the lowest candidate); where the check fails (the
+            # target within float32 rounding of a bucket's edge) the search in float64
+            lo0 = lo
+            hi0 = hi
+            zero = tl.zeros([], tl.float64)
+            lo, hi, above_m = _mass_search(x_row, V, lo, hi, zero, target, m_s, temperature, 1,
+                                           KEY_SHIFT, BT, F)
+            if lo0 < hi0:
+                above_k, at_k = _mass_at(x_row, V, lo, m_s, temperature, offs, KEY_SHIFT)
+                if (above_k >= target) | ((above_k + at_k < target) & (lo > lo0)):
+                    lo, hi, above_m = _mass_search(x_row, V, lo0, hi0, zero, target, m_s,
+                                                   temperature, 2, KEY_SHIFT, BT, F)
             tau = tl.maximum(tau, _key_value(lo, KEY_SHIFT))
     tau = tl.where(has_nan, float("nan"), tau)
     if HAS_TAU:

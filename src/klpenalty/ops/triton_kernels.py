@@ -402,8 +402,8 @@ def _forward(x, y, tokens, mask, keep, tau, temperature: float, ignore_index: in
 # Buckets per read of a threshold search (:func:`._triton_jit.threshold_kernel`): 4 bits of
 # the 32-bit key per read; a power of two.
 THRESHOLD_BUCKETS = 16
-# Columns per block of the threshold kernel (each thread sums its 16 bytes of columns into
-# its buckets).
+# Columns per block of the threshold kernel's pass 0, Z and check reads (vector loads; the
+# smallest of its BLOCK partial maxima bounds top-k's search for k ≤ BLOCK).
 THRESHOLD_BLOCK = 1024
 # Warps of a threshold program (a search reads one column per thread at a time).
 THRESHOLD_WARPS = 8

@@ -14,9 +14,10 @@
 // Per row: the ids are marked in a per-thread bitmap of V bits (a duplicated id is marked
 // once: a set {a, a} is never taken for {a, b}), then one vectorised pass over the row, in
 // memory order, takes the minimum of the marked logits and the maximum of the others, the
-// bitmap's words giving the lanes' masks, and clears the bitmap. The logits are read once and
-// in order whatever the order of the ids (which engines give in order of probability), and
-// the ids once.
+// bitmap's words giving the lanes' masks (AVX512: the mask registers themselves), and clears
+// the bitmap. The logits are read once and in order whatever the order of the ids (engines
+// list them in order of probability; reading x at the ids first was 4x slower for shuffled
+// ids than for sorted ones), and the ids once. Rows in parallel (at::parallel_for).
 //
 // ids and offsets: int32 or int64 (the caller converts other integer dtypes); the Python caller
 // validates them (sampling._check_compact) and this kernel checks them again before any read it
@@ -38,6 +39,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace klpenalty_support {
@@ -76,11 +78,6 @@ inline C min_nan(C a, C b) {
   return b < a ? b : a;
 }
 
-// Independent bitmaps a row's ids are marked in, id k of the row in map k % kMaps: sorted ids
-// fall in one word many times in a row, and one map would make that a chain of dependent
-// read-modify-writes; the scan ORs the maps.
-constexpr int kMaps = 4;
-
 // Vectors of the compute type holding a row's elements from p (W = the vector's size).
 template <typename T>
 inline at::vec::Vectorized<Compute<T>> load_lanes(const T* p) {
@@ -110,23 +107,53 @@ at::vec::Vectorized<LaneInt<C>> lane_bits() {
 
 // All-ones lanes where ``word``'s bits (the low W) are set.
 template <typename C>
-inline at::vec::Vectorized<C> lane_mask(uint64_t word, const at::vec::Vectorized<LaneInt<C>>& bits) {
+inline at::vec::Vectorized<C> lane_mask(uint64_t word,
+                                        const at::vec::Vectorized<LaneInt<C>>& bits) {
   using VI = at::vec::Vectorized<LaneInt<C>>;
   const VI w(static_cast<LaneInt<C>>(word));
   return at::vec::cast<C>((w & bits) == bits);
 }
 
-// One row against its marked ids: lo = the smallest marked logit (NaN if one is NaN, +inf if
-// none is marked), hi = the largest unmarked logit that is not NaN (-inf if none). Clears the
-// maps' words as it goes. Four accumulators of each, so that the minima are not one chain.
+// The first 64·words elements of a row against their bits in the bitmap: (lo, hi) = the
+// smallest marked logit (NaN if one is NaN, +inf if none is marked) and the largest unmarked
+// logit that is not NaN (-inf if none). Clears the bitmap's words as it goes. Several
+// accumulators of each, so that the minima and maxima are not one chain.
 template <typename T>
-void scan_row(const T* row, int64_t V, uint64_t* const* maps, Compute<T>& lo_out,
-              Compute<T>& hi_out) {
+std::pair<Compute<T>, Compute<T>> scan_words(const T* row, int64_t words, uint64_t* bitmap) {
   using C = Compute<T>;
+  constexpr C kInf = std::numeric_limits<C>::infinity();
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<C, float>) {
+    // the word's bits are the lanes' masks: a masked min of the marked lanes, a masked max of
+    // the others (_mm512_m*_ps(x, acc) returns acc where x is NaN: NaN is skipped by both, and
+    // a marked NaN is tracked apart)
+    __m512 lo[4], hi[4];
+    for (int a = 0; a < 4; ++a) {
+      lo[a] = _mm512_set1_ps(kInf);
+      hi[a] = _mm512_set1_ps(-kInf);
+    }
+    __mmask16 nan = 0;
+    for (int64_t w = 0; w < words; ++w) {
+      const uint64_t word = std::exchange(bitmap[w], 0);
+      const T* p = row + 64 * w;
+      for (int q = 0; q < 4; ++q) {
+        const __m512 x = load_lanes(p + 16 * q);
+        const __mmask16 k = static_cast<__mmask16>(word >> (16 * q));
+        lo[q] = _mm512_mask_min_ps(lo[q], k, x, lo[q]);
+        hi[q] = _mm512_mask_max_ps(hi[q], static_cast<__mmask16>(~k), x, hi[q]);
+        nan |= _mm512_mask_cmp_ps_mask(k, x, x, _CMP_UNORD_Q);
+      }
+    }
+    const float lo_s = _mm512_reduce_min_ps(
+        _mm512_min_ps(_mm512_min_ps(lo[0], lo[1]), _mm512_min_ps(lo[2], lo[3])));
+    const float hi_s = _mm512_reduce_max_ps(
+        _mm512_max_ps(_mm512_max_ps(hi[0], hi[1]), _mm512_max_ps(hi[2], hi[3])));
+    return {nan ? std::numeric_limits<float>::quiet_NaN() : lo_s, hi_s};
+  }
+#endif
   using Vec = at::vec::Vectorized<C>;
   constexpr int W = Vec::size();
   constexpr int kAcc = 64 / W < 4 ? 64 / W : 4;
-  constexpr C kInf = std::numeric_limits<C>::infinity();
   const auto bits = lane_bits<C>();
   const Vec pos_inf(kInf), neg_inf(-kInf);
   const uint64_t low = W == 64 ? ~uint64_t{0} : (uint64_t{1} << W) - 1;
@@ -135,13 +162,8 @@ void scan_row(const T* row, int64_t V, uint64_t* const* maps, Compute<T>& lo_out
     lo[a] = pos_inf;
     hi[a] = neg_inf;
   }
-  const int64_t words = V / 64;
   for (int64_t w = 0; w < words; ++w) {
-    uint64_t word = 0;
-    for (int m = 0; m < kMaps; ++m) {
-      word |= maps[m][w];
-      maps[m][w] = 0;
-    }
+    const uint64_t word = std::exchange(bitmap[w], 0);
     const T* p = row + 64 * w;
     for (int q = 0; q < 64 / W; ++q) {
       const Vec x = load_lanes(p + q * W);
@@ -161,23 +183,27 @@ void scan_row(const T* row, int64_t V, uint64_t* const* maps, Compute<T>& lo_out
       hi_s = lanes_hi[k] > hi_s ? lanes_hi[k] : hi_s;
     }
   }
-  if (words * 64 < V) {  // the last, partial word
-    uint64_t word = 0;
-    for (int m = 0; m < kMaps; ++m) {
-      word |= maps[m][words];
-      maps[m][words] = 0;
-    }
+  return {lo_s, hi_s};
+}
+
+// scan_words over a whole row (V elements), its last partial word elementwise.
+template <typename T>
+std::pair<Compute<T>, Compute<T>> scan_row(const T* row, int64_t V, uint64_t* bitmap) {
+  using C = Compute<T>;
+  const int64_t words = V / 64;
+  auto [lo, hi] = scan_words(row, words, bitmap);
+  if (words * 64 < V) {
+    const uint64_t word = std::exchange(bitmap[words], 0);
     for (int64_t j = words * 64; j < V; ++j) {
       const C x = static_cast<C>(row[j]);
       if ((word >> (j - words * 64)) & 1) {
-        lo_s = min_nan(lo_s, x);
-      } else if (x > hi_s) {
-        hi_s = x;
+        lo = min_nan(lo, x);
+      } else if (x > hi) {
+        hi = x;
       }
     }
   }
-  lo_out = lo_s;
-  hi_out = hi_s;
+  return {lo, hi};
 }
 
 template <typename T, typename I, typename O>
@@ -189,22 +215,22 @@ void support_rows(const at::Tensor& x, const I* ids, const O* offsets, int64_t N
   const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(V, 1));
   const int64_t words = (V + 63) / 64;
   at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<uint64_t> storage(static_cast<size_t>(kMaps * words), 0);  // all 0 between rows
-    uint64_t* maps[kMaps];
-    for (int m = 0; m < kMaps; ++m) maps[m] = storage.data() + m * words;
-    const auto mark = [&](int64_t lo, int64_t hi) {  // false (nothing marked) on an id out of range
+    std::vector<uint64_t> bitmap(static_cast<size_t>(words), 0);  // all 0 between rows
+    // marks ids[lo, hi); false (nothing marked) on an id out of range
+    const auto mark = [&](int64_t lo, int64_t hi) {
       for (int64_t k = lo; k < hi; ++k) {
         const int64_t id = static_cast<int64_t>(ids[k]);
         if (id < 0 || id >= V) {
-          std::fill(storage.begin(), storage.end(), uint64_t{0});
+          std::fill(bitmap.begin(), bitmap.end(), uint64_t{0});
           return false;
         }
-        maps[k % kMaps][id >> 6] |= uint64_t{1} << (id & 63);
+        bitmap[static_cast<size_t>(id >> 6)] |= uint64_t{1} << (id & 63);
       }
       return true;
     };
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t lo = static_cast<int64_t>(offsets[r]), hi = static_cast<int64_t>(offsets[r + 1]);
+      const int64_t lo = static_cast<int64_t>(offsets[r]);
+      const int64_t hi = static_cast<int64_t>(offsets[r + 1]);
       if (!mark(lo, hi)) {
         bad_id.store(true, std::memory_order_relaxed);
         tau[r] = std::numeric_limits<C>::quiet_NaN();
@@ -212,8 +238,7 @@ void support_rows(const at::Tensor& x, const I* ids, const O* offsets, int64_t N
         continue;
       }
       const T* row = base + row_at(r);
-      C smallest, largest_out;
-      scan_row(row, V, maps, smallest, largest_out);
+      const auto [smallest, largest_out] = scan_row(row, V, bitmap.data());
       tau[r] = smallest;
       if (std::isnan(smallest)) {
         exact[r] = false;  // nothing passes x >= NaN, while the set holds the NaN's id
@@ -225,11 +250,9 @@ void support_rows(const at::Tensor& x, const I* ids, const O* offsets, int64_t N
         mark(lo, hi);
         bool all_marked = true;
         for (int64_t j = 0; j < V && all_marked; ++j) {
-          bool marked = false;
-          for (int m = 0; m < kMaps; ++m) marked |= (maps[m][j >> 6] >> (j & 63)) & 1;
-          all_marked = marked || std::isnan(static_cast<C>(row[j]));
+          all_marked = ((bitmap[j >> 6] >> (j & 63)) & 1) || std::isnan(static_cast<C>(row[j]));
         }
-        std::fill(storage.begin(), storage.end(), uint64_t{0});
+        std::fill(bitmap.begin(), bitmap.end(), uint64_t{0});
         exact[r] = all_marked;
       }
     }

@@ -161,9 +161,11 @@ def support_from_ids(
     result is ``(None, tau)`` and nothing of size (N, V) is built; otherwise (a sampler that
     broke a tie, a non-threshold rule, duplicated ids) it is ``(keep, None)``, a dense bool
     (..., V) mask: N·V bytes (e.g. 4 GiB for 32k positions × 128k vocabulary), the price of a
-    set that no threshold describes. The exactness is checked on every row
-    (:func:`threshold_of_ids`). An empty set keeps nothing (that row then has no distribution:
-    mask it out).
+    set that no threshold describes (built by one write of True at row·V + id). The exactness
+    is checked on every row by :func:`threshold_of_ids`: on CPU with the native kernel by its
+    native form (one pass over each row's logits and ids, in C++), elsewhere by its torch form
+    (the portable statement of the same rule; the two give the same answer). An empty set
+    keeps nothing (that row then has no distribution: mask it out).
 
     Args:
         logits: (..., V) float policy logits.
@@ -211,15 +213,16 @@ def threshold_of_ids(
     """Per row of compact kept sets (as in :func:`support_from_ids`): τ_r, the smallest kept
     logit, and whether the set is exactly {v : x_v ≥ τ_r}.
 
-    The rule has two forms that give the same answer. The torch form (any device; the portable
-    statement of it): τ by a scatter-min of the logits at the ids, then, a chunk of rows at a
-    time, a (chunk, V) bool of the ids compared with x ≥ τ. The native form (CPU tensors when
-    the native kernel is available, :func:`klpenalty.ops.native.available`;
-    ``native_support_from_ids``): one pass per row, in parallel over rows: τ_r over the row's
-    ids, their number of *distinct* ids (a bitmap of V bits: a duplicate counts once, so a set
-    {a, a} is never taken for {a, b}), and the number of v with x_v ≥ τ_r (a vectorised count);
-    the set, always inside {x ≥ τ_r}, is that set iff the two numbers agree. Nothing of size
-    (N, V) is built; it reads the logits once more and the ids.
+    The rule has two forms that give the same answer, row by row. The torch form is its
+    portable statement (any device, and CPU tensors without the native kernel): τ by a
+    scatter-min of the logits at the ids, then, a chunk of rows at a time, a (chunk, V) bool of
+    the ids compared with x ≥ τ. The native form is its fast form (CPU tensors when
+    :func:`klpenalty.ops.native.available`; the op ``native_support_from_ids``): per row, in
+    parallel over rows, the ids set bits in a bitmap of V bits (a duplicate sets its bit once,
+    so a set {a, a} is never taken for {a, b}), then one vectorised pass over the row takes τ,
+    the minimum of the marked logits, and the maximum of the unmarked ones; the kept ids all
+    pass x ≥ τ, so the set is {x ≥ τ} iff that maximum is < τ. Nothing of size (N, V) is
+    built: it reads the logits once more and the ids once (K·8 bytes for int64 ids).
 
     τ is in the compute dtype (float32; float64 for float64 logits): +inf for an empty set
     (exact iff no logit is +inf), NaN when a kept logit is NaN (never exact).
@@ -235,9 +238,9 @@ def threshold_of_ids(
         (tau (...), exact (...) bool).
 
     Raises:
-        TypeError / ValueError: naming ``support`` ids/offsets with their shape and dtype;
-        RuntimeError: ``native=True`` while the native kernel is unavailable or the tensors are
-            not on the CPU.
+        TypeError / ValueError: naming ``support`` ids/offsets with their shape and dtype, or
+            ``native=True`` for tensors off the CPU;
+        RuntimeError: ``native=True`` while the native kernel is unavailable.
     """
     v.check_logits("logits", logits)
     _check_compact(ids, offsets, math.prod(logits.shape[:-1]), logits.shape[-1], logits.device)
@@ -251,14 +254,14 @@ def _threshold_of_ids(
     on_cpu = logits.device.type == "cpu"
     if native is None:
         native = on_cpu and native_backend.available()
-    elif native and not (on_cpu and native_backend.available()):
-        raise RuntimeError(
-            f"the native form needs CPU tensors and the native kernel ({native_backend.status()}); "
-            f"got logits on {logits.device}"
-        )
+    elif native and not on_cpu:
+        raise ValueError(f"native=True needs CPU tensors, got logits on {logits.device}")
+    elif native and not native_backend.available():
+        raise RuntimeError(f"native=True needs the native kernel: {native_backend.status()}")
     leading = logits.shape[:-1]
     if native:
-        as_index = [t if t.dtype in (torch.int32, torch.int64) else t.long() for t in (ids, offsets)]
+        as_index = [t if t.dtype in (torch.int32, torch.int64) else t.long()
+                    for t in (ids, offsets)]  # the kernel reads int32 / int64
         tau, exact = torch.ops.klpenalty.native_support_from_ids(logits.detach(), *as_index)
     else:
         tau, exact = _threshold_of_ids_torch(logits, ids, offsets, chunk_rows)

@@ -45,7 +45,7 @@
 namespace klpenalty_support {
 namespace {
 
-constexpr int64_t kGrainElements = 1 << 16;  // work per parallel task, in elements
+constexpr int64_t kGrainElements = 1 << 16;  // least work of a block of rows, in elements
 
 // Element offset of row r of the (..., V) tensor t at its strides (dims of size 1 skipped).
 struct RowOffsets {

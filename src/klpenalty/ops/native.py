@@ -9,6 +9,10 @@ maxima, then the exps and sums) with one row walker specialised on what is wante
 vectors (``at::vec::Vectorized``) with a polynomial exp2 (float64 inputs in double), reads
 bf16/fp16 directly, and uses one ``at::parallel_for`` over rows per call.
 
+A second source of the same extension, ``csrc/klpenalty_support.cpp``, implements
+``klpenalty::native_support_from_ids`` (schema below): the native form of the kept-set check of
+:func:`klpenalty.sampling.threshold_of_ids`, one pass over each row's logits and ids.
+
 **Build.** At the first use in a process (never at ``pip install``), with
 ``torch.utils.cpp_extension.load`` and ninja, into ``<root>/<name>`` where ``<root>`` is torch's
 extension directory (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and

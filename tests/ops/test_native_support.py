@@ -233,3 +233,25 @@ def test_the_op_never_reads_out_of_range():
             op(x, ids, offsets)
     with pytest.raises(ValueError, match=r"support ids must lie in \[0, 10\)"):
         threshold_of_ids(x, torch.tensor([0, 10, 1]), good_offsets, native=True)
+
+
+def test_chunks_of_compact_sets_with_narrow_index_dtypes():
+    """rows_of_support (linear_kl's chunks) cuts the same sets from int16 offsets as from int64."""
+    from klpenalty.sampling import rows_of_support
+
+    x, sets = _case("random", 100, torch.float32)
+    flat = x.reshape(6, 100)
+    rows = torch.tensor([4, 1, 5])
+    wide = _compact(sets)
+    narrow = _compact(sets, torch.int16)
+    for kind_payload in (wide, narrow):
+        keep, tau, _ = rows_of_support("ids", kind_payload, flat[rows], rows)
+        want = _expected(flat[rows], [sets[r] for r in rows.tolist()])
+        dense = torch.zeros(3, 100, dtype=torch.bool)
+        for i, r in enumerate(rows.tolist()):
+            dense[i, sets[r]] = True
+        if bool(want[1].all()):
+            assert keep is None
+            torch.testing.assert_close(tau, want[0], rtol=0, atol=0)
+        else:
+            assert tau is None and torch.equal(keep, dense)

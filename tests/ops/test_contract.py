@@ -149,6 +149,20 @@ def test_owned_false_drops_only_the_token_entry():
     torch.testing.assert_close(full[1, 0], 1.0 + dense[1, 0])
 
 
+def test_constant_result_is_dynamos_mark():
+    """The backends' ``available()`` are constants of a torch.compile trace: the mark set
+    without importing torch._dynamo is the one its decorator sets."""
+    import torch._dynamo
+
+    marked = torch._dynamo.assume_constant_result(lambda: True)
+    assert getattr(marked, "_dynamo_marked_constant", False) is True
+    assert contract.constant_result(lambda: True)._dynamo_marked_constant is True
+    for b in dispatch.REGISTRY.values():
+        check = getattr(b.module, "available", None)
+        if check is not None:
+            assert check._dynamo_marked_constant is True
+
+
 def test_registry_lists_every_backend_with_its_ops():
     assert list(dispatch.REGISTRY) == dispatch.available_backends() == ["streaming", "native",
                                                                           "triton"]

@@ -35,6 +35,7 @@ Shape letters: N rows (positions), V vocabulary (the columns of the call).
 
 from __future__ import annotations
 
+import sys
 from enum import IntFlag
 
 import torch
@@ -60,6 +61,7 @@ __all__ = [
     "outside_support_error",
     "sampler_cuts",
     "combined_tau",
+    "constant_result",
 ]
 
 
@@ -380,6 +382,16 @@ def _token_stats_grads_differentiable(
         grad_y = grad_y.to(y.dtype)
     grad_x = (p * inner + onehot_x * g_lp.unsqueeze(-1)) / temperature
     return grad_x.to(x.dtype), grad_y
+
+
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` (about a
+    second of CPU at every ``import klpenalty``) when nothing has imported it yet: the mark is
+    the attribute that decorator sets (``tests/ops/test_contract.py`` checks they agree)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
 
 
 def sampler_cuts(vocab: int, top_k: int, top_p: float, min_p: float) -> bool:

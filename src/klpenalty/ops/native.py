@@ -222,7 +222,7 @@ def _reason(exc: BaseException) -> str:
     return (lines[0] if lines else type(exc).__name__)[:500]
 
 
-@torch.compiler.assume_constant_result
+@contract.constant_result
 def available() -> bool:
     """Whether the native kernel is loaded, building it at the first call of the process.
 

@@ -98,7 +98,7 @@ def _kernels():
     return _jit
 
 
-@torch.compiler.assume_constant_result
+@contract.constant_result
 def available() -> bool:
     """Whether Triton imports (tried once per process)."""
     global _error

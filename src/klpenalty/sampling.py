@@ -45,11 +45,13 @@ from torch import Tensor
 
 from . import _validation as v
 from .ops import dispatch
+from .ops import native as native_backend
 from .ops.thresholds import CHUNK_ELEMENTS, LOCAL, RowReduce, _chunks, threshold_rows
 
 __all__ = [
     "sampling_threshold",
     "support_from_ids",
+    "threshold_of_ids",
     "resolve_support",
     "check_sampler",
     "parse_support",
@@ -159,14 +161,17 @@ def support_from_ids(
     result is ``(None, tau)`` and nothing of size (N, V) is built; otherwise (a sampler that
     broke a tie, a non-threshold rule, duplicated ids) it is ``(keep, None)``, a dense bool
     (..., V) mask: N·V bytes (e.g. 4 GiB for 32k positions × 128k vocabulary), the price of a
-    set that no threshold describes. The exactness is checked on every row, a chunk of rows at
-    a time. An empty set keeps nothing (that row then has no distribution: mask it out).
+    set that no threshold describes (built by one write of True at row·V + id). The exactness
+    is checked on every row by :func:`threshold_of_ids`: on CPU with the native kernel by its
+    native form (one pass over each row's logits and ids, in C++), elsewhere by its torch form
+    (the portable statement of the same rule; the two give the same answer). An empty set
+    keeps nothing (that row then has no distribution: mask it out).
 
     Args:
         logits: (..., V) float policy logits.
         ids: (K,) integer token ids in [0, V).
         offsets: (N + 1,) integer, non-decreasing, offsets[0] = 0, offsets[N] = K.
-        chunk_rows: rows compared at a time.
+        chunk_rows: rows compared at a time by the torch form of the check.
 
     Returns:
         (keep (..., V) bool, None) or (None, tau (...) in the compute dtype).
@@ -176,29 +181,115 @@ def support_from_ids(
     """
     v.check_logits("logits", logits)
     vocab = logits.shape[-1]
-    leading = logits.shape[:-1]
-    n = math.prod(leading)
+    n = math.prod(logits.shape[:-1])
     _check_compact(ids, offsets, n, vocab, logits.device)
+    return _support_from_ids(logits, ids, offsets, chunk_rows)
+
+
+def _support_from_ids(
+    logits: Tensor, ids: Tensor, offsets: Tensor, chunk_rows: int | None = None
+) -> tuple[Tensor | None, Tensor | None]:
+    """:func:`support_from_ids` of validated arguments."""
+    vocab = logits.shape[-1]
+    n = math.prod(logits.shape[:-1])
+    tau, exact = _threshold_of_ids(logits, ids, offsets, chunk_rows, None)
+    if bool(exact.all()):
+        return None, tau
+    # one write of True at the flat positions row·V + id of the kept ids
+    counts = (offsets[1:] - offsets[:-1]).long()  # (N,); repeat_interleave takes int32/64
+    rows = torch.repeat_interleave(
+        torch.arange(n, device=ids.device), counts, output_size=ids.shape[0]
+    )  # (K,)
+    keep = torch.zeros(n * vocab, dtype=torch.bool, device=logits.device)
+    keep[rows * vocab + ids.long()] = True
+    return keep.reshape(logits.shape), None
+
+
+@torch.no_grad()
+def threshold_of_ids(
+    logits: Tensor, ids: Tensor, offsets: Tensor, *, chunk_rows: int | None = None,
+    native: bool | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Per row of compact kept sets (as in :func:`support_from_ids`): τ_r, the smallest kept
+    logit, and whether the set is exactly {v : x_v ≥ τ_r}.
+
+    The rule has two forms that give the same answer, row by row. The torch form is its
+    portable statement (any device, and CPU tensors without the native kernel): τ by a
+    scatter-min of the logits at the ids, then, a chunk of rows at a time, a (chunk, V) bool of
+    the ids compared with x ≥ τ. The native form is its fast form (CPU tensors when
+    :func:`klpenalty.ops.native.available`; the op ``native_support_from_ids``): per row, in
+    parallel over rows, the ids set bits in a bitmap of V bits (a duplicate sets its bit once,
+    so a set {a, a} is never taken for {a, b}), then one vectorised pass over the row takes τ,
+    the minimum of the marked logits, and the maximum of the unmarked ones; the kept ids all
+    pass x ≥ τ, so the set is {x ≥ τ} iff that maximum is < τ. Nothing of size (N, V) is
+    built: it reads the logits once more and the ids once (K·8 bytes for int64 ids).
+
+    τ is in the compute dtype (float32; float64 for float64 logits): +inf for an empty set
+    (exact iff no logit is +inf), NaN when a kept logit is NaN (never exact).
+
+    Args:
+        logits: (..., V) float policy logits.
+        ids, offsets: the kept sets, as in :func:`support_from_ids`.
+        chunk_rows: rows compared at a time by the torch form.
+        native: True / False forces the native / torch form; None (default) picks the native
+            form for CPU tensors when it is available.
+
+    Returns:
+        (tau (...), exact (...) bool).
+
+    Raises:
+        TypeError / ValueError: naming ``support`` ids/offsets with their shape and dtype, or
+            ``native=True`` for tensors off the CPU;
+        RuntimeError: ``native=True`` while the native kernel is unavailable.
+    """
+    v.check_logits("logits", logits)
+    _check_compact(ids, offsets, math.prod(logits.shape[:-1]), logits.shape[-1], logits.device)
+    return _threshold_of_ids(logits, ids, offsets, chunk_rows, native)
+
+
+def _threshold_of_ids(
+    logits: Tensor, ids: Tensor, offsets: Tensor, chunk_rows: int | None, native: bool | None
+) -> tuple[Tensor, Tensor]:
+    """:func:`threshold_of_ids` of validated arguments."""
+    on_cpu = logits.device.type == "cpu"
+    if native is None:
+        native = on_cpu and native_backend.available()
+    elif native and not on_cpu:
+        raise ValueError(f"native=True needs CPU tensors, got logits on {logits.device}")
+    elif native and not native_backend.available():
+        raise RuntimeError(f"native=True needs the native kernel: {native_backend.status()}")
+    leading = logits.shape[:-1]
+    if native:
+        as_index = [t if t.dtype in (torch.int32, torch.int64) else t.long()
+                    for t in (ids, offsets)]  # the kernel reads int32 / int64
+        tau, exact = torch.ops.klpenalty.native_support_from_ids(logits.detach(), *as_index)
+    else:
+        tau, exact = _threshold_of_ids_torch(logits, ids, offsets, chunk_rows)
+    return tau.reshape(leading), exact.reshape(leading)
+
+
+def _threshold_of_ids_torch(
+    logits: Tensor, ids: Tensor, offsets: Tensor, chunk_rows: int | None
+) -> tuple[Tensor, Tensor]:
+    """The torch form of :func:`threshold_of_ids`: (tau (N,), exact (N,))."""
+    vocab = logits.shape[-1]
+    n = math.prod(logits.shape[:-1])
     cd = v.compute_dtype(logits)
-    counts = offsets[1:] - offsets[:-1]  # (N,)
-    rows = torch.repeat_interleave(torch.arange(n, device=ids.device), counts)  # (K,)
+    counts = (offsets[1:] - offsets[:-1]).long()  # (N,); repeat_interleave takes int32/64
+    rows = torch.repeat_interleave(
+        torch.arange(n, device=ids.device), counts, output_size=ids.shape[0]
+    )  # (K,)
     xf = logits.detach().reshape(n, vocab)
     at = xf[rows, ids.long()].to(cd)  # (K,)
     tau = torch.full((n,), math.inf, dtype=cd, device=logits.device)
     tau = tau.scatter_reduce(0, rows, at, reduce="amin", include_self=True)  # NaN propagates
-    exact = True
+    exact = torch.empty(n, dtype=torch.bool, device=logits.device)
     for r0, r1 in _chunks(n, vocab, chunk_rows):
         lo, hi = int(offsets[r0]), int(offsets[r1])
         marked = torch.zeros(r1 - r0, vocab, dtype=torch.bool, device=logits.device)
         marked[rows[lo:hi] - r0, ids[lo:hi].long()] = True
-        if not bool(torch.equal(marked, xf[r0:r1].to(cd) >= tau[r0:r1].unsqueeze(-1))):
-            exact = False
-            break
-    if exact:
-        return None, tau.reshape(leading)
-    keep = torch.zeros(n, vocab, dtype=torch.bool, device=logits.device)
-    keep[rows, ids.long()] = True
-    return keep.reshape(logits.shape), None
+        exact[r0:r1] = (marked == (xf[r0:r1].to(cd) >= tau[r0:r1].unsqueeze(-1))).all(-1)
+    return tau, exact
 
 
 def _check_compact(ids: object, offsets: object, n: int, vocab: int, device) -> None:
@@ -226,8 +317,10 @@ def _check_compact(ids: object, offsets: object, n: int, vocab: int, device) -> 
         )
     if n and bool((offsets[1:] < offsets[:-1]).any()):
         raise ValueError(f"support offsets must be non-decreasing ({v.describe(offsets)})")
-    if k and bool(((ids < 0) | (ids >= vocab)).any()):
-        raise ValueError(f"support ids must lie in [0, {vocab}) ({v.describe(ids)})")
+    if k:
+        lo, hi = (int(t) for t in torch.aminmax(ids))  # one read of the ids
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"support ids must lie in [0, {vocab}) ({v.describe(ids)})")
 
 
 def parse_support(
@@ -316,7 +409,7 @@ def support_args(kind: str, payload: object, logits: Tensor) -> tuple:
     if kind == "keep":
         return payload, None, op_sampler(None, None, None)
     if kind == "ids":
-        return (*support_from_ids(logits, *payload), op_sampler(None, None, None))
+        return (*_support_from_ids(logits, *payload), op_sampler(None, None, None))
     if kind == "rule":
         return None, None, op_sampler(*payload)
     return None, None, op_sampler(None, None, None)
@@ -332,8 +425,9 @@ def rows_of_support(kind: str, payload: object, logits: Tensor, rows: Tensor) ->
         return support_args(kind, payload.reshape(-1, payload.shape[-1])[rows], logits)
     if kind == "ids":
         ids, offsets = payload
-        starts, counts = offsets[rows], offsets[rows + 1] - offsets[rows]  # (R,)
-        new_offsets = torch.zeros(rows.shape[0] + 1, dtype=offsets.dtype, device=offsets.device)
+        starts = offsets[rows].long()  # (R,)
+        counts = offsets[rows + 1].long() - starts
+        new_offsets = torch.zeros(rows.shape[0] + 1, dtype=torch.long, device=offsets.device)
         new_offsets[1:] = counts.cumsum(0)
         # the position of each kept id of the chunk in ``ids``: its row's start + its rank
         rank = torch.arange(int(new_offsets[-1]), device=ids.device) - torch.repeat_interleave(

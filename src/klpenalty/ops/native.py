@@ -9,6 +9,10 @@ maxima, then the exps and sums) with one row walker specialised on what is wante
 vectors (``at::vec::Vectorized``) with a polynomial exp2 (float64 inputs in double), reads
 bf16/fp16 directly, and uses one ``at::parallel_for`` over rows per call.
 
+A second source of the same extension, ``csrc/klpenalty_support.cpp``, implements
+``klpenalty::native_support_from_ids`` (schema below): the native form of the kept-set check of
+:func:`klpenalty.sampling.threshold_of_ids`, one pass over each row's logits and ids.
+
 **Build.** At the first use in a process (never at ``pip install``), with
 ``torch.utils.cpp_extension.load`` and ninja, into ``<root>/<name>`` where ``<root>`` is torch's
 extension directory (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and
@@ -51,7 +55,12 @@ __all__ = [
     "compute_floor",
 ]
 
-SOURCE = Path(__file__).with_name("csrc") / "klpenalty_native.cpp"
+# The C++ sources of the one extension: the token_stats kernel, and the kept sets of
+# :func:`klpenalty.sampling.support_from_ids`.
+SOURCE = tuple(
+    Path(__file__).with_name("csrc") / name
+    for name in ("klpenalty_native.cpp", "klpenalty_support.cpp")
+)
 
 contract.define_ops("native")  # the schemas; the C++ library registers the CPU kernels
 
@@ -63,6 +72,11 @@ contract.implement("native", "CPU", sampling_threshold=_streaming.sampling_thres
 # The benchmark op (not part of the contract): the kernel's inner loop over an L1-resident tile.
 _BENCH_LIB = torch.library.Library("klpenalty", "FRAGMENT")  # noqa: TOR901
 _BENCH_LIB.define("native_compute_floor(Tensor x, Tensor y, int pairs, int chains) -> float")
+# The fast form of :func:`klpenalty.sampling.support_from_ids` (not part of the contract either):
+# per row, the smallest logit at the kept ids (tau) and whether the set is {x >= tau} (exact).
+_BENCH_LIB.define(
+    "native_support_from_ids(Tensor x, Tensor ids, Tensor offsets) -> (Tensor tau, Tensor exact)"
+)
 
 # Elements per input of the tile that :func:`compute_floor` walks: the kernel's chunk (kChunk).
 COMPUTE_FLOOR_TILE = 2048
@@ -108,10 +122,11 @@ def _flags(instruction_set: str) -> list[str]:
 
 
 def build_name(instruction_set: str | None = None) -> str:
-    """Extension name: ISA, Python and torch versions, and a hash of the source and flags."""
+    """Extension name: ISA, Python and torch versions, and a hash of the sources and flags."""
     instruction_set = instruction_set or isa()
     digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
+    for source in SOURCE:
+        digest.update(source.read_bytes())
     digest.update("\0".join([*_flags(instruction_set), *_LDFLAGS]).encode())
     digest.update(torch.__version__.encode())
     tv = "".join(ch if ch.isalnum() else "_" for ch in torch.__version__)
@@ -173,7 +188,7 @@ def _compile(directory: Path, instruction_set: str) -> None:
     try:
         cpp_extension.load(
             name=directory.name,
-            sources=[str(SOURCE)],
+            sources=[str(source) for source in SOURCE],
             extra_cflags=_flags(instruction_set),
             extra_ldflags=list(_LDFLAGS),  # load() appends to the lists it is given
             build_directory=str(directory),

@@ -14,6 +14,7 @@ from klpenalty.sampling import resolve_support, sampling_threshold, support_from
 
 from .helpers import make_logits
 from klpenalty.bench import alloc_profile
+from klpenalty.ops.thresholds import LOCAL, threshold_rows
 
 
 # ------------------------------------------------------------------ the float64 reference
@@ -61,12 +62,16 @@ SETTINGS = [
 ]
 
 
+CPU_BACKENDS = ["streaming", "native"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-def test_thresholds_match_the_reference(dtype):
+def test_thresholds_match_the_reference(dtype, backend):
     x, _ = make_logits((3, 4, 50), dtype, seed=1, scale=2.0)
     rows = x.reshape(-1, 50)
     for kw in SETTINGS:
-        tau = sampling_threshold(x, **kw)
+        tau = sampling_threshold(x, **kw, backend=backend)
         assert tau.shape == (3, 4)
         assert tau.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
         got = _kept_by_tau(x, tau).reshape(-1, 50)
@@ -149,12 +154,15 @@ def test_nan_rows_keep_nothing_and_minus_inf_rows_are_safe():
 
 
 def test_row_chunks_give_the_same_thresholds_and_o_chunk_memory():
+    """The portable rule (the streaming backend's threshold op) walks rows in chunks."""
     x, _ = make_logits((32, 1024), seed=4)
-    full = sampling_threshold(x, top_k=50, top_p=0.9, min_p=0.01)
-    assert torch.equal(sampling_threshold(x, top_k=50, top_p=0.9, min_p=0.01, chunk_rows=3), full)
-    peak, largest = alloc_profile(
-        lambda: sampling_threshold(x, top_k=50, top_p=0.9, min_p=0.01, chunk_rows=2)
-    )
+
+    def portable(chunk_rows):
+        return threshold_rows(x, 50, 0.9, 0.01, 1.0, chunk_rows, LOCAL)
+
+    full = sampling_threshold(x, top_k=50, top_p=0.9, min_p=0.01, backend="streaming")
+    assert torch.equal(portable(None), full) and torch.equal(portable(3), full)
+    peak, largest = alloc_profile(lambda: portable(2))
     one_input = 32 * 1024 * 4
     assert largest <= 2 * 2 * 1024 * 8  # of the order of one float64 buffer of the chunk (sort)
     assert peak < one_input  # never a sort of the whole batch

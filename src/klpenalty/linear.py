@@ -29,7 +29,7 @@ from .functional import TokenStats
 from .ops import contract
 from .ops.contract import Want
 from .ops.dispatch import get_backend
-from .sampling import parse_support, rows_of_support
+from .sampling import parse_support, rows_of_support, support_args
 
 __all__ = ["linear_kl", "linear_policy_loss", "PolicyLoss"]
 
@@ -87,6 +87,7 @@ def _chunk_forward(
     impl,
     keep: Optional[Tensor] = None,
     tau: Optional[Tensor] = None,
+    sampler: tuple = (0, 1.0, 0.0),
 ) -> tuple[Tensor, Tensor]:
     """The per-row statistics of one chunk of logits: one ``<backend>_token_stats`` call.
 
@@ -97,15 +98,16 @@ def _chunk_forward(
         temperature: > 0.
         want_entropy: compute H(π).
         impl: the :class:`klpenalty.ops.dispatch.Backend` (:func:`~klpenalty.ops.dispatch.get_backend`).
+        keep, tau, sampler: the op's support arguments (:func:`klpenalty.sampling.support_args`).
 
     Returns:
         ``out`` (R, 4) in the compute dtype, columns kl, logprobs, ref_logprobs, entropy (0 where
         not requested), and ``stats`` (R, k): what :func:`_chunk_backward` needs, opaque to the
-        caller (the op's (R, 9) statistics).
+        caller (the op's (R, 10) statistics, the threshold used in ``ST_TAU``).
     """
     want = _want(tokens, want_entropy)
     return impl.forward_op(
-        zp, zr, tokens, mask, keep, tau, temperature, IGNORE, want, False, 0, 0
+        zp, zr, tokens, mask, keep, tau, temperature, IGNORE, want, False, 0, 0, *sampler
     )
 
 
@@ -173,10 +175,11 @@ class LocalChunks:
     def __init__(self, impl):
         self.impl = impl
 
-    def forward(self, zp, zr, tokens, temperature, want_entropy, keep=None, tau=None):
+    def forward(self, zp, zr, tokens, temperature, want_entropy, keep=None, tau=None,
+                sampler=(0, 1.0, 0.0)):
         """(out (R, 4), stats (R, k)) as :func:`_chunk_forward`."""
         return _chunk_forward(zp, zr, tokens, None, temperature, want_entropy, self.impl,
-                              keep, tau)
+                              keep, tau, sampler)
 
     def backward(self, grad_out, zp, zr, tokens, stats, temperature, need_p, need_r,
                  keep=None, tau=None):
@@ -292,8 +295,9 @@ class _LinearKL(torch.autograd.Function):
     Inputs are already validated; hidden states are (N, H_p) / (N, H_r) rows. ``rows`` (M,)
     int64 are the counted rows (None = all N); ``tokens`` (N,) int64 with ignored positions
     set to :data:`IGNORE`, or None. ``opts`` ends with the chunk adapter and the parsed support
-    (:func:`klpenalty.sampling.parse_support`): each chunk's thresholds are computed on its
-    rows' logits (they are per row), saved for the backward, and a kept set is re-read there.
+    (:func:`klpenalty.sampling.parse_support`): each chunk's thresholds are computed by the op on
+    its rows' logits (they are per row) and kept in the saved stats (``ST_TAU``) for the
+    backward; a kept set is re-read there.
     Outputs: kl, logprobs, ref_logprobs, entropy, each (N,) in the compute dtype (0 for
     outputs not requested, rows not counted).
     """
@@ -305,27 +309,23 @@ class _LinearKL(torch.autograd.Function):
         dtype = v.compute_dtype(hp, wp, hr, wr)
         outs = [hp.new_zeros(n, dtype=dtype) for _ in range(4)]
         m = n if rows is None else rows.shape[0]
-        stats = taus = None
+        stats = None
         for r0 in range(0, m, chunk):
             r1 = min(m, r0 + chunk)
             sel = slice(r0, r1) if rows is None else rows[r0:r1]
             zp = _logits(hp[sel], wp, bp, scale_p, cap_p)  # (R, V)
             zr = _logits(hr[sel], wr, br, scale_r, cap_r)  # (R, V)
             tok = None if tokens is None else tokens[sel]
-            keep, tau = _chunk_support(support, zp, rows, r0, r1, temperature)
-            out, st = adapter.forward(zp, zr, tok, temperature, want_entropy, keep, tau)
+            keep, tau, sampler = _chunk_support(support, zp, rows, r0, r1)
+            out, st = adapter.forward(zp, zr, tok, temperature, want_entropy, keep, tau, sampler)
             del zp, zr, keep
             if stats is None:
                 stats = st.new_empty((m, st.shape[-1]))
             stats[r0:r1] = st
-            if support[0] == "rule":
-                if taus is None:
-                    taus = tau.new_empty(m)
-                taus[r0:r1] = tau
             for k in range(4):
                 outs[k][sel] = out[:, k]
             del out, st
-        ctx.save_for_backward(hp, wp, bp, hr, wr, br, tokens, rows, stats, taus)
+        ctx.save_for_backward(hp, wp, bp, hr, wr, br, tokens, rows, stats)
         ctx.opts = opts
         ctx.set_materialize_grads(False)
         unused = [outs[k] for k, on in ((LOGPROBS, tokens is not None),
@@ -337,7 +337,7 @@ class _LinearKL(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        hp, wp, bp, hr, wr, br, tokens, rows, stats, taus = ctx.saved_tensors
+        hp, wp, bp, hr, wr, br, tokens, rows, stats = ctx.saved_tensors
         temperature, scale_p, cap_p, scale_r, cap_r, _, chunk, adapter, support = ctx.opts
         need = ctx.needs_input_grad[:6]
         need_p, need_r = any(need[:3]), any(need[3:6])
@@ -371,10 +371,10 @@ class _LinearKL(torch.autograd.Function):
                 zp = _logits(hpc, wp, bp, scale_p, cap_p)  # (R, V), recomputed
                 zr = _logits(hrc, wr, br, scale_r, cap_r) if use_ref else None  # (R, V)
                 tok = None if tokens is None else tokens[sel]
-                if taus is not None:  # the forward's thresholds
-                    keep, tau = None, taus[r0:r1]
+                if support[0] == "rule":  # the thresholds the forward's op computed
+                    keep, tau = None, stats[r0:r1, contract.ST_TAU]
                 else:  # a kept set (or none), re-read for these rows
-                    keep, tau = _chunk_support(support, zp, rows, r0, r1, temperature)
+                    keep, tau, _ = _chunk_support(support, zp, rows, r0, r1)
                 dzp, dzr = adapter.backward(
                     g_all[sel].to(dtype), zp, zr, tok, stats[r0:r1], temperature, need_p,
                     need_r, keep, tau,
@@ -404,15 +404,14 @@ class _LinearKL(torch.autograd.Function):
         )
 
 
-def _chunk_support(support, zp: Tensor, rows: Optional[Tensor], r0: int, r1: int,
-                   temperature: float) -> tuple[Optional[Tensor], Optional[Tensor]]:
-    """(keep, tau) of the chunk of counted rows r0:r1 (``rows`` None = all), from its policy
-    logits ``zp`` (R, V) and the parsed ``support`` (kind, payload)."""
+def _chunk_support(support, zp: Tensor, rows: Optional[Tensor], r0: int, r1: int) -> tuple:
+    """The op's (keep, tau, sampler) of the chunk of counted rows r0:r1 (``rows`` None = all),
+    from its policy logits ``zp`` (R, V) and the parsed ``support`` (kind, payload)."""
     kind, payload = support
-    if kind == "none":
-        return None, None
+    if kind in ("none", "rule"):  # nothing per row to select
+        return support_args(kind, payload, zp)
     flat = torch.arange(r0, r1, device=zp.device) if rows is None else rows[r0:r1]
-    return rows_of_support(kind, payload, zp, flat, temperature)
+    return rows_of_support(kind, payload, zp, flat)
 
 
 # ------------------------------------------------------------------------------ validation

@@ -44,7 +44,8 @@ import torch
 from torch import Tensor
 
 from . import _validation as v
-from .ops.engine import finite_or_zero
+from .ops import dispatch
+from .ops.thresholds import CHUNK_ELEMENTS, LOCAL, RowReduce, _chunks, threshold_rows
 
 __all__ = [
     "sampling_threshold",
@@ -53,19 +54,13 @@ __all__ = [
     "check_sampler",
     "parse_support",
     "rows_of_support",
+    "support_args",
+    "op_sampler",
     "CHUNK_ELEMENTS",
+    "RowReduce",
+    "LOCAL",
+    "threshold_rows",
 ]
-
-# Elements of one row chunk: a float64 copy of 2**21 elements is 16 MiB (+ the top-k values
-# and int64 indices), a few of a large vocabulary's rows at a time.
-CHUNK_ELEMENTS = 1 << 21
-
-
-def _chunks(n: int, vocab: int, chunk_rows: int | None):
-    rows = chunk_rows if chunk_rows else max(1, CHUNK_ELEMENTS // max(vocab, 1))
-    for r0 in range(0, n, rows):
-        yield r0, min(n, r0 + rows)
-
 
 def check_top_k(top_k: object) -> int:
     """An int ≥ 1."""
@@ -109,7 +104,7 @@ def sampling_threshold(
     top_p: float | None = None,
     min_p: float | None = None,
     temperature: float = 1.0,
-    chunk_rows: int | None = None,
+    backend: str = "auto",
 ) -> Tensor:
     """Per-position threshold τ of top-k → top-p → min-p sampling: kept(v) iff x_v ≥ τ.
 
@@ -123,7 +118,8 @@ def sampling_threshold(
         top_p: in (0, 1] or None (1 keeps everything).
         min_p: in [0, 1] or None (0 keeps everything).
         temperature: > 0, the sampler's.
-        chunk_rows: rows sorted at a time (default: about :data:`CHUNK_ELEMENTS` elements).
+        backend: whose ``sampling_threshold`` op computes it (``"auto"``: the device's fastest;
+            see :mod:`klpenalty.ops.dispatch`); every backend gives the same τ.
 
     Returns:
         τ (...) in the compute dtype (float32; float64 for float64 logits): the smallest kept
@@ -137,118 +133,18 @@ def sampling_threshold(
     v.check_logits("logits", logits)
     temperature = v.check_temperature(temperature)
     top_k, top_p, min_p = check_sampler(top_k, top_p, min_p).values()
-    return threshold_rows(logits, top_k, top_p, min_p, temperature, chunk_rows, LOCAL)
+    impl = dispatch.get_backend(backend, logits.device)
+    return impl.threshold_op(logits, *op_sampler(top_k, top_p, min_p), temperature)
 
 
-class RowReduce:
-    """The reductions over a row's vocabulary that the thresholds need, on one process.
-
-    :mod:`klpenalty.distributed.vocab_parallel` subclasses it to reduce over the ranks that hold
-    the row's vocabulary slices (the same calls, in the same order, on every rank).
-    """
-
-    def vocab(self, width: int) -> int:
-        """The whole vocabulary of rows of ``width`` local columns."""
-        return width
-
-    def amax(self, t: Tensor) -> Tensor:
-        """(R, 1) row maxima of (R, C)."""
-        return t.amax(-1, keepdim=True)
-
-    def amin(self, t: Tensor) -> Tensor:
-        """(R,) row minima of (R, C)."""
-        return t.amin(-1)
-
-    def sum64(self, t: Tensor) -> Tensor:
-        """(R, 1) float64 row sums of (R, C)."""
-        return t.sum(-1, keepdim=True, dtype=torch.float64)
-
-    def any(self, t: Tensor) -> Tensor:
-        """(R,) row-wise any of (R, C) bool."""
-        return t.any(-1)
-
-    def topk(self, key: Tensor, value: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """The k largest ``key`` of each row (R, k), decreasing, and ``value`` at them."""
-        keys, idx = key.topk(k, -1)
-        return keys, value.gather(-1, idx)
-
-
-LOCAL = RowReduce()
-
-
-def threshold_rows(
-    logits: Tensor,
-    top_k: int | None,
-    top_p: float | None,
-    min_p: float | None,
-    temperature: float,
-    chunk_rows: int | None,
-    reduce: RowReduce,
-) -> Tensor:
-    """τ (...) of :func:`sampling_threshold` for validated arguments, with the row reductions
-    of ``reduce`` (``logits`` may be one slice of the vocabulary)."""
-    vocab = reduce.vocab(logits.shape[-1])
-    xf = logits.detach().reshape(-1, logits.shape[-1])  # (N, C)
-    n = xf.shape[0]
-    tau = torch.full((n,), -math.inf, dtype=torch.float64, device=logits.device)
-    cut_k = top_k is not None and top_k < vocab
-    cut_p = top_p is not None and top_p < 1.0
-    cut_min = min_p is not None and min_p > 0.0
-    if cut_k or cut_p or cut_min:
-        for r0, r1 in _chunks(n, vocab, chunk_rows):
-            tau[r0:r1] = _chunk_threshold(xf[r0:r1], top_k if cut_k else None,
-                                          top_p if cut_p else None,
-                                          min_p if cut_min else None, temperature, vocab, reduce)
-    return tau.to(v.compute_dtype(logits)).reshape(logits.shape[:-1])
-
-
-def _chunk_threshold(
-    x: Tensor, top_k: int | None, top_p: float | None, min_p: float | None, temperature: float,
-    vocab: int, reduce: RowReduce,
-) -> Tensor:
-    """τ (R,) float64 of a chunk of rows x (R, C): the smallest logit kept by the three steps.
-
-    No full sort, and passes over the whole chunk only in the compute dtype (float32; float64
-    for float64 logits): top-k reads the k-th largest logit (``topk``); top-p takes the largest
-    k' logits of each row, k' growing until every row's kept prefix ends inside them, with the
-    masses exp(x/T − log Z) in float64 (log Z: the max plus the log of a float64-accumulated sum
-    of exp over the live logits); min-p is an elementwise test against the row's maximum.
-    """
-    xc = x.to(v.compute_dtype(x))  # (R, C), no copy for float32/float64 logits
-    r = xc.shape[0]
-    tau = torch.full((r,), -math.inf, dtype=torch.float64, device=x.device)
-    if top_k is not None:
-        tau = reduce.topk(xc, xc, top_k)[0][:, -1].double()  # ties with the k-th kept: x ≥ τ
-    if top_p is not None:
-        scaled = xc / temperature  # (R, C)
-        if top_k is not None:
-            scaled = scaled.masked_fill_(xc < tau.to(xc.dtype).unsqueeze(-1), -math.inf)
-        m = finite_or_zero(reduce.amax(scaled))  # (R, 1)
-        log_z = m.double() + reduce.sum64(torch.exp(scaled - m)).log()
-        k = min(vocab, 256 if top_k is None else top_k)
-        tau_p = torch.empty(r, dtype=xc.dtype, device=x.device)
-        active = torch.arange(r, device=x.device)  # rows whose kept prefix is not found yet
-        while active.numel():
-            vals, at = reduce.topk(scaled[active], xc[active], k)  # (A, k), decreasing
-            mass = torch.exp(vals.double() - log_z[active]).cumsum(-1)  # (A, k)
-            # the mass strictly before each position (an exclusive cumulative sum)
-            before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], -1)
-            kept = (before < top_p) & (vals > -math.inf)  # a prefix of each row
-            done = ~kept[:, -1] if k < vocab else torch.ones_like(kept[:, -1])
-            last = kept[done].sum(-1, keepdim=True).clamp_min(1) - 1  # at least the first
-            rows = active[done]
-            tau_p[rows] = at[done].gather(-1, last).squeeze(-1)
-            active = active[~done]
-            k = 4 * k if 16 * k <= vocab else vocab  # past a quarter of V: one full sort
-        tau = torch.maximum(tau, tau_p.double())
-    if min_p is not None:
-        # π_v ≥ min_p·π_max ⟺ exp((x_v − x_max)/T) ≥ min_p
-        top = reduce.amax(xc)  # (R, 1)
-        kept_min = torch.exp((xc - top) / temperature) >= min_p
-        smallest = reduce.amin(torch.where(kept_min, xc, math.inf))  # (R,); +inf if none kept
-        tau = torch.maximum(tau, torch.minimum(smallest, top.squeeze(-1)).double())
-    # a row holding NaN keeps nothing, so that the NaN is reported, never silently cut away
-    return tau.masked_fill(reduce.any(torch.isnan(xc)), math.nan)
+def op_sampler(top_k: int | None, top_p: float | None, min_p: float | None) -> tuple:
+    """Validated sampler settings (None = unused) as the ops' ``top_k, top_p, min_p`` arguments
+    (0, 1.0 and 0.0 = unused: :func:`klpenalty.ops.contract.sampler_cuts`)."""
+    return (
+        0 if top_k is None else int(top_k),
+        1.0 if top_p is None else float(top_p),
+        0.0 if min_p is None else float(min_p),
+    )
 
 
 @torch.no_grad()
@@ -396,37 +292,44 @@ def resolve_support(
     top_p: object,
     min_p: object,
     temperature: float,
+    backend: str = "auto",
 ) -> tuple[Tensor | None, Tensor | None]:
     """The ``(keep, tau)`` of the public functions' ``support=`` / ``top_k=`` / ``top_p=`` /
     ``min_p=`` arguments (validated by :func:`parse_support`), or (None, None) for the
-    untruncated policy.
+    untruncated policy; sampler settings become their threshold (:func:`sampling_threshold`).
 
     ``support``: a bool (..., V) tensor (used as ``keep``) or a pair ``(ids, offsets)``
     (:func:`support_from_ids`); it excludes the three sampler settings.
     """
     kind, payload = parse_support(support, top_k, top_p, min_p, logits.shape, logits.device)
-    if kind == "keep":
-        return payload, None
-    if kind == "ids":
-        return support_from_ids(logits, *payload)
+    keep, tau, sampler = support_args(kind, payload, logits)
     if kind == "rule":
-        top_k, top_p, min_p = payload
-        tau = sampling_threshold(
-            logits, top_k=top_k, top_p=top_p, min_p=min_p, temperature=temperature
-        )
-        return None, tau
-    return None, None
+        impl = dispatch.get_backend(backend, logits.device)
+        tau = impl.threshold_op(logits, *sampler, float(temperature))
+    return keep, tau
 
 
-def rows_of_support(kind: str, payload: object, logits: Tensor, rows: Tensor,
-                    temperature: float) -> tuple[Tensor | None, Tensor | None]:
-    """``(keep, tau)`` of the rows ``rows`` (R,) (flat indices into the N positions of the
+def support_args(kind: str, payload: object, logits: Tensor) -> tuple:
+    """The op arguments ``(keep, tau, (top_k, top_p, min_p))`` of a parsed support
+    (:func:`parse_support`) for policy logits (..., V): sampler settings stay settings (the
+    op computes their threshold row by row, in the same read of the logits as the KL)."""
+    if kind == "keep":
+        return payload, None, op_sampler(None, None, None)
+    if kind == "ids":
+        return (*support_from_ids(logits, *payload), op_sampler(None, None, None))
+    if kind == "rule":
+        return None, None, op_sampler(*payload)
+    return None, None, op_sampler(None, None, None)
+
+
+def rows_of_support(kind: str, payload: object, logits: Tensor, rows: Tensor) -> tuple:
+    """:func:`support_args` of the rows ``rows`` (R,) (flat indices into the N positions of the
     parsed support) for their policy logits ``logits`` (R, V): the support of a chunk of rows.
 
     The thresholds are per row, so a chunk's are those of the whole computed on its rows.
     """
     if kind == "keep":
-        return payload.reshape(-1, payload.shape[-1])[rows], None
+        return support_args(kind, payload.reshape(-1, payload.shape[-1])[rows], logits)
     if kind == "ids":
         ids, offsets = payload
         starts, counts = offsets[rows], offsets[rows + 1] - offsets[rows]  # (R,)
@@ -436,8 +339,6 @@ def rows_of_support(kind: str, payload: object, logits: Tensor, rows: Tensor,
         rank = torch.arange(int(new_offsets[-1]), device=ids.device) - torch.repeat_interleave(
             new_offsets[:-1], counts
         )
-        return support_from_ids(logits, ids[torch.repeat_interleave(starts, counts) + rank],
-                                new_offsets)
-    if kind == "rule":
-        return resolve_support(logits, None, *payload, temperature)
-    return None, None
+        chunk_ids = ids[torch.repeat_interleave(starts, counts) + rank]
+        return support_args(kind, (chunk_ids, new_offsets), logits)
+    return support_args(kind, payload, logits)

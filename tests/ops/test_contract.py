@@ -53,7 +53,7 @@ def test_opcheck_every_op(name, support):
     want = int(Want.KL | Want.LOGP | Want.REF_LOGP | Want.ENTROPY)
     with _env(name):
         fwd = (x.requires_grad_(), y.requires_grad_(), tokens, mask, keep, tau, 0.9, -100, want,
-               True, 0, 0)
+               True, 0, 0, 0, 1.0, 0.0)
         torch.library.opcheck(backend.forward_op, fwd)
         _, stats = backend.forward_op(*fwd)
         grad = torch.randn(2, 3, 4)
@@ -64,6 +64,11 @@ def test_opcheck_every_op(name, support):
             torch.library.opcheck(backend.backward_op, bwd)
         state = (x.detach(), y.detach(), keep, tau, 0.9, int(Want.KL | Want.ENTROPY), 0, 0)
         torch.library.opcheck(backend.state_op, state)
+        # the sampler's settings: the forward computes their threshold itself
+        sampled = (x, y, x.detach().argmax(-1), mask, None, None, 0.9, -100, want, True, 0, 0,
+                   30, 0.95, 0.0)
+        torch.library.opcheck(backend.forward_op, sampled)
+        torch.library.opcheck(backend.threshold_op, (x.detach(), 30, 0.95, 0.01, 0.9))
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -76,11 +81,52 @@ def test_state_op_is_the_forward_state(name):
     want = int(Want.KL | Want.ENTROPY)
     with _env(name):
         state, careful = backend.state_op(x, y, keep, tau, 0.9, want, 0, 0)
-        out, _ = backend.forward_op(x, y, None, None, keep, tau, 0.9, -100, want, False, 0, 0)
+        out, _ = backend.forward_op(x, y, None, None, keep, tau, 0.9, -100, want, False, 0, 0,
+                                    0, 1.0, 0.0)
     assert state.shape == (6, contract.STATE_COLS) and careful.shape == (6,)
     kl, h, _ = engine.stats_finalize(engine.state_from_tensor(state, want), careful)
     torch.testing.assert_close(kl, out.reshape(6, 4)[:, contract.OUT_KL])
     torch.testing.assert_close(h, out.reshape(6, 4)[:, contract.OUT_ENTROPY])
+
+
+SAMPLERS = [(5, 1.0, 0.0), (0, 0.7, 0.0), (0, 1.0, 0.2), (8, 0.9, 0.05), (40, 1.0, 0.0)]
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_sampler_settings_are_their_threshold_as_tau(name):
+    """The forward given top_k/top_p/min_p is the forward given their threshold op's τ (the
+    same support, so the same numbers), which its stats hold (``ST_TAU``) for the backward;
+    a tau given too is intersected with it."""
+    backend = _backend(name)
+    x, y = make_logits((2, 3, 40), torch.float32, seed=6, scale=2.0)
+    tokens = x.argmax(-1)
+    want = int(Want.KL | Want.LOGP | Want.REF_LOGP | Want.ENTROPY)
+    args = (0.8, -100, want, True, 0, 0)
+    g = torch.randn(2, 3, 4)
+    with _env(name):
+        for sampler in SAMPLERS:
+            tau = backend.threshold_op(x, *sampler, 0.8)
+            assert tau.shape == (2, 3) and tau.dtype == torch.float32
+            xs, xt = x.clone().requires_grad_(), x.clone().requires_grad_()
+            out_s, st_s = backend.forward_op(xs, y, tokens, None, None, None, *args, *sampler)
+            out_t, st_t = backend.forward_op(xt, y, tokens, None, None, tau, *args, 0, 1.0, 0.0)
+            assert torch.equal(out_s, out_t) and torch.equal(st_s, st_t), sampler
+            assert torch.equal(st_s[..., contract.ST_TAU], tau), sampler
+            (gs,) = torch.autograd.grad((out_s * g).sum(), xs)
+            (gt,) = torch.autograd.grad((out_t * g).sum(), xt)
+            assert torch.equal(gs, gt), sampler
+        # both a tau and a sampler: the larger threshold of the two, row by row
+        cut = backend.threshold_op(x, 8, 1.0, 0.0, 0.8)
+        given = torch.where(torch.rand(2, 3) < 0.5, cut - 1.0, cut + 0.5)
+        out_b, st_b = backend.forward_op(x, y, tokens, None, None, given, *args[:3], False, 0, 0,
+                                         8, 1.0, 0.0)
+        both = torch.maximum(cut, given)
+        out_m, _ = backend.forward_op(x, y, tokens, None, None, both, *args[:3], False, 0, 0, 0,
+                                      1.0, 0.0)
+        assert torch.equal(out_b, out_m) and torch.equal(st_b[..., contract.ST_TAU], both)
+        # nothing cut (k ≥ V, p = 1, min_p = 0): ST_TAU is −inf, as without a support
+        _, st_n = backend.forward_op(x, y, tokens, None, None, None, *args, 40, 1.0, 0.0)
+        assert torch.isneginf(st_n[..., contract.ST_TAU]).all()
 
 
 def test_owned_false_drops_only_the_token_entry():
@@ -89,7 +135,8 @@ def test_owned_false_drops_only_the_token_entry():
     x, _ = make_logits((3, 9), torch.float64, seed=2)
     tokens = torch.tensor([4, 0, 8])
     want = int(Want.LOGP)
-    _, stats = backend.forward_op(x, None, tokens, None, None, None, 1.0, -100, want, False, 0, 0)
+    _, stats = backend.forward_op(x, None, tokens, None, None, None, 1.0, -100, want, False, 0, 0,
+                                  0, 1.0, 0.0)
     grad = torch.zeros(3, 4, dtype=torch.float64)
     grad[:, 1] = 1.0
     args = (grad, x, None, tokens)
@@ -100,6 +147,20 @@ def test_owned_false_drops_only_the_token_entry():
     torch.testing.assert_close(part[1], dense[1])
     torch.testing.assert_close(part[[0, 2]], full[[0, 2]])
     torch.testing.assert_close(full[1, 0], 1.0 + dense[1, 0])
+
+
+def test_constant_result_is_dynamos_mark():
+    """The backends' ``available()`` are constants of a torch.compile trace: the mark set
+    without importing torch._dynamo is the one its decorator sets."""
+    import torch._dynamo
+
+    marked = torch._dynamo.assume_constant_result(lambda: True)
+    assert getattr(marked, "_dynamo_marked_constant", False) is True
+    assert contract.constant_result(lambda: True)._dynamo_marked_constant is True
+    for b in dispatch.REGISTRY.values():
+        check = getattr(b.module, "available", None)
+        if check is not None:
+            assert check._dynamo_marked_constant is True
 
 
 def test_registry_lists_every_backend_with_its_ops():

@@ -215,10 +215,12 @@ def test_one_pass_walk_where_a_later_chunk_raises_the_maximum(dtype):
         torch.testing.assert_close(_kl(x, y, temperature=temperature).double(), want, **tol(dtype))
     tokens = torch.tensor([0, CHUNK + 5, 2 * CHUNK + 9, 3, 3 * CHUNK + 50, CHUNK + 1, v - 1, 9])
     out, stats = torch.ops.klpenalty.native_token_stats(
-        x, y, tokens, None, None, None, 1.0, -100, int(ag.Want.KL | ag.Want.LOGP), False, 0, 0
+        x, y, tokens, None, None, None, 1.0, -100, int(ag.Want.KL | ag.Want.LOGP), False, 0, 0,
+        0, 1.0, 0.0
     )
     _, stats_s = torch.ops.klpenalty.streaming_token_stats(
-        x, y, tokens, None, None, None, 1.0, -100, int(ag.Want.KL | ag.Want.LOGP), False, 0, 0
+        x, y, tokens, None, None, None, 1.0, -100, int(ag.Want.KL | ag.Want.LOGP), False, 0, 0,
+        0, 1.0, 0.0
     )
     torch.testing.assert_close(out[:, ag.OUT_LOGP].double(), token_logprobs_reference(x, tokens, 1.0), **tol(dtype))
     torch.testing.assert_close(stats[:, :6], stats_s[:, :6], atol=2e-6, rtol=1e-5)
@@ -228,7 +230,7 @@ def test_one_pass_walk_where_a_later_chunk_raises_the_maximum(dtype):
     assert torch.all(gx[5, :CHUNK] == 0) and torch.isfinite(gx).all()  # ... and its gradient 0
     # the log-probs alone keep the fast walk also for the row whose first chunk is −inf
     lp, _ = torch.ops.klpenalty.native_token_stats(
-        x, None, tokens, None, None, None, 0.8, -100, int(ag.Want.LOGP), False, 0, 0
+        x, None, tokens, None, None, None, 0.8, -100, int(ag.Want.LOGP), False, 0, 0, 0, 1.0, 0.0
     )
     torch.testing.assert_close(lp[:, ag.OUT_LOGP].double(), token_logprobs_reference(x, tokens, 0.8), **tol(dtype))
 
@@ -603,8 +605,8 @@ def test_token_stats_fast_and_careful_paths_agree():
     for keep, tau in [(everything, None), (None, low), (everything, low)]:
         careful = views.native.token_stats(x, y, tokens, None, keep, tau, 0.8, want=ALL)
         torch.testing.assert_close(careful, fast, **tol(torch.float32))
-    _, st_fast = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, None, None, 0.8, -100, ALL, False, 0, 0)
-    _, st_care = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, everything, None, 0.8, -100, ALL, False, 0, 0)
+    _, st_fast = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, None, None, 0.8, -100, ALL, False, 0, 0, 0, 1.0, 0.0)
+    _, st_care = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, everything, None, 0.8, -100, ALL, False, 0, 0, 0, 1.0, 0.0)
     assert torch.all(st_fast[:, ag.ST_CAREFUL] == 0) and torch.all(st_care[:, ag.ST_CAREFUL] == 1)
     # a −inf logit forces the careful redo: the same values as the truncation that removes it
     xi = x.clone()

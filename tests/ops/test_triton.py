@@ -227,10 +227,10 @@ def test_stats_match_the_streaming_ops():
     y[2, 9] = NINF  # KL = +inf: flagged in both
     tokens = torch.tensor([0, 5, 299, 17, 100], device=DEVICE)
     out, st = torch.ops.klpenalty.triton_token_stats(
-        x, y, tokens, None, None, None, 0.9, -100, 15, False, 0, 16
+        x, y, tokens, None, None, None, 0.9, -100, 15, False, 0, 16, 0, 1.0, 0.0
     )
     out_s, st_s = torch.ops.klpenalty.streaming_token_stats(
-        x, y, tokens, None, None, None, 0.9, -100, 15, False, 0, 0
+        x, y, tokens, None, None, None, 0.9, -100, 15, False, 0, 0, 0, 1.0, 0.0
     )
     torch.testing.assert_close(out, out_s, **tol(torch.float32))
     torch.testing.assert_close(st[:, :5], st_s[:, :5], atol=2e-6, rtol=1e-5)

@@ -111,7 +111,7 @@ def test_forward_and_backward_sync_only_for_the_check(monkeypatch, check, expect
         for chunk in (0, 16) if not check else (0,):
             counter.syncs = 0
             out, _ = torch.ops.klpenalty.triton_token_stats(
-                x, y, c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, -100, 15, check, 0, chunk
+                x, y, c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, -100, 15, check, 0, chunk, 0, 1.0, 0.0
             )
             assert counter.syncs == expected
             counter.syncs = 0
@@ -310,7 +310,7 @@ def test_kernel_finish_matches_the_engine_finalize_and_contract_finish():
     for want, support, chunk in cases:
         sup_keep, sup_tau = (keep, tau) if support else (None, None)
         out, st = torch.ops.klpenalty.triton_token_stats(
-            x, y, tokens, mask, sup_keep, sup_tau, 0.8, -100, want, False, 0, chunk
+            x, y, tokens, mask, sup_keep, sup_tau, 0.8, -100, want, False, 0, chunk, 0, 1.0, 0.0
         )
         state, _ = torch.ops.klpenalty.triton_token_stats_state(
             x, y, sup_keep, sup_tau, 0.8, want, 0, chunk

@@ -183,6 +183,7 @@ def _merged_stats(x, y, tokens, owned, mask, keep, tau, opts):
     b = next(it) if mine.b is not None else None
     merged = engine.StatsState(m_x, s_x, b, m_y, s_y, a)
     kl, h, stats = engine.stats_finalize(merged, careful)
+    stats[:, contract.ST_TAU] = -math.inf if tau is None else tau.reshape(-1)
     out = stats.new_zeros(stats.shape[0], contract.OUT_COLS)
     if kl is not None:
         out[:, contract.OUT_KL] = kl
@@ -575,8 +576,9 @@ class _VocabParallelChunks(LocalChunks):
         owned = (local >= 0) & (local < self.width) & ~ignored
         return torch.where(owned, local, torch.where(ignored, _IGNORED, 0)), owned
 
-    def forward(self, zp, zr, tokens, temperature, want_entropy, keep=None, tau=None):
-        # keep, tau: always None (vocab_parallel_linear_kl takes no support)
+    def forward(self, zp, zr, tokens, temperature, want_entropy, keep=None, tau=None,
+                sampler=None):
+        # keep, tau, sampler: always unused (vocab_parallel_linear_kl takes no support)
         tok, owned = self._local(tokens)
         opts = (temperature, _want(tokens, want_entropy), self.impl, self.group, False, "", ())
         out, stats, _ = _merged_stats(zp, zr, tok, owned, None, None, None, opts)

@@ -35,6 +35,7 @@ Shape letters: N rows (positions), V vocabulary (the columns of the call).
 
 from __future__ import annotations
 
+import sys
 from enum import IntFlag
 
 import torch
@@ -59,6 +60,8 @@ __all__ = [
     "check_finished",
     "outside_support_error",
     "sampler_cuts",
+    "combined_tau",
+    "constant_result",
 ]
 
 
@@ -253,9 +256,9 @@ def finish(
     want: int,
     check: bool,
 ) -> tuple[Tensor, Tensor]:
-    """out (..., 4) and stats (..., 9) of the token_stats op from a backend's merged row state:
-    the KL and entropy columns, the sampled tokens' log-probs (a gather of N logits), masked
-    rows zeroed, and every check with one host read.
+    """out (..., 4) and stats (..., 10) of the token_stats op from a backend's merged row state:
+    the KL and entropy columns, the sampled tokens' log-probs (a gather of N logits), the
+    threshold used (``ST_TAU``), masked rows zeroed, and every check with one host read.
 
     Args:
         x, y: the op's (..., V) inputs; xf, yf: their (N, V) rows (yf None when not read).
@@ -266,6 +269,7 @@ def finish(
     leading, vocab = x.shape[:-1], x.shape[-1]
     n = xf.shape[0]
     out = stats.new_zeros(n, OUT_COLS)
+    stats[:, ST_TAU] = -float("inf") if tau_rows is None else tau_rows
     if kl is not None:
         out[:, OUT_KL] = kl
     if h is not None:
@@ -380,10 +384,28 @@ def _token_stats_grads_differentiable(
     return grad_x.to(x.dtype), grad_y
 
 
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` (about a
+    second of CPU at every ``import klpenalty``) when nothing has imported it yet: the mark is
+    the attribute that decorator sets (``tests/ops/test_contract.py`` checks they agree)."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.assume_constant_result(fn)
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def sampler_cuts(vocab: int, top_k: int, top_p: float, min_p: float) -> bool:
     """Whether the op arguments ``top_k`` / ``top_p`` / ``min_p`` cut anything at ``vocab``
     columns: 1 ≤ top_k < V, top_p < 1, min_p > 0 (top_k = 0, top_p = 1, min_p = 0: unused)."""
     return 0 < top_k < vocab or top_p < 1.0 or min_p > 0.0
+
+
+def combined_tau(tau: Tensor | None, tau_s: Tensor | None) -> Tensor | None:
+    """The threshold of both supports x ≥ tau and x ≥ tau_s (either may be None): their
+    maximum, NaN where either is NaN."""
+    if tau is None or tau_s is None:
+        return tau_s if tau is None else tau
+    return torch.maximum(tau.reshape(tau_s.shape).to(tau_s.dtype), tau_s)
 
 
 def op_name(backend: str, op: str) -> str:

@@ -1,7 +1,7 @@
 """The backends as data: a registry of :class:`Backend` entries and the choice for a device.
 
-A backend is a module implementing the three ops of :mod:`.contract` (``<name>_token_stats``,
-``_backward`` and ``_state``) plus one :class:`Backend` line in :data:`REGISTRY`; the public
+A backend is a module implementing the four ops of :mod:`.contract` (``<name>_token_stats``,
+``_backward``, ``_state`` and ``<name>_sampling_threshold``) plus one :class:`Backend` line in :data:`REGISTRY`; the public
 functions, ``linear_kl`` and the vocabulary-parallel path all call the ops through
 :func:`get_backend` and :func:`token_stats`. The ops take validated (..., V) tensors and return
 float32 (float64 for float64 inputs).
@@ -44,7 +44,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Backend:
-    """One backend: where it runs and its three ops.
+    """One backend: where it runs and its four ops.
 
     Attributes:
         name: the ``backend=`` name, and the prefix of its ops ``klpenalty::<name>_*``.
@@ -69,7 +69,7 @@ class Backend:
 
     @property
     def forward_op(self):
-        """``<name>_token_stats``: out (..., 4) and stats (..., 9)."""
+        """``<name>_token_stats``: out (..., 4) and stats (..., 10)."""
         return self._op("token_stats")
 
     @property
@@ -81,6 +81,11 @@ class Backend:
     def state_op(self):
         """``<name>_token_stats_state``: the per-shard state (N, 6) and careful flags (N,)."""
         return self._op("token_stats_state")
+
+    @property
+    def threshold_op(self):
+        """``<name>_sampling_threshold``: the sampler's per-row threshold τ (...)."""
+        return self._op("sampling_threshold")
 
 
 # name -> backend; a new backend is one module and one line here
@@ -154,15 +159,18 @@ def token_stats(
     check: bool = False,
     tile_rows: int = 0,
     tile_cols: int = 0,
+    sampler: tuple[int, float, float] = (0, 1.0, 0.0),
 ) -> Tensor:
     """out (..., 4) of ``backend``'s forward op on validated tensors: KL(π̃‖ρ), log π̃(t),
     log ρ(t), H(π̃), 0 in the columns not in ``want``; differentiable (also twice).
 
     Shapes: x, y, keep (..., V); tokens, mask, tau (...). ``tile_rows``/``tile_cols``: a
-    backend's tile (0 = its default; the native kernel ignores both).
+    backend's tile (0 = its default; the native kernel ignores both). ``sampler``: the op's
+    ``top_k, top_p, min_p`` (unused by default), whose threshold the op computes itself.
     """
+    top_k, top_p, min_p = sampler
     out, _ = backend.forward_op(
         x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
-        bool(check), int(tile_rows), int(tile_cols),
+        bool(check), int(tile_rows), int(tile_cols), int(top_k), float(top_p), float(min_p),
     )
     return out

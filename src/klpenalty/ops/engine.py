@@ -31,7 +31,7 @@ Across ranks this is an all-reduce MAX of the maxima, :func:`stats_rescale`, and
 SUM of the sums.
 
 **Finalize** (:func:`stats_finalize`): KL = a/s_x − log s_x + log s_y, H = log s_x − b/s_x
-(both clamped at 0, NaN for a row without a distribution), and the (N, 9) stats of
+(both clamped at 0, NaN for a row without a distribution), and the (N, 10) stats of
 :mod:`.contract` (``ST_*``). :func:`stats_grad_tile` writes one gradient tile from them;
 :func:`stats_token_grads` the entries at the sampled tokens.
 
@@ -375,7 +375,7 @@ def stats_merge(s0: StatsState, s1: StatsState, temperature: float) -> StatsStat
 def stats_finalize(
     state: StatsState, careful: torch.Tensor | None
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-    """(KL (N,) or None, H (N,) or None, stats (N, 9)) from the merged state of whole rows.
+    """(KL (N,) or None, H (N,) or None, stats (N, 10)) from the merged state of whole rows.
 
     The stats columns are those of :mod:`.contract` (``ST_*``): the KL's six
     (:func:`kl_finalize`; without the KL the shifts and log-sums alone, the careful flag for
@@ -421,7 +421,7 @@ def stats_grad_tile(
 
     Args:
         x: (r, c) policy logits, −inf off the support.  y: (r, c) reference logits or None.
-        stats: (r, 9) from :func:`stats_finalize`.
+        stats: (r, 10) from :func:`stats_finalize`.
         g: (r, 4) upstream gradient in the compute dtype, 0 where a column gets no gradient
             (masked rows, ignored tokens, columns not in ``want``).
         want: the :class:`.contract.Want` bits: the KL and entropy terms are computed only when wanted.
@@ -480,7 +480,7 @@ def stats_token_grads(
     Args:
         x_t: (N,) policy logit at the token in the compute dtype (−inf off the support).
         y_t: (N,) reference logit at the token, or None.
-        stats: (N, 9) with the log-probs of the token (columns 7, 8).
+        stats: (N, 10) with the log-probs of the token (columns 7, 8).
         g: (N, 4) as in :func:`stats_grad_tile`.
 
     Returns:

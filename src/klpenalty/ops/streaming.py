@@ -3,14 +3,15 @@
 The (N, V) logits are walked in tiles of ``rows × cols`` elements (a few MiB, cache-sized).
 Each tile gives the per-row state of :mod:`.engine`, the states of a row's vocabulary tiles are
 merged, and the merged state is finalized; the backward recomputes each tile from the saved
-logits and the (N, 9) stats and writes the gradient straight into a buffer of the input's dtype.
+logits and the (N, 10) stats and writes the gradient straight into a buffer of the input's dtype.
 Temporaries are tile-sized buffers reused for every tile: nothing of size (N, V) is allocated.
 
 On CPU the tile loop runs on one intra-op thread (see :func:`_cpu_threads`); on accelerators it
 makes no host synchronisation (the careful 0·log 0 arithmetic always runs there).
 
-The backend implements the three ops of :mod:`.contract` (``klpenalty::streaming_token_stats``,
-``_backward`` and ``_state``) for every device.
+The backend implements the four ops of :mod:`.contract` (``klpenalty::streaming_token_stats``,
+``_backward``, ``_state`` and ``streaming_sampling_threshold``, the portable rule of
+:mod:`.thresholds`) for every device.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._validation import compute_dtype
-from . import contract
+from . import contract, thresholds
 from .contract import Want
 from .engine import (
     Workspace,
@@ -219,14 +220,27 @@ def token_stats_state_op(x, y, keep, tau, temperature, want, tile_rows, tile_col
     return state_to_tensor(state), careful
 
 
+def sampling_threshold_op(x, top_k, top_p, min_p, temperature):
+    """τ (...) of the sampler settings (the threshold op of :mod:`.contract`): the portable
+    rule of :mod:`.thresholds`, in row chunks."""
+    return thresholds.threshold_rows(
+        x, top_k if top_k > 0 else None, top_p if top_p < 1.0 else None,
+        min_p if min_p > 0.0 else None, temperature, None, thresholds.LOCAL,
+    )
+
+
 def token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
     x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
-    tile_cols,
+    tile_cols, top_k, top_p, min_p,
 ):
-    """(..., V) logits → out (..., 4): KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃), and stats (..., 9)
+    """(..., V) logits → out (..., 4): KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃), and stats (..., 10)
     (the forward op of :mod:`.contract`): one read of each logit for all the wanted outputs;
-    the support (``keep``, ``tau``) applied per tile."""
+    the support (``keep``, ``tau``, the sampler's threshold) applied per tile."""
     v.check_want(want, y is not None, tokens is not None)
+    if contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):
+        tau = contract.combined_tau(
+            tau, sampling_threshold_op(x, top_k, top_p, min_p, temperature)
+        )
     xf, yf, keepf, tauf, state, careful = _rows_state(x, y, keep, tau, temperature, want,
                                                       tile_rows, tile_cols)
     kl, h, stats = stats_finalize(state, careful)
@@ -245,7 +259,7 @@ def token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backwa
     ``owned`` (if given) is True (the backward op of :mod:`.contract`)."""
     xf, rows, cols = _rows_and_tiles(x, tile_rows, tile_cols)  # (N, V)
     n, vocab = xf.shape
-    st = stats.reshape(-1, contract.STATS_COLS)  # (N, 9)
+    st = stats.reshape(-1, contract.STATS_COLS)  # (N, 10)
     dtype = st.dtype
     need_y = need_y and y is not None
     use_y = _wants_y(y, want)
@@ -303,4 +317,5 @@ def token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backwa
 contract.implement(
     "streaming", "CompositeExplicitAutograd", token_stats=token_stats_op,
     token_stats_backward=token_stats_backward_op, token_stats_state=token_stats_state_op,
+    sampling_threshold=sampling_threshold_op,
 )

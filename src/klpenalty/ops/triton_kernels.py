@@ -98,7 +98,7 @@ def _kernels():
     return _jit
 
 
-@torch.compiler.assume_constant_result
+@contract.constant_result
 def available() -> bool:
     """Whether Triton imports (tried once per process)."""
     global _error
@@ -407,7 +407,7 @@ def _token_stats_state_op(x, y, keep, tau, temperature, want, tile_rows, tile_co
 
 def _token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
     x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
-    tile_cols,
+    tile_cols, top_k, top_p, min_p,
 ):
     """(..., V) logits → out (..., 4) = (KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃)) and stats (..., 9)
     (the forward op of :mod:`.contract`), in one read of each logit, written by the kernels;
@@ -415,11 +415,16 @@ def _token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
     if _portable(x, y):
         return streaming.token_stats_op(
             x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
-            tile_cols,
+            tile_cols, top_k, top_p, min_p,
         )
     v.check_want(want, y is not None, tokens is not None)
+    if contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):
+        tau = contract.combined_tau(
+            tau, streaming.sampling_threshold_op(x, top_k, top_p, min_p, temperature)
+        )
     out, stats = _forward(x, y, tokens, mask, keep, tau, temperature, ignore_index, want,
                           tile_cols, True)
+    stats[:, contract.ST_TAU] = -float("inf") if tau is None else tau.reshape(-1)
     if check:  # one host read for all the checks
         contract.check_finished(out, x, y, tokens, keep, tau, want, ignore_index)
     leading = x.shape[:-1]
@@ -479,4 +484,5 @@ def _token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backw
 contract.implement(
     "triton", "CompositeExplicitAutograd", token_stats=_token_stats_op,
     token_stats_backward=_token_stats_backward_op, token_stats_state=_token_stats_state_op,
+    sampling_threshold=streaming.sampling_threshold_op,
 )

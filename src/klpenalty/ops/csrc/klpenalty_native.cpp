@@ -1673,6 +1673,7 @@ void finalize_row(const RowState& row, int64_t want, bool x_state, bool y_state,
                   const T* yr, const Support& sup, int64_t tok, double T_, O* out, O* st) {
   std::fill(out, out + kOutCols, O(0));
   std::fill(st, st + kStatsCols, O(0));
+  st[kTau] = static_cast<O>(sup.threshold());
   const double lsx = std::log(row.s_x), lsy = std::log(row.s_y);
   const double shx = finite_or_zero(row.m_x), shy = finite_or_zero(row.m_y);
   const bool valid_x = row.s_x > 0 && std::isfinite(row.s_x);
@@ -1787,7 +1788,6 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
             std::swap(row.m_x, row.m_y);
             std::swap(row.s_x, row.s_y);
             finalize_row(row, want, false, true, xr, yr, Support(), t, T, o, s);
-            s[kTau] = static_cast<O>(ra.support(r).threshold());
           } else {
             Support sup = ra.support(r);
             if (cuts) sup = with_threshold(sup, row_threshold(xr, V, sampler, scratch()),
@@ -1796,7 +1796,6 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
             const T_in* side = cuts && r + 1 < r1 ? px + ra.rx.offset(r + 1) : nullptr;
             const RowState row = walk(xr, yr, sup, V, T, kY, kB, side);
             finalize_row(row, want, true, a.need_y_state, xr, yr, sup, t, T, o, s);
-            s[kTau] = static_cast<O>(sup.threshold());
           }
         }
       });

@@ -57,11 +57,6 @@ SOURCE = Path(__file__).with_name("csrc") / "klpenalty_native.cpp"
 
 contract.define_ops("native")  # the schemas; the C++ library registers the CPU kernels
 
-# Until the kernel computes it: the portable threshold on CPU tensors.
-from . import streaming as _streaming  # noqa: E402
-
-contract.implement("native", "CPU", sampling_threshold=_streaming.sampling_threshold_op)
-
 # The benchmark op (not part of the contract): the kernel's inner loop over an L1-resident tile.
 _BENCH_LIB = torch.library.Library("klpenalty", "FRAGMENT")  # noqa: TOR901
 _BENCH_LIB.define("native_compute_floor(Tensor x, Tensor y, int pairs, int chains) -> float")

@@ -1911,8 +1911,11 @@ struct GradCoef {
 // kKL, kH: the KL's and the entropy's d-dependent terms of ∂/∂x (each only where its upstream
 // gradient is nonzero: a KL of +inf gives no NaN to the other columns' gradients); kCareful:
 // 0 where p = 0 (−inf logits, off the support) and where ∂/∂y is NaN.
-template <bool kDy, bool kKL, bool kH, bool kCareful, typename TX, typename TY, typename TO>
-void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* gx, TO* gy) {
+// Sup: the support's lane masks (p = 0 off it; the logits read in memory order).
+template <bool kDy, bool kKL, bool kH, bool kCareful, typename TX, typename TY, typename TO,
+          typename Sup = NoLanes>
+void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* gx, TO* gy,
+                  const Sup& sup = Sup()) {
   const VF zero(0.0f);
   auto gx_of = [&](const VF& p, const VF& dx, const VF& dy) {
     VF inner = k.vc0;
@@ -1940,8 +1943,14 @@ void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* 
       dx0 = x0 - k.vsx;
       dx1 = x1 - k.vsx;
     }
-    const VF p0 = exp2_fast(at::vec::fmadd(dx0, k.vc, k.vbx));
-    const VF p1 = exp2_fast(at::vec::fmadd(dx1, k.vc, k.vbx));
+    VF p0 = exp2_fast(at::vec::fmadd(dx0, k.vc, k.vbx));
+    VF p1 = exp2_fast(at::vec::fmadd(dx1, k.vc, k.vbx));
+    if constexpr (Sup::kOn) {  // the logits again (from L1) for the comparison with tau
+      VF xa, xb;
+      load2(px + i, xa, xb);
+      p0 = select(sup.at(xa, i), p0, zero);
+      p1 = select(sup.at(xb, i + VF::size()), p1, zero);
+    }
     if (gx) store2(gx + i, gx_of(p0, dx0, dy0), gx_of(p1, dx1, dy1));
     if constexpr (kDy) {
       if (gy) store2(gy + i, gy_of(p0, dy0), gy_of(p1, dy1));
@@ -1950,7 +1959,7 @@ void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* 
   for (; i < n; ++i) {
     const float dx = static_cast<float>(px[i]) - k.shx;
     const float dy = kDy ? static_cast<float>(py[i]) - k.shy : 0.0f;
-    const float p = std::exp2(dx * k.c + k.bx);
+    const float p = sup.kept(static_cast<float>(px[i]), i) ? std::exp2(dx * k.c + k.bx) : 0.0f;
     if (gx) {
       float inner = k.c0;
       if (kH) inner += dx * k.ch;
@@ -1972,14 +1981,11 @@ template <bool kDy, bool kKL, bool kH, typename T>
 void grad_row_vec(const T* xr, const T* yr, const Support& sup, const GradRow& g, double T_,
                   T* gx, T* gy, int64_t V) {
   const GradCoef k(g, T_);
-  if (sup.any()) {
-    alignas(64) float buf[kChunk];
-    for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
-      const int64_t n = std::min(kChunk, V - c0);
-      load_support(xr + c0, sup.from(c0), n, buf);
-      grad_segment<kDy, kKL, kH, true>(static_cast<const float*>(buf), kDy ? yr + c0 : yr, n, k,
-                                      gx ? gx + c0 : gx, gy ? gy + c0 : gy);
-    }
+  if (sup.any()) {  // p = 0 off the support by the lane masks; careful: −inf logits kept
+    with_lanes(sup, [&](const auto& lanes) {
+      grad_segment<kDy, kKL, kH, true>(xr, yr, V, k, gx, gy, lanes);
+      return 0;
+    });
   } else if (g.careful) {
     grad_segment<kDy, kKL, kH, true>(xr, yr, V, k, gx, gy);
   } else {

@@ -1122,8 +1122,9 @@ void check_sampler_args(int64_t top_k, double top_p, double min_p) {
 
 // Per-thread buffers of the threshold (reused across rows and calls).
 struct ThresholdScratch {
-  std::vector<float> xs, es, cx0, ce0, cx1, ce1, kbuf;
+  std::vector<float> xs, es, cx0, ce0, cx1, ce1, kbuf, lm;
   std::vector<double> cand;
+  int64_t survivors = -1;  // kth_largest's: the logits >= its lower bound, kept in kbuf
 };
 
 ThresholdScratch& scratch() {
@@ -1132,9 +1133,13 @@ ThresholdScratch& scratch() {
 }
 
 // (max, min) of a row; max NaN if the row holds NaN. The first read of the row: four
-// independent vectors per step and the lines kAhead elements ahead requested meanwhile.
+// independent vectors per step and the lines kAhead elements ahead requested meanwhile. For float
+// rows, lane_max (if given) receives the lane maxima of each block of kLaneBlock elements
+// (kLaneBlock/VF::size() elements each, distinct elements of the row), *lanes their number.
+constexpr int64_t kLaneBlock = 256;
 template <typename T>
-std::pair<double, double> row_max_min(const T* x, int64_t V) {
+std::pair<double, double> row_max_min(const T* x, int64_t V, float* lane_max = nullptr,
+                                      int64_t* lanes = nullptr) {
   if constexpr (std::is_same_v<T, double>) {
     double mx = -kInf, mn = kInf;
     for (int64_t j = 0; j < V; ++j) {
@@ -1147,13 +1152,33 @@ std::pair<double, double> row_max_min(const T* x, int64_t V) {
     constexpr int64_t kStep = U * VF::size();
     constexpr int64_t kBytes = kStep * static_cast<int64_t>(sizeof(T));
     constexpr float finf = std::numeric_limits<float>::infinity();
-    VF mx[U], mn[U];
-    for (int k = 0; k < U; ++k) mx[k] = VF(-finf), mn[k] = VF(finf);
+    static_assert(kLaneBlock % kStep == 0, "a lane block is whole steps");
+    VF mx[U], mn[U], gmax(-finf);
+    for (int k = 0; k < U; ++k) mn[k] = VF(finf);
     LaneMask nan = lanes_empty();
-    int64_t i = 0;
+    int64_t i = 0, nl = 0;
+    while (i + kLaneBlock <= V) {
+      for (int k = 0; k < U; ++k) mx[k] = VF(-finf);
+      for (int64_t e = i + kLaneBlock; i < e; i += kStep) {
+        const char* ahead = reinterpret_cast<const char*>(x + i + kAhead);
+        for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(ahead + b);
+#pragma GCC unroll 4
+        for (int k = 0; k < U; ++k) {
+          const VF v = load1(x + i + k * VF::size());
+          mx[k] = max_fast(mx[k], v);
+          mn[k] = at::vec::clamp_max(mn[k], v);
+          nan = lanes_or(nan, lanes_nan(v));
+        }
+      }
+      const VF bm = max_fast(max_fast(mx[0], mx[1]), max_fast(mx[2], mx[3]));
+      if (lane_max) bm.store(lane_max + nl);
+      nl += VF::size();
+      gmax = max_fast(gmax, bm);
+    }
+    if (lanes) *lanes = nl;
+    for (int k = 0; k < U; ++k) mx[k] = VF(-finf);
+    mx[0] = gmax;
     for (; i + kStep <= V; i += kStep) {
-      const char* ahead = reinterpret_cast<const char*>(x + i + kAhead);
-      for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(ahead + b);
 #pragma GCC unroll 4
       for (int k = 0; k < U; ++k) {
         const VF v = load1(x + i + k * VF::size());
@@ -1346,24 +1371,31 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     const VF vnlo(static_cast<float>(nlo)), vnhi(static_cast<float>(nhi));
     WideSum up;
     int64_t m = 0, j = 0;
+    float* od = ox.data();
     auto member = [&](const VF& v, const VF& e, VF& a) {
       const LaneMask upper = lanes_gt(v, vnhi);
       a = add_where(a, upper, e);
       const LaneMask in = lanes_andnot(lanes_gt(v, vnlo), upper);
-      m += compress_store(ox.data() + m, in, v);
+      m += compress_store(od + m, in, v);
     };
-    while (j + VF::size() <= n) {
-      VF a = zero;
-      for (int f = 0; f < 8 && j + VF::size() <= n; ++f, j += VF::size()) {
-        if (first) {
+    if (first) {
+      while (j + VF::size() <= n) {
+        VF a = zero;
+        for (int f = 0; f < 8 && j + VF::size() <= n; ++f, j += VF::size()) {
           const VF v = load1(x + j);
           member(v, kCount ? one : VF::loadu(es + j), a);
-        } else {
+        }
+        up.add(a);
+      }
+    } else {
+      while (j + VF::size() <= n) {
+        VF a = zero;
+        for (int f = 0; f < 8 && j + VF::size() <= n; ++f, j += VF::size()) {
           const VF v = VF::loadu(cx + j);
           member(v, weight(v), a);
         }
+        up.add(a);
       }
-      up.add(a);
     }
     double add = up.value();
     for (; j < n; ++j) {
@@ -1400,8 +1432,22 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
 // (float rows of more than kSmallRow logits), else nth_element over a copy.
 template <typename T>
 double kth_largest(const T* x, int64_t V, double M, double row_min, const Sampler& s,
-                   ThresholdScratch& w) {
+                   ThresholdScratch& w, int64_t lanes) {
+  w.survivors = -1;
   if constexpr (!std::is_same_v<T, double>) {
+    // a small k: th0 = the k-th largest lane maximum (k distinct logits >= th0, so the k-th
+    // largest logit is the k-th largest of the logits >= th0, a few times k of them)
+    if (4 * s.top_k <= lanes) {
+      const double th0 = select_large<true>(w.lm.data(), lanes, M, row_min, -kInf, s, w);
+      gather_at_least(x, V, th0, w);
+      const int64_t n = static_cast<int64_t>(w.cand.size());
+      if (n >= s.top_k && n <= 64 * s.top_k + 4096) {
+        w.survivors = n;  // w.kbuf[0, n): the logits >= th0, in index order
+        std::nth_element(w.cand.begin(), w.cand.begin() + (s.top_k - 1), w.cand.end(),
+                         std::greater<>());
+        return w.cand[s.top_k - 1];
+      }
+    }
     if (V > kSmallRow) return select_large<true>(x, V, M, row_min, -kInf, s, w);
   }
   w.cand.resize(V);
@@ -1466,17 +1512,31 @@ double min_p_threshold(const T* x, int64_t V, double M, const Sampler& s) {
 // τ_s of one row (see above); s.cuts() holds.
 template <typename T>
 double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& w) {
-  const auto [M, row_min] = row_max_min(x, V);
+  int64_t lanes = 0;
+  float* lane_max = nullptr;
+  if (!std::is_same_v<T, double> && s.cut_k) {
+    w.lm.resize(V / kLaneBlock * VF::size() + VF::size());
+    lane_max = w.lm.data();
+  }
+  const auto [M, row_min] = row_max_min(x, V, lane_max, &lanes);
   if (std::isnan(M)) return kNaN;  // a row holding NaN keeps nothing
   if (M == -kInf) return -kInf;    // every logit −inf: every step keeps them all
   double tau = -kInf;
-  if (s.cut_k) tau = kth_largest(x, V, M, row_min, s, w);
+  w.survivors = -1;
+  if (s.cut_k) tau = kth_largest(x, V, M, row_min, s, w, lanes);
   if ((s.cut_p || s.cut_min) && M == kInf) return kInf;  // only the +inf logits
   if (s.cut_p) {
     double tp;
     const bool few = s.cut_k && 8 * s.top_k <= V;
     if (std::is_same_v<T, double> || few || V <= kSmallRow) {
-      gather_at_least(x, V, tau, w);  // the candidates x >= τ_k, in index order
+      if (w.survivors >= 0) {  // the candidates x >= τ_k among top-k's survivors, in order
+        w.cand.clear();
+        for (int64_t j = 0; j < w.survivors; ++j) {
+          if (w.kbuf[j] >= tau) w.cand.push_back(w.kbuf[j]);
+        }
+      } else {
+        gather_at_least(x, V, tau, w);  // the candidates x >= τ_k, in index order
+      }
       tp = top_p_small(w.cand.data(), static_cast<int64_t>(w.cand.size()), s.top_p, s.T);
     } else {
       const double lo = s.cut_k ? std::nextafter(static_cast<float>(tau), -std::numeric_limits<float>::infinity())

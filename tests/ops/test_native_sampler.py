@@ -234,6 +234,12 @@ def test_fused_forward_equals_the_forward_given_its_threshold(dtype):
     # no sampler: ST_TAU is the tau given, or −inf
     _, stats = _forward(x, y, None, None, 1.0, want, tokens=tokens)
     assert torch.all(stats[..., ST_TAU] == NINF)
+    # a sampled token outside the sampler's support is reported with check=True
+    bad = x.argmin(-1)
+    with pytest.raises(ValueError, match=r"sampled token \d+ at position \(0, 0\) is outside"):
+        torch.ops.klpenalty.native_token_stats(
+            x, y, bad, None, None, None, 1.0, -100, want, True, 0, 0, 50, 1.0, 0.0
+        )
     # a NaN threshold keeps nothing: the checks report it
     xn = x.clone()
     xn[0, 1, 5] = float("nan")

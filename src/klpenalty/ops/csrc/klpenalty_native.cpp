@@ -1872,7 +1872,7 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
     } else {
       raise_if_nan(out, want, a.leading, {{"logits", a.x_in}});
     }
-    if (a.truncated() && (want & kWantLogp)) {
+    if ((a.truncated() || cuts) && (want & kWantLogp)) {
       if (a.ct == at::kDouble) {
         check_tokens_in_support(a, ra, out.const_data_ptr<double>(), ignore_index);
       } else {

@@ -1097,6 +1097,8 @@ void parallel_rows(int64_t N, int64_t V, const F& f) {
 constexpr int64_t kSmallRow = 256;   // candidates sorted and walked directly
 constexpr int kLevelCuts = 7;        // thresholds per narrowing level (8 sub-brackets)
 constexpr double kSpan = 32.0;       // the guide's first thresholds: within 32·T of the max
+constexpr int64_t kSampleRow = 4096;  // top-p rows from which a sample places pass 1's guide
+constexpr int64_t kSampleEvery = 4;   // the sample: every 4th vector
 constexpr double kMargin = 1e-4;     // relative to Z: the guide sums' error is below 1e-6
 
 struct Sampler {
@@ -1311,7 +1313,31 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
   float t[kLevelCuts];
   VF vt[kLevelCuts], acc[kLevelCuts];
   double g[kLevelCuts] = {};
-  guide_cuts(lo_t, hi, t, vt);
+  double cut_lo = lo_t, cut_hi = hi;  // where pass 1 places its guide's thresholds
+  if (!kCount && V >= kSampleRow) {
+    // a sample (every kSampleEvery-th vector) places them: the bracket that the sample's guide
+    // gives (a margin of 2% of its Z); only where the thresholds lie depends on it, so a poor
+    // sample costs a level, never the result
+    guide_cuts(lo_t, hi, t, vt);
+    for (int b = 0; b < kLevelCuts; ++b) acc[b] = zero;
+    VF za = zero;
+    for (int64_t i = 0; i + VF::size() <= V; i += kSampleEvery * VF::size()) {
+      const VF v = load1(x + i);
+      const VF e = select(lanes_gt(v, vlo), weight(v), zero);
+      za = za + e;
+#pragma GCC unroll 16
+      for (int b = 0; b < kLevelCuts; ++b) acc[b] = add_where(acc[b], lanes_gt(v, vt[b]), e);
+    }
+    flush_guide(acc, g);
+    WideSum zsum;
+    zsum.add(za);
+    const double zs0 = zsum.value();
+    double a = lo_t, b = hi;
+    narrow(t, g, 0.0, s.top_p * zs0, 0.02 * zs0, a, b);
+    cut_lo = std::max(lo_t, a), cut_hi = b;
+    for (int k = 0; k < kLevelCuts; ++k) g[k] = 0.0;
+  }
+  guide_cuts(cut_lo, cut_hi, t, vt);
   for (int b = 0; b < kLevelCuts; ++b) acc[b] = zero;
   WideSum zs;
   int64_t i = 0;

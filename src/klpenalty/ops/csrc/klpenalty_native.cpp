@@ -1314,16 +1314,29 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
   VF vt[kLevelCuts], acc[kLevelCuts];
   double g[kLevelCuts] = {};
   double cut_lo = lo_t, cut_hi = hi;  // where pass 1 places its guide's thresholds
+  double z = 0.0, P = 0.0, margin = 0.0;
+  int64_t n = V;
+  const float* cx = nullptr;  // the members after the first level
+  int flip = 0;
+  bool direct = false;  // the sample's bracket held the crossing: its members, in one pass
   if (!kCount && V >= kSampleRow) {
     // a sample (every kSampleEvery-th vector) places them: the bracket that the sample's guide
     // gives (a margin of 2% of its Z); only where the thresholds lie depends on it, so a poor
     // sample costs a level, never the result
     guide_cuts(lo_t, hi, t, vt);
     for (int b = 0; b < kLevelCuts; ++b) acc[b] = zero;
+    const int64_t ns = (V / VF::size() + kSampleEvery - 1) / kSampleEvery * VF::size();
+    w.xs.resize(ns + VF::size());
+    w.ce0.resize(ns + VF::size());
+    float* sx = w.xs.data();
+    float* se = w.ce0.data();
     VF za = zero;
-    for (int64_t i = 0; i + VF::size() <= V; i += kSampleEvery * VF::size()) {
+    int64_t j = 0;
+    for (int64_t i = 0; i + VF::size() <= V; i += kSampleEvery * VF::size(), j += VF::size()) {
       const VF v = load1(x + i);
       const VF e = select(lanes_gt(v, vlo), weight(v), zero);
+      v.store(sx + j);
+      e.store(se + j);
       za = za + e;
 #pragma GCC unroll 16
       for (int b = 0; b < kLevelCuts; ++b) acc[b] = add_where(acc[b], lanes_gt(v, vt[b]), e);
@@ -1334,9 +1347,65 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     const double zs0 = zsum.value();
     double a = lo_t, b = hi;
     narrow(t, g, 0.0, s.top_p * zs0, 0.02 * zs0, a, b);
+    // a second, finer look at the same sample (its stored masses)
+    if (b > std::max(lo_t, a)) {
+      for (int k = 0; k < kLevelCuts; ++k) g[k] = 0.0;
+      guide_cuts(std::max(lo_t, a), b, t, vt);
+      for (int64_t q = 0; q < j; q += VF::size()) {
+        const VF v = VF::loadu(sx + q), e = VF::loadu(se + q);
+#pragma GCC unroll 16
+        for (int k = 0; k < kLevelCuts; ++k) acc[k] = add_where(acc[k], lanes_gt(v, vt[k]), e);
+        if ((q / VF::size()) % 64 == 63) flush_guide(acc, g);
+      }
+      flush_guide(acc, g);
+      narrow(t, g, 0.0, s.top_p * zs0, 0.02 * zs0, a, b);
+    }
     cut_lo = std::max(lo_t, a), cut_hi = b;
     for (int k = 0; k < kLevelCuts; ++k) g[k] = 0.0;
+    // one pass: Z, the mass above the sample's bracket (fa, fb] and its members, in double;
+    // kept if the crossing surely lies inside (else pass 1 below, its guide placed there)
+    const float fa = static_cast<float>(cut_lo), fb = static_cast<float>(cut_hi);
+    if (fb > fa) {
+      w.cx0.resize(V + VF::size());
+      float* od = w.cx0.data();
+      const VF va(fa), vb(fb);
+      WideSum zw, uw, mw;
+      int64_t m = 0, i = 0;
+      while (i + VF::size() <= V) {
+        VF z8 = zero, u8 = zero, m8 = zero;
+        for (int f = 0; f < 8 && i + VF::size() <= V; ++f, i += VF::size()) {
+          const VF v = load1(x + i);
+          const VF e = select(lanes_gt(v, vlo), weight(v), zero);
+          z8 = z8 + e;
+          const LaneMask upper = lanes_gt(v, vb);
+          u8 = add_where(u8, upper, e);
+          const LaneMask in = lanes_andnot(lanes_gt(v, va), upper);
+          m8 = add_where(m8, in, e);
+          m += compress_store(od + m, in, v);
+        }
+        zw.add(z8), uw.add(u8), mw.add(m8);
+      }
+      double zz = zw.value(), up = uw.value(), mm = mw.value();
+      for (; i < V; ++i) {
+        const float v = static_cast<float>(x[i]);
+        const float e = v > lo ? weight1(v) : 0.0f;
+        zz += e;
+        if (v > fb) {
+          up += e;
+        } else if (v > fa) {
+          mm += e;
+          od[m++] = v;
+        }
+      }
+      const double Pz = s.top_p * zz, mz = kMargin * zz;
+      if (up < Pz - mz && up + mm >= Pz + mz) {
+        direct = true;
+        z = zz, P = Pz, margin = mz, above = up, n = m, cx = od;
+        lo = fa, hi = fb, lo_t = std::max(lo_t, static_cast<double>(fa));
+      }
+    }
   }
+  if (!direct) {
   guide_cuts(cut_lo, cut_hi, t, vt);
   for (int b = 0; b < kLevelCuts; ++b) acc[b] = zero;
   WideSum zs;
@@ -1354,7 +1423,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     zs.add(za);
     flush_guide(acc, g);
   }
-  double z = zs.value();
+  z = zs.value();
   for (; i < V; ++i) {
     const float v = static_cast<float>(x[i]);
     const float e = v > lo ? weight1(v) : 0.0f;
@@ -1364,12 +1433,10 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
   }
   if (kCount && z < s.top_k) return -kInf;  // fewer than k logits above −inf
   // counts are exact (integers below 2^24 in float lanes): no margin
-  const double P = kCount ? static_cast<double>(s.top_k) : s.top_p * z;
-  const double margin = kCount ? 0.0 : kMargin * z;
-  int64_t n = V;
-  const float* cx = nullptr;  // the members after the first level
-  int flip = 0;
-  for (bool first = true; n > kSmallRow; first = false) {
+  P = kCount ? static_cast<double>(s.top_k) : s.top_p * z;
+  margin = kCount ? 0.0 : kMargin * z;
+  }
+  for (bool first = !direct; n > kSmallRow; first = false) {
     if (!first) {  // the guide over the members
       for (int b = 0; b < kLevelCuts; ++b) g[b] = 0.0, acc[b] = zero;
       guide_cuts(lo_t, hi, t, vt);

@@ -118,6 +118,25 @@ def test_large_rows_top_p_and_large_top_k(dtype):
     assert torch.equal(kept_by(x[:1], threshold(x[:1], 16000)), reference_kept(x[:1], 16000))
 
 
+def test_top_p_where_the_sample_misleads():
+    """top-p on long rows first looks at a sample of the row (every 4th vector); rows whose
+    mass lies off the sample (and a sorted row) make its bracket wrong: the exact check sends
+    them through the full narrowing, with the same result."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 8192, generator=g, dtype=torch.float64)
+    lanes = torch.arange(8192) % 64
+    x[0, lanes >= 16] += 4.0  # the mass off the sampled vectors (float32: 16 per vector)
+    x[1, lanes < 16] -= 6.0
+    x[2] = torch.linspace(-8.0, 8.0, 8192, dtype=torch.float64)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        for p in (0.9, 0.5, 0.99):
+            got = kept_by(xs, threshold(xs, 0, p))
+            assert torch.equal(got, kept_by(xs, python_rule(xs, 0, p))), (dtype, p)
+    assert torch.equal(kept_by(x[:2].float(), threshold(x[:2].float(), 0, 0.9)),
+                       reference_kept(x[:2].float(), 0, 0.9))
+
+
 def test_nothing_cut_nan_inf_and_tiny_rows():
     x = torch.randn(5, 40)
     x[1, 7] = float("nan")

@@ -336,7 +336,23 @@ using LaneMask = VF;
 inline LaneMask lanes_gt(const VF& a, const VF& b) { return a > b; }
 inline LaneMask lanes_ge(const VF& a, const VF& b) { return a >= b; }
 inline LaneMask lanes_and(const LaneMask& a, const LaneMask& b) { return a & b; }
-inline LaneMask lanes_andnot(const LaneMask& a, const LaneMask& b) { return at::vec::andnot(b, a); }
+inline LaneMask lanes_andnot(const LaneMask& a, const LaneMask& b) {  // a and not b
+#if defined(CPU_CAPABILITY_AVX2)
+  return _mm256_andnot_ps(b, a);
+#else
+  float fa[VF::size()], fb[VF::size()];
+  a.store(fa);
+  b.store(fb);
+  for (int k = 0; k < VF::size(); ++k) {
+    uint32_t ua, ub;
+    std::memcpy(&ua, &fa[k], sizeof(ua));
+    std::memcpy(&ub, &fb[k], sizeof(ub));
+    ua &= ~ub;
+    std::memcpy(&fa[k], &ua, sizeof(ua));
+  }
+  return VF::loadu(fa);
+#endif
+}
 inline bool lanes_none(const LaneMask& m) {
 #if defined(CPU_CAPABILITY_AVX2)
   return _mm256_movemask_ps(m) == 0;

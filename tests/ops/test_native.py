@@ -596,8 +596,10 @@ def test_token_stats_each_instance_of_the_walker(want):
 
 
 def test_token_stats_fast_and_careful_paths_agree():
-    """A support that keeps everything runs the careful (support-buffer) path; it gives the fast
-    path's results, and so does a row whose −inf entries force the careful redo."""
+    """A support that keeps everything (the support walk's lane masks) gives the fast path's
+    results and stats (nothing lies off it: not flagged careful), a support that drops an
+    element is flagged careful, and a row whose −inf entries force the careful redo gives the
+    results of the truncation that removes them."""
     x, y = make_logits((6, 2 * 2048 + 300), torch.float32, seed=8)
     tokens = torch.arange(6) * 500
     fast = views.native.token_stats(x, y, tokens, None, None, None, 0.8, want=ALL)
@@ -608,7 +610,12 @@ def test_token_stats_fast_and_careful_paths_agree():
         torch.testing.assert_close(careful, fast, **tol(torch.float32))
     _, st_fast = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, None, None, 0.8, -100, ALL, False, 0, 0, 0, 1.0, 0.0)
     _, st_care = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, everything, None, 0.8, -100, ALL, False, 0, 0, 0, 1.0, 0.0)
-    assert torch.all(st_fast[:, ag.ST_CAREFUL] == 0) and torch.all(st_care[:, ag.ST_CAREFUL] == 1)
+    assert torch.all(st_fast[:, ag.ST_CAREFUL] == 0) and torch.all(st_care[:, ag.ST_CAREFUL] == 0)
+    torch.testing.assert_close(st_care[:, :ag.ST_TAU], st_fast[:, :ag.ST_TAU], atol=2e-6, rtol=1e-5)
+    one_off = everything.clone()
+    one_off[:, 7] = False
+    _, st_off = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, one_off, None, 0.8, -100, ALL, False, 0, 0, 0, 1.0, 0.0)
+    assert torch.all(st_off[:, ag.ST_CAREFUL] == 1)
     # a −inf logit forces the careful redo: the same values as the truncation that removes it
     xi = x.clone()
     xi[:, 5] = NINF

@@ -327,6 +327,7 @@ inline VF select(LaneMask m, const VF& a, const VF& b) { return _mm512_mask_blen
 inline LaneMask lanes_nan(const VF& v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
 inline LaneMask lanes_or(LaneMask a, LaneMask b) { return a | b; }
 inline LaneMask lanes_empty() { return 0; }
+inline LaneMask lanes_all() { return static_cast<LaneMask>(0xFFFF); }
 inline int64_t compress_store(float* dst, LaneMask m, const VF& v) {
   _mm512_storeu_ps(dst, _mm512_maskz_compress_ps(m, v));
   return __builtin_popcount(static_cast<unsigned>(m));
@@ -371,6 +372,7 @@ inline VF add_where(const VF& acc, const LaneMask& m, const VF& v) { return acc 
 inline LaneMask lanes_nan(const VF& v) { return v != v; }
 inline LaneMask lanes_or(const LaneMask& a, const LaneMask& b) { return a | b; }
 inline LaneMask lanes_empty() { return VF(0.0f); }
+inline LaneMask lanes_all() { return VF(0.0f) == VF(0.0f); }
 inline VF select(const LaneMask& m, const VF& a, const VF& b) { return VF::blendv(b, a, m); }
 inline int64_t compress_store(float* dst, const LaneMask& m, const VF& v) {
   float f[VF::size()], mk[VF::size()];
@@ -697,6 +699,7 @@ struct RowState {
   double m_x = -kInf, s_x = 0.0, m_y = -kInf, s_y = 0.0, a = 0.0, b = 0.0;
   bool careful = false;  // the row needed the 0·log 0 arithmetic
   bool bad = false;      // a maximum is NaN or +inf (vector path only): redo it in double
+  bool off = false;      // an element lies off the support (its e^u is 0: the 0·log 0 rule)
 };
 
 // engine._rescale_moment: α·(a + shift·s), a sum Σ e^u·f(u) after u ← u + δ (the KL's a with
@@ -771,6 +774,7 @@ constexpr int64_t kAhead = 512;
 struct ChunkSums {
   double s_x = 0.0, s_y = 0.0, a = 0.0, b = 0.0;
   double max_x = -kInf, max_y = -kInf;
+  bool off = false;  // an element off the support
   bool finite() const {
     return std::isfinite(s_x) && std::isfinite(s_y) && std::isfinite(a) && std::isfinite(b);
   }
@@ -792,6 +796,8 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
   constexpr int kSteps = U >= 8 ? 1 : 8 / U;  // steps per float partial sum
   const VF vc(c), vsx(sh_x), vsy(sh_y), zero(0.0f), lo(-127.0f / c);
   const VF ninf(-std::numeric_limits<float>::infinity());
+  [[maybe_unused]] const LaneMask all = lanes_all();
+  [[maybe_unused]] LaneMask off = lanes_empty();
   VF mx(-std::numeric_limits<float>::infinity()), my = mx;
   WideSum ws_x, ws_y, wa, wb;
   int64_t i = 0;
@@ -821,7 +827,10 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
       for (int k = 0; k < U; ++k) {
         // off the support: e^u = 0 (x itself finite there, so no 0·inf), not in the maximum
         [[maybe_unused]] LaneMask kept;
-        if constexpr (Sup::kOn) kept = sup.at(xv[k], i + k * VF::size());
+        if constexpr (Sup::kOn) {
+          kept = sup.at(xv[k], i + k * VF::size());
+          off = lanes_or(off, lanes_andnot(all, kept));
+        }
         if constexpr (kTrack) mx = max_fast(mx, Sup::kOn ? select(kept, xv[k], ninf) : xv[k]);
         const VF dx = xv[k] - vsx;
         VF eu = exp2_scaled(dx, vc, lo);
@@ -854,6 +863,7 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
     if constexpr (kB) wb.add(sb);
   }
   ChunkSums cs;
+  if constexpr (Sup::kOn) cs.off = !lanes_none(off);
   cs.s_x = ws_x.value();
   if constexpr (kY) cs.s_y = ws_y.value(), cs.a = wa.value();
   if constexpr (kB) cs.b = wb.value();
@@ -869,6 +879,7 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
   for (; i < n; ++i) {
     const float xf = static_cast<float>(x[i]);
     const bool kept = sup.kept(xf, i);
+    cs.off = cs.off || !kept;
     const float dx = xf - sh_x, eu = kept ? std::exp2(dx * c) : 0.0f;
     cs.s_x += eu;
     if constexpr (kTrack) {
@@ -910,6 +921,7 @@ bool chunk_step(RowState& row, const TX* x, const TY* y, int64_t n, double T_,
       x, y, n, static_cast<float>(finite_or_zero(m_x)), static_cast<float>(finite_or_zero(m_y)),
       static_cast<float>(kLog2e / T_), sup);
   if (!kCareful && !cs.finite()) return false;
+  row.off = row.off || cs.off;
   merge_chunk<kY, kB>(row, m_x, m_y, T_, cs.s_x, cs.s_y, cs.a / T_, cs.b / T_);
   return true;
 }
@@ -963,6 +975,7 @@ RowState row_fast(const T* px, const T* py, int64_t V, double T_, const Sup& sup
           row.bad = true;
           return row;
         }
+        row.off = row.off || cs.off;
         row.s_x += cs.s_x;
         if constexpr (kY) row.s_y += cs.s_y, row.a += cs.a / T_;
         if constexpr (kB) row.b += cs.b / T_;
@@ -1039,7 +1052,8 @@ RowState walk_row(const T* px, const T* py, const Support& sup, int64_t V, doubl
         return row_fast<kY, kB>(px, py, V, T_, lanes, side);
       });
       if (row.bad) row = row_vec<kY, kB, true, true>(px, py, sup, V, T_);
-      row.careful = true;  // −inf off the support: the 0·log 0 rule (the backward's flag)
+      // elements off the support (−inf in the truncated policy) need the 0·log 0 rule
+      row.careful = row.careful || row.off;
     } else {
       row = row_fast<kY, kB>(px, py, V, T_, NoLanes(), side);
       if (row.bad) row = row_vec<kY, kB, true, false>(px, py, sup, V, T_);

@@ -117,12 +117,20 @@ def test_top_p_boundaries():
     p drops it, the next float above keeps it, the one below drops it and keeps j − 1."""
     x = torch.tensor([[2.0, 0.5, 1.25, -1.0, 0.0, 0.9]], dtype=torch.float64)
     t = 0.8
-    vals = x.sort(-1, descending=True).values
-    # the masses as sampling.py forms them: exp(x/T − log Z), log Z = max + log Σ exp(x/T − max)
-    scaled = x / t
-    m = scaled.amax(-1, keepdim=True)
-    probs = torch.exp(vals / t - (m + torch.exp(scaled - m).sum(-1, keepdim=True).log()))
-    before = torch.cat([torch.zeros(1, 1, dtype=torch.float64), torch.cumsum(probs, -1)[:, :-1]], -1)
+    # the masses as the CPU threshold op forms them: exp(x/T − log Z), log Z = max + log of
+    # Σ exp(x/T − max) summed in index order (float64, the C library's exp), the masses then
+    # added in decreasing order (a boundary this exact depends on the order of the sum)
+    scaled = [v / t for v in x[0].tolist()]
+    m = max(scaled)
+    z = 0.0
+    for s in scaled:
+        z += math.exp(s - m)
+    log_z = m + math.log(z)
+    before, acc = [], 0.0
+    for s in sorted(scaled, reverse=True):
+        before.append(acc)
+        acc += math.exp(s - log_z)
+    before = torch.tensor([before], dtype=torch.float64)
     j = 3
     p = before[0, j].item()  # the mass before the 4th largest logit
     kept = lambda top_p: int(_kept_by_tau(x, sampling_threshold(x, top_p=top_p, temperature=t)).sum())

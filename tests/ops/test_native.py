@@ -94,15 +94,16 @@ def test_stats_match_the_streaming_op():
     x[1, 7] = NINF  # policy −inf: the 0·log 0 arithmetic
     y[2, 9] = NINF  # reference −inf where the policy has mass: KL = +inf
     ops = torch.ops.klpenalty
-    args = (x, y, None, None, None, None, 0.9, -100, ag.Want.KL, False, 0, 0)
+    args = (x, y, None, None, None, None, 0.9, -100, ag.Want.KL, False, 0, 0, 0, 1.0, 0.0)
     out_n, st_n = ops.native_token_stats(*args)
     out_s, st_s = ops.streaming_token_stats(*args)
     torch.testing.assert_close(out_n[:, ag.OUT_KL], out_s[:, ag.OUT_KL], **tol(torch.float32))
     torch.testing.assert_close(st_n[:, :6], st_s[:, :6], atol=2e-6, rtol=1e-5)
     assert st_n[:, ag.ST_CAREFUL].tolist() == [0.0, 1.0, 1.0, 0.0, 0.0]
-    assert torch.all(out_n[:, 1:] == 0) and torch.all(st_n[:, 6:] == 0)
+    assert torch.all(out_n[:, 1:] == 0) and torch.all(st_n[:, 6:ag.ST_TAU] == 0)
+    assert torch.all(st_n[:, ag.ST_TAU] == NINF)  # no threshold
     tokens = torch.arange(5)
-    args = (x, None, tokens, None, None, None, 0.9, -100, ag.Want.LOGP, False, 0, 0)
+    args = (x, None, tokens, None, None, None, 0.9, -100, ag.Want.LOGP, False, 0, 0, 0, 1.0, 0.0)
     out_n, st_n = ops.native_token_stats(*args)
     out_s, st_s = ops.streaming_token_stats(*args)
     cols = [ag.ST_SHIFT_X, ag.ST_LOG_S_X, ag.ST_LOGP]
@@ -243,7 +244,7 @@ def test_one_pass_walk_hands_nan_and_inf_in_later_chunks_to_the_careful_paths():
     y[1, 2 * CHUNK] = float("nan")
     x[2, CHUNK + 8] = float("inf")
     y[3, CHUNK + 9] = NINF  # KL = +inf
-    args = (x, y, None, None, None, None, 1.0, -100, int(ag.Want.KL | ag.Want.ENTROPY), False, 0, 0)
+    args = (x, y, None, None, None, None, 1.0, -100, int(ag.Want.KL | ag.Want.ENTROPY), False, 0, 0, 0, 1.0, 0.0)
     out, stats = torch.ops.klpenalty.native_token_stats(*args)
     out_s, stats_s = torch.ops.klpenalty.streaming_token_stats(*args)
     torch.testing.assert_close(out, out_s, equal_nan=True)
@@ -358,13 +359,13 @@ def test_ops_validate_their_arguments_when_called_directly():
     assert native.available()  # loads the ops
     x, y = make_logits((2, 5), torch.float32)
     op = torch.ops.klpenalty.native_token_stats
-    tail = (1.0, -100, ag.Want.KL, False, 0, 0)
+    tail = (1.0, -100, ag.Want.KL, False, 0, 0, 0, 1.0, 0.0)
     with pytest.raises(TypeError, match="policy_logits must be a floating-point"):
         op(x.long(), y, None, None, None, None, *tail)
     with pytest.raises(ValueError, match="same shape"):
         op(x, y[:, :4], None, None, None, None, *tail)
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
-        op(x, y, None, None, None, None, 0.0, -100, ag.Want.KL, False, 0, 0)
+        op(x, y, None, None, None, None, 0.0, -100, ag.Want.KL, False, 0, 0, 0, 1.0, 0.0)
     with pytest.raises(TypeError, match="mask must be a bool tensor"):
         op(x, y, None, torch.ones(2), None, None, *tail)
     with pytest.raises(TypeError, match="keep must be a bool tensor"):
@@ -376,12 +377,12 @@ def test_ops_validate_their_arguments_when_called_directly():
     with pytest.raises(ValueError, match=r"tau must have shape \(2,\)"):
         op(x, y, None, None, None, torch.zeros(3), *tail)
     with pytest.raises(ValueError, match="want must be a nonzero sum"):
-        op(x, y, None, None, None, None, 1.0, -100, 16, False, 0, 0)
+        op(x, y, None, None, None, None, 1.0, -100, 16, False, 0, 0, 0, 1.0, 0.0)
     with pytest.raises(ValueError, match="but ref_logits is None"):
         op(x, None, torch.zeros(2, dtype=torch.long), None, None, None, *tail)
     with pytest.raises(ValueError, match="but tokens is None"):
-        op(x, y, None, None, None, None, 1.0, -100, ag.Want.LOGP, False, 0, 0)
-    lp = (1.0, -100, ag.Want.LOGP, False, 0, 0)
+        op(x, y, None, None, None, None, 1.0, -100, ag.Want.LOGP, False, 0, 0, 0, 1.0, 0.0)
+    lp = (1.0, -100, ag.Want.LOGP, False, 0, 0, 0, 1.0, 0.0)
     with pytest.raises(TypeError, match="tokens must be an integer tensor"):
         op(x, None, torch.zeros(2), None, None, None, *lp)
     with pytest.raises(IndexError, match="out of range"):  # check=False never reads past a row
@@ -390,7 +391,7 @@ def test_ops_validate_their_arguments_when_called_directly():
     _, stats = op(x, y, None, None, None, None, *tail)
     with pytest.raises(ValueError, match=r"grad must have shape \(2, 4\)"):
         bwd(torch.ones(2), x, y, None, None, stats, None, None, None, 1.0, -100, 1, True, True, 0, 0)
-    with pytest.raises(ValueError, match=r"stats must have shape \(2, 9\)"):
+    with pytest.raises(ValueError, match=r"stats must have shape \(2, 10\)"):
         bwd(torch.ones(2, 4), x, y, None, None, stats[:, :6], None, None, None, 1.0, -100, 1, True, True, 0, 0)
 
 
@@ -595,8 +596,10 @@ def test_token_stats_each_instance_of_the_walker(want):
 
 
 def test_token_stats_fast_and_careful_paths_agree():
-    """A support that keeps everything runs the careful (support-buffer) path; it gives the fast
-    path's results, and so does a row whose −inf entries force the careful redo."""
+    """A support that keeps everything (the support walk's lane masks) gives the fast path's
+    results and stats (nothing lies off it: not flagged careful), a support that drops an
+    element is flagged careful, and a row whose −inf entries force the careful redo gives the
+    results of the truncation that removes them."""
     x, y = make_logits((6, 2 * 2048 + 300), torch.float32, seed=8)
     tokens = torch.arange(6) * 500
     fast = views.native.token_stats(x, y, tokens, None, None, None, 0.8, want=ALL)
@@ -607,7 +610,12 @@ def test_token_stats_fast_and_careful_paths_agree():
         torch.testing.assert_close(careful, fast, **tol(torch.float32))
     _, st_fast = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, None, None, 0.8, -100, ALL, False, 0, 0, 0, 1.0, 0.0)
     _, st_care = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, everything, None, 0.8, -100, ALL, False, 0, 0, 0, 1.0, 0.0)
-    assert torch.all(st_fast[:, ag.ST_CAREFUL] == 0) and torch.all(st_care[:, ag.ST_CAREFUL] == 1)
+    assert torch.all(st_fast[:, ag.ST_CAREFUL] == 0) and torch.all(st_care[:, ag.ST_CAREFUL] == 0)
+    torch.testing.assert_close(st_care[:, :ag.ST_TAU], st_fast[:, :ag.ST_TAU], atol=2e-6, rtol=1e-5)
+    one_off = everything.clone()
+    one_off[:, 7] = False
+    _, st_off = torch.ops.klpenalty.native_token_stats(x, y, tokens, None, one_off, None, 0.8, -100, ALL, False, 0, 0, 0, 1.0, 0.0)
+    assert torch.all(st_off[:, ag.ST_CAREFUL] == 1)
     # a −inf logit forces the careful redo: the same values as the truncation that removes it
     xi = x.clone()
     xi[:, 5] = NINF

@@ -1,9 +1,11 @@
 """Native CPU backend: the engine's per-row state in one fused C++ pass per row.
 
-The kernel (``csrc/klpenalty_native.cpp``) implements the three ops of :mod:`.contract`
-(``klpenalty::native_token_stats``, ``_backward`` and ``_state``; the schemas, fakes and autograd
-are the contract's): the KL, the token log-probs under both models and
-the entropy, of the policy truncated to a support or not, in one read of each row. It computes
+The kernel (``csrc/klpenalty_native.cpp``) implements the four ops of :mod:`.contract`
+(``klpenalty::native_token_stats``, ``_backward``, ``_state`` and ``native_sampling_threshold``;
+the schemas, fakes and autograd are the contract's): the KL, the token log-probs under both
+models and the entropy, of the policy truncated to a support or not, in one read of each row,
+with the top-k / top-p / min-p threshold of each row computed in the same per-row pass (just
+before its walk) where the sampler settings cut, and the threshold alone. It computes
 the same per-row state, merge and finalize as :mod:`.engine` (an L1-sized chunk at a time: its
 maxima, then the exps and sums) with one row walker specialised on what is wanted, in float32
 vectors (``at::vec::Vectorized``) with a polynomial exp2 (float64 inputs in double), reads
@@ -63,11 +65,6 @@ SOURCE = tuple(
 )
 
 contract.define_ops("native")  # the schemas; the C++ library registers the CPU kernels
-
-# Until the kernel computes it: the portable threshold on CPU tensors.
-from . import streaming as _streaming  # noqa: E402
-
-contract.implement("native", "CPU", sampling_threshold=_streaming.sampling_threshold_op)
 
 # The benchmark op (not part of the contract): the kernel's inner loop over an L1-resident tile.
 _BENCH_LIB = torch.library.Library("klpenalty", "FRAGMENT")  # noqa: TOR901

@@ -1,10 +1,15 @@
 // klpenalty native CPU kernel: the engine of klpenalty/ops/engine.py in one fused pass per row.
 //
-// Implements the three ops of the contract in klpenalty/ops/contract.py, whose schemas are
+// Implements the four ops of the contract in klpenalty/ops/contract.py, whose schemas are
 // defined there (this file only registers CPU implementations):
 //   native_token_stats(x, y?, tokens?, mask?, keep?, tau?, temperature, ignore_index, want,
-//                      check, tile_rows, tile_cols) -> (out (..., 4), stats (..., 9))
-//     out: KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃), 0 where not in `want`
+//                      check, tile_rows, tile_cols, top_k, top_p, min_p)
+//     -> (out (..., 4), stats (..., 10))
+//     out: KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃), 0 where not in `want`; where the
+//     sampler settings cut (1 <= top_k < V, top_p < 1, min_p > 0) each row's threshold τ_s is
+//     computed from x first (row_threshold) and the support is keep ∧ x >= max(tau, τ_s);
+//     stats[..., 9] (ST_TAU) is the threshold used (−inf: none), the backward's tau
+//   native_sampling_threshold(x, top_k, top_p, min_p, temperature) -> tau (...): τ_s per row
 //   native_token_stats_backward(grad (..., 4), x, y?, tokens?, owned?, stats, mask?, keep?, tau?,
 //                               temperature, ignore_index, want, need_x, need_y, tile_rows,
 //                               tile_cols) -> (grad_x (..., V) or empty, grad_y (..., V) or empty)
@@ -20,15 +25,18 @@
 // Σ e^u·u, with y's log-sum-exp and the KL's Σ e^u·(u − w). An untruncated row is read once:
 // every chunk against the row's running maxima (at first those of the row's first 256 elements)
 // with the chunk's maxima tracked alongside, redone in two passes (maxima, then from L1 the exps
-// and sums) if they rose by more than a bound. With a support, or for rows that need the 0·log 0 rule, every
-// chunk takes two passes (the chunk of x first copied into an L1 buffer with −inf off the
-// support). The row state (maxima in logit units, sums; engine.py) is kept in double and
+// and sums) if they rose by more than a bound. A support takes the same walk with lane masks
+// folded into the loads (keep read as bytes, x >= tau compared per lane; off the support e^u is
+// 0 and the lane leaves the maxima); rows whose sums are not finite (−inf logits on the support,
+// the 0·log 0 rule) are redone chunk by chunk in two passes, the chunk of x copied into an L1
+// buffer with −inf off the support. With the sampler, the next row's logits are requested into
+// L2 during each walk (its threshold passes then read L2, not memory). The row state (maxima in logit units, sums; engine.py) is kept in double and
 // rescaled when a maximum rises. float32/bfloat16/float16 inputs are read directly and computed
 // in float32 vectors (at::vec::Vectorized<float>) with a polynomial exp2, several independent
 // vectors in flight; float64 inputs, and rows holding NaN or +inf, take a scalar double path with
 // the engine's rules. The backward is one walk per row writing ∂/∂x and ∂/∂y for all wanted
 // outputs. One parallel region per call, its threads taking blocks of rows from a shared counter.
-// A fourth op, native_compute_floor, times the forward's inner loop alone (the benchmark's).
+// A fifth op, native_compute_floor, times the forward's inner loop alone (the benchmark's).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -43,6 +51,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <sstream>
 #include <string>
@@ -65,7 +74,7 @@ constexpr int64_t kGrainElements = 1 << 16; // work per parallel task, in elemen
 constexpr int64_t kWantKL = 1, kWantLogp = 2, kWantRefLogp = 4, kWantEntropy = 8;
 constexpr int64_t kOutCols = 4, kStatsCols = 10;
 enum StatsCol : int {
-  kShiftX, kLogSX, kShiftY, kLogSY, kMeanD, kCareful, kMeanU, kLogpT, kRefLogpT
+  kShiftX, kLogSX, kShiftY, kLogSY, kMeanD, kCareful, kMeanU, kLogpT, kRefLogpT, kTau
 };
 constexpr int64_t kStateCols = 6;  // m_x, s_x, m_y, s_y, a, b
 
@@ -304,6 +313,176 @@ inline double chunk_max(const T* p, int64_t n) {
   return m;
 }
 
+// ------------------------------------------------------------------------------ support lanes
+// Lane masks of float vectors: AVX-512 mask registers, else all-ones lanes.
+#if defined(CPU_CAPABILITY_AVX512)
+using LaneMask = __mmask16;
+inline LaneMask lanes_gt(const VF& a, const VF& b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
+inline LaneMask lanes_ge(const VF& a, const VF& b) { return _mm512_cmp_ps_mask(a, b, _CMP_GE_OQ); }
+inline LaneMask lanes_and(LaneMask a, LaneMask b) { return a & b; }
+inline LaneMask lanes_andnot(LaneMask a, LaneMask b) { return a & ~b; }  // a and not b
+inline bool lanes_none(LaneMask m) { return m == 0; }
+inline VF add_where(const VF& acc, LaneMask m, const VF& v) { return _mm512_mask_add_ps(acc, m, acc, v); }
+inline VF select(LaneMask m, const VF& a, const VF& b) { return _mm512_mask_blend_ps(m, b, a); }
+inline LaneMask lanes_nan(const VF& v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+inline LaneMask lanes_or(LaneMask a, LaneMask b) { return a | b; }
+inline LaneMask lanes_empty() { return 0; }
+inline LaneMask lanes_all() { return static_cast<LaneMask>(0xFFFF); }
+inline int64_t compress_store(float* dst, LaneMask m, const VF& v) {
+  _mm512_storeu_ps(dst, _mm512_maskz_compress_ps(m, v));
+  return __builtin_popcount(static_cast<unsigned>(m));
+}
+#else
+using LaneMask = VF;
+inline LaneMask lanes_gt(const VF& a, const VF& b) { return a > b; }
+inline LaneMask lanes_ge(const VF& a, const VF& b) { return a >= b; }
+inline LaneMask lanes_and(const LaneMask& a, const LaneMask& b) { return a & b; }
+inline LaneMask lanes_andnot(const LaneMask& a, const LaneMask& b) {  // a and not b
+#if defined(CPU_CAPABILITY_AVX2)
+  return _mm256_andnot_ps(b, a);
+#else
+  float fa[VF::size()], fb[VF::size()];
+  a.store(fa);
+  b.store(fb);
+  for (int k = 0; k < VF::size(); ++k) {
+    uint32_t ua, ub;
+    std::memcpy(&ua, &fa[k], sizeof(ua));
+    std::memcpy(&ub, &fb[k], sizeof(ub));
+    ua &= ~ub;
+    std::memcpy(&fa[k], &ua, sizeof(ua));
+  }
+  return VF::loadu(fa);
+#endif
+}
+inline bool lanes_none(const LaneMask& m) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return _mm256_movemask_ps(m) == 0;
+#else
+  float f[VF::size()];
+  m.store(f);
+  for (int k = 0; k < VF::size(); ++k) {
+    uint32_t u;
+    std::memcpy(&u, &f[k], sizeof(u));
+    if (u) return false;
+  }
+  return true;
+#endif
+}
+inline VF add_where(const VF& acc, const LaneMask& m, const VF& v) { return acc + (v & m); }
+inline LaneMask lanes_nan(const VF& v) { return v != v; }
+inline LaneMask lanes_or(const LaneMask& a, const LaneMask& b) { return a | b; }
+inline LaneMask lanes_empty() { return VF(0.0f); }
+inline LaneMask lanes_all() { return VF(0.0f) == VF(0.0f); }
+inline VF select(const LaneMask& m, const VF& a, const VF& b) { return VF::blendv(b, a, m); }
+inline int64_t compress_store(float* dst, const LaneMask& m, const VF& v) {
+  float f[VF::size()], mk[VF::size()];
+  v.store(f);
+  m.store(mk);
+  int64_t n = 0;
+  for (int k = 0; k < VF::size(); ++k) {
+    uint32_t u;
+    std::memcpy(&u, &mk[k], sizeof(u));
+    if (u) dst[n++] = f[k];
+  }
+  return n;
+}
+#endif
+
+// One float vector of a row (float, bfloat16 or float16 memory), in memory order.
+template <typename T>
+inline VF load1(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return VF::loadu(p);
+  } else {
+    VF v;
+    at::vec::load_to_float<T>(p, v);
+    return v;
+  }
+}
+
+// The lanes of 16 (AVX-512) or 8 (AVX2) bool bytes that are true.
+inline LaneMask keep_lanes(const bool* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm_test_epi8_mask(b, b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(w, _mm256_setzero_si256()));
+#else
+  float f[VF::size()];
+  for (int k = 0; k < VF::size(); ++k) {
+    const uint32_t u = p[k] ? 0xFFFFFFFFu : 0u;
+    std::memcpy(&f[k], &u, sizeof(u));
+  }
+  return VF::loadu(f);
+#endif
+}
+
+// The smallest float >= t (x >= t ⟺ x >= ceil_float(t) for float x; NaN stays NaN).
+inline float ceil_float(double t) {
+  float f = static_cast<float>(t);
+  if (static_cast<double>(f) < t) f = std::nextafter(f, std::numeric_limits<float>::infinity());
+  return f;
+}
+
+// The support of a row as lane masks of the float vectors a walk loads (in memory order for a
+// keep mask): keep read as bytes, x >= tau compared in float. NoLanes: no support.
+struct NoLanes {
+  static constexpr bool kOn = false, kKeep = false;
+  LaneMask at(const VF&, int64_t) const { return LaneMask(); }
+  bool kept(float, int64_t) const { return true; }
+  NoLanes from(int64_t) const { return *this; }
+};
+
+template <bool kKeepB, bool kTauB>
+struct SupLanes {
+  static constexpr bool kOn = true, kKeep = kKeepB;
+  const bool* keep = nullptr;  // the walked segment's keep
+  VF vtau;
+  float tau = 0.0f;
+  // the kept lanes of the elements [i, i + VF::size()) of the segment, x their logits
+  LaneMask at(const VF& x, int64_t i) const {
+    if constexpr (kKeepB && kTauB) {
+      return lanes_and(keep_lanes(keep + i), lanes_ge(x, vtau));
+    } else if constexpr (kKeepB) {
+      return keep_lanes(keep + i);
+    } else {
+      return lanes_ge(x, vtau);
+    }
+  }
+  bool kept(float x, int64_t i) const { return (!kKeepB || keep[i]) && (!kTauB || x >= tau); }
+  SupLanes from(int64_t c0) const {
+    SupLanes s = *this;
+    if constexpr (kKeepB) s.keep += c0;
+    return s;
+  }
+};
+
+// The maximum of the kept elements [0, n) (NaN propagates; −inf if none is kept).
+template <typename T, typename Sup>
+double chunk_max_kept(const T* p, int64_t n, const Sup& sup) {
+  if constexpr (!Sup::kOn) {
+    return chunk_max(p, n);
+  } else {
+    const VF ninf(-std::numeric_limits<float>::infinity());
+    VF m = ninf;
+    int64_t i = 0;
+    for (; i + VF::size() <= n; i += VF::size()) {
+      const VF v = load1(p + i);
+      m = at::vec::maximum(m, select(sup.at(v, i), v, ninf));
+    }
+    float buf[VF::size()];
+    m.store(buf);
+    double r = -kInf;
+    for (int k = 0; k < VF::size(); ++k) r = max_nan(r, buf[k]);
+    for (; i < n; ++i) {
+      const float v = static_cast<float>(p[i]);
+      if (sup.kept(v, i)) r = max_nan(r, v);
+    }
+    return r;
+  }
+}
+
 // ------------------------------------------------------------------------------ row addressing
 // Element offset of row r of a tensor whose last dimension has stride 1 (any leading strides).
 struct Rows {
@@ -469,6 +648,8 @@ struct Support {
   double value(const T* x, int64_t j) const {
     return kept(x, j) ? static_cast<double>(x[j]) : -kInf;
   }
+  // the threshold compared with (−inf: none)
+  double threshold() const { return has_tau ? (tau_double ? tau_d : tau_f) : -kInf; }
   // the same support from column c0 on
   Support from(int64_t c0) const {
     Support s = *this;
@@ -476,6 +657,22 @@ struct Support {
     return s;
   }
 };
+
+// The support with a sampler's threshold tau_s folded in: x >= max(tau, tau_s) (NaN if either
+// is NaN), compared in double if tau is or the compute dtype is (tau_s is one of the logits).
+Support with_threshold(Support s, double tau_s, bool in_double) {
+  if (!s.has_tau) {
+    s.has_tau = true;
+    s.tau_double = in_double;
+    s.tau_d = tau_s;
+    s.tau_f = static_cast<float>(tau_s);
+  } else if (s.tau_double) {
+    s.tau_d = max_nan(s.tau_d, tau_s);
+  } else {
+    s.tau_f = static_cast<float>(max_nan(s.tau_f, tau_s));
+  }
+  return s;
+}
 
 // Elements [0, n) of a row of x (float32/bfloat16/float16) into buf as float, −inf off the
 // support: the chunk of the truncated policy, read once from memory.
@@ -502,6 +699,7 @@ struct RowState {
   double m_x = -kInf, s_x = 0.0, m_y = -kInf, s_y = 0.0, a = 0.0, b = 0.0;
   bool careful = false;  // the row needed the 0·log 0 arithmetic
   bool bad = false;      // a maximum is NaN or +inf (vector path only): redo it in double
+  bool off = false;      // an element lies off the support (its e^u is 0: the 0·log 0 rule)
 };
 
 // engine._rescale_moment: α·(a + shift·s), a sum Σ e^u·f(u) after u ← u + δ (the KL's a with
@@ -576,6 +774,7 @@ constexpr int64_t kAhead = 512;
 struct ChunkSums {
   double s_x = 0.0, s_y = 0.0, a = 0.0, b = 0.0;
   double max_x = -kInf, max_y = -kInf;
+  bool off = false;  // an element off the support
   bool finite() const {
     return std::isfinite(s_x) && std::isfinite(s_y) && std::isfinite(a) && std::isfinite(b);
   }
@@ -590,11 +789,15 @@ struct ChunkSums {
 // the maxima alongside; ahead: elements ahead to prefetch (0: none). Every exponent is at most 0
 // with shifts at the maxima, and at most the caller's bound otherwise (exp2_scaled).
 template <int U, bool kY, bool kB, bool kCareful, bool kTrack, int64_t ahead, typename TX,
-          typename TY>
-ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y, float c) {
+          typename TY, typename Sup = NoLanes>
+ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y, float c,
+                     const Sup& sup = Sup(), const TX* side = nullptr) {
   constexpr int64_t kStep = U * VF::size();
   constexpr int kSteps = U >= 8 ? 1 : 8 / U;  // steps per float partial sum
   const VF vc(c), vsx(sh_x), vsy(sh_y), zero(0.0f), lo(-127.0f / c);
+  const VF ninf(-std::numeric_limits<float>::infinity());
+  [[maybe_unused]] const LaneMask all = lanes_all();
+  [[maybe_unused]] LaneMask off = lanes_empty();
   VF mx(-std::numeric_limits<float>::infinity()), my = mx;
   WideSum ws_x, ws_y, wa, wb;
   int64_t i = 0;
@@ -610,16 +813,28 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
           const char* cy = reinterpret_cast<const char*>(y + i + ahead);
           for (int64_t b = 0; b < kBytesY; b += 64) __builtin_prefetch(cy + b);
         }
+        if (side) {  // the next row's logits, into L2, while this one is computed
+          const char* cs = reinterpret_cast<const char*>(side + i);
+          for (int64_t b = 0; b < kBytesX; b += 64) __builtin_prefetch(cs + b, 0, 2);
+        }
       }
       VF xv[U], yv[U];
-      constexpr bool kAnyOrder = std::is_same_v<TX, TY>;  // x from a float buffer: memory order
+      // x from a float buffer, or a keep mask: memory order
+      constexpr bool kAnyOrder = std::is_same_v<TX, TY> && !Sup::kKeep;
       load_lanes<U, kAnyOrder>(x + i, xv);
       if constexpr (kY) load_lanes<U, kAnyOrder>(y + i, yv);
 #pragma GCC unroll 8
       for (int k = 0; k < U; ++k) {
-        if constexpr (kTrack) mx = max_fast(mx, xv[k]);
+        // off the support: e^u = 0 (x itself finite there, so no 0·inf), not in the maximum
+        [[maybe_unused]] LaneMask kept;
+        if constexpr (Sup::kOn) {
+          kept = sup.at(xv[k], i + k * VF::size());
+          off = lanes_or(off, lanes_andnot(all, kept));
+        }
+        if constexpr (kTrack) mx = max_fast(mx, Sup::kOn ? select(kept, xv[k], ninf) : xv[k]);
         const VF dx = xv[k] - vsx;
-        const VF eu = exp2_scaled(dx, vc, lo);
+        VF eu = exp2_scaled(dx, vc, lo);
+        if constexpr (Sup::kOn) eu = select(kept, eu, zero);
         sx = sx + eu;
         if constexpr (kY) {
           if constexpr (kTrack) my = max_fast(my, yv[k]);
@@ -648,6 +863,7 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
     if constexpr (kB) wb.add(sb);
   }
   ChunkSums cs;
+  if constexpr (Sup::kOn) cs.off = !lanes_none(off);
   cs.s_x = ws_x.value();
   if constexpr (kY) cs.s_y = ws_y.value(), cs.a = wa.value();
   if constexpr (kB) cs.b = wb.value();
@@ -662,9 +878,13 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
   }
   for (; i < n; ++i) {
     const float xf = static_cast<float>(x[i]);
-    const float dx = xf - sh_x, eu = std::exp2(dx * c);
+    const bool kept = sup.kept(xf, i);
+    cs.off = cs.off || !kept;
+    const float dx = xf - sh_x, eu = kept ? std::exp2(dx * c) : 0.0f;
     cs.s_x += eu;
-    if constexpr (kTrack) cs.max_x = std::max<double>(cs.max_x, xf);
+    if constexpr (kTrack) {
+      if (kept) cs.max_x = std::max<double>(cs.max_x, xf);
+    }
     if constexpr (kY) {
       const float yf = static_cast<float>(y[i]);
       const float dy = yf - sh_y;
@@ -685,9 +905,10 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
 // for a chunk holding NaN or +inf (the caller redoes the row in double) and, without kCareful,
 // for a sum that is not finite (the caller redoes the row carefully: a later rescale by 0 would
 // hide it, e.g. behind a first chunk of −inf in both rows, and the backward needs the flag).
-template <bool kY, bool kB, bool kCareful, typename TX, typename TY>
-bool chunk_step(RowState& row, const TX* x, const TY* y, int64_t n, double T_) {
-  const double cm_x = chunk_max(x, n);
+template <bool kY, bool kB, bool kCareful, typename TX, typename TY, typename Sup = NoLanes>
+bool chunk_step(RowState& row, const TX* x, const TY* y, int64_t n, double T_,
+                const Sup& sup = Sup()) {
+  const double cm_x = chunk_max_kept(x, n, sup);
   if (std::isnan(cm_x) || cm_x == kInf) return false;
   double m_y = -kInf;
   if constexpr (kY) {
@@ -698,8 +919,9 @@ bool chunk_step(RowState& row, const TX* x, const TY* y, int64_t n, double T_) {
   const double m_x = std::max(row.m_x, cm_x);
   const ChunkSums cs = chunk_sums<kChains, kY, kB, kCareful, false, kChunk>(
       x, y, n, static_cast<float>(finite_or_zero(m_x)), static_cast<float>(finite_or_zero(m_y)),
-      static_cast<float>(kLog2e / T_));
+      static_cast<float>(kLog2e / T_), sup);
   if (!kCareful && !cs.finite()) return false;
+  row.off = row.off || cs.off;
   merge_chunk<kY, kB>(row, m_x, m_y, T_, cs.s_x, cs.s_y, cs.a / T_, cs.b / T_);
   return true;
 }
@@ -720,12 +942,14 @@ constexpr int64_t kPrefix = 256;
 // there are no finite running maxima or its maxima rose by more than the bound. bad: a chunk
 // holds NaN or +inf, or a sum is not finite (the caller redoes the row with the careful or the
 // double arithmetic).
-template <bool kY, bool kB, typename T>
-RowState row_fast(const T* px, const T* py, int64_t V, double T_) {
+template <bool kY, bool kB, typename T, typename Sup = NoLanes>
+RowState row_fast(const T* px, const T* py, int64_t V, double T_, const Sup& sup_row = Sup(),
+                  const T* side = nullptr) {
   RowState row;
   const float c = static_cast<float>(kLog2e / T_);
   if (V > kPrefix) {
-    const double m_x = chunk_max(px, kPrefix), m_y = kY ? chunk_max(py, kPrefix) : -kInf;
+    const double m_x = chunk_max_kept(px, kPrefix, sup_row);
+    const double m_y = kY ? chunk_max(py, kPrefix) : -kInf;
     if (std::isnan(m_x) || m_x == kInf || std::isnan(m_y) || m_y == kInf) {
       row.bad = true;
       return row;
@@ -736,11 +960,14 @@ RowState row_fast(const T* px, const T* py, int64_t V, double T_) {
     const int64_t n = std::min(kChunk, V - c0);
     const T* x = px + c0;
     const T* y = kY ? py + c0 : nullptr;
+    const Sup sup = sup_row.from(c0);
     const bool shifted = std::isfinite(row.m_x) && (!kY || std::isfinite(row.m_y));
     if (shifted) {
       const float sh_x = static_cast<float>(row.m_x), sh_y = static_cast<float>(row.m_y);
       constexpr int64_t ahead = sizeof(T) >= 4 ? kAhead : 0;
-      const ChunkSums cs = chunk_sums<kChains, kY, kB, false, true, ahead>(x, y, n, sh_x, sh_y, c);
+      const ChunkSums cs =
+          chunk_sums<kChains, kY, kB, false, true, ahead>(x, y, n, sh_x, sh_y, c, sup,
+                                                          side ? side + c0 : side);
       const bool within = (cs.max_x - row.m_x) * c <= kRise &&
                           (!kY || (cs.max_y - row.m_y) * c <= kRise);
       if (within) {
@@ -748,6 +975,7 @@ RowState row_fast(const T* px, const T* py, int64_t V, double T_) {
           row.bad = true;
           return row;
         }
+        row.off = row.off || cs.off;
         row.s_x += cs.s_x;
         if constexpr (kY) row.s_y += cs.s_y, row.a += cs.a / T_;
         if constexpr (kB) row.b += cs.b / T_;
@@ -759,7 +987,7 @@ RowState row_fast(const T* px, const T* py, int64_t V, double T_) {
         continue;
       }
     }
-    if (!chunk_step<kY, kB, false>(row, x, y, n, T_)) {
+    if (!chunk_step<kY, kB, false>(row, x, y, n, T_, sup)) {
       row.bad = true;
       return row;
     }
@@ -788,21 +1016,46 @@ RowState row_vec(const T* px, const T* py, const Support& sup, int64_t V, double
   return row;
 }
 
+// f(lanes) with the support's lane masks (SupLanes) for its kind: keep, tau or both.
+template <typename F>
+auto with_lanes(const Support& sup, F&& f) {
+  const float tau = sup.tau_double ? ceil_float(sup.tau_d) : sup.tau_f;
+  if (sup.keep && sup.has_tau) {
+    SupLanes<true, true> l;
+    l.keep = sup.keep, l.tau = tau, l.vtau = VF(tau);
+    return f(l);
+  }
+  if (sup.keep) {
+    SupLanes<true, false> l;
+    l.keep = sup.keep;
+    return f(l);
+  }
+  SupLanes<false, true> l;
+  l.tau = tau, l.vtau = VF(tau);
+  return f(l);
+}
+
 // THE row walker: the state of one row for what is wanted (kY: y and the KL, kB: the entropy;
 // neither: the log-sum-exp of x for its log-probs), with or without a support. Untruncated rows
 // take the fast one-pass walk and are redone carefully (0·log 0 = 0) only if a sum is not
 // finite; truncated rows take the careful arithmetic (−inf off the support); NaN or +inf, and
 // float64 inputs, the scalar double path.
 template <bool kY, bool kB, typename T>
-RowState walk_row(const T* px, const T* py, const Support& sup, int64_t V, double T_) {
+RowState walk_row(const T* px, const T* py, const Support& sup, int64_t V, double T_,
+                  const T* side) {
   if constexpr (std::is_same_v<T, double>) {
     return row_scalar(px, py, sup, V, T_, kY, kB);
   } else {
     RowState row;
     if (sup.any()) {
-      row = row_vec<kY, kB, true, true>(px, py, sup, V, T_);
+      row = with_lanes(sup, [&](const auto& lanes) {
+        return row_fast<kY, kB>(px, py, V, T_, lanes, side);
+      });
+      if (row.bad) row = row_vec<kY, kB, true, true>(px, py, sup, V, T_);
+      // elements off the support (−inf in the truncated policy) need the 0·log 0 rule
+      row.careful = row.careful || row.off;
     } else {
-      row = row_fast<kY, kB>(px, py, V, T_);
+      row = row_fast<kY, kB>(px, py, V, T_, NoLanes(), side);
       if (row.bad) row = row_vec<kY, kB, true, false>(px, py, sup, V, T_);
     }
     if (row.bad) row = row_scalar(px, py, sup, V, T_, kY, kB);
@@ -812,9 +1065,13 @@ RowState walk_row(const T* px, const T* py, const Support& sup, int64_t V, doubl
 
 template <typename T>
 RowState walk(const T* px, const T* py, const Support& sup, int64_t V, double T_, bool kY,
-              bool kB) {
-  if (kY) return kB ? walk_row<true, true>(px, py, sup, V, T_) : walk_row<true, false>(px, py, sup, V, T_);
-  return kB ? walk_row<false, true>(px, py, sup, V, T_) : walk_row<false, false>(px, py, sup, V, T_);
+              bool kB, const T* side = nullptr) {
+  if (kY) {
+    return kB ? walk_row<true, true>(px, py, sup, V, T_, side)
+              : walk_row<true, false>(px, py, sup, V, T_, side);
+  }
+  return kB ? walk_row<false, true>(px, py, sup, V, T_, side)
+            : walk_row<false, false>(px, py, sup, V, T_, side);
 }
 
 int64_t grain_rows(int64_t V) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(V, 1)); }
@@ -837,6 +1094,586 @@ void parallel_rows(int64_t N, int64_t V, const F& f) {
       f(b * block, std::min(N, (b + 1) * block));
     }
   });
+}
+
+// ------------------------------------------------------------------------------ sampler threshold
+// τ_s of top-k → top-p → min-p sampling for one row (klpenalty.sampling's rule: temperature first,
+// ties at a boundary kept, at least one token kept): kept(v) iff x_v >= τ_s, τ_s one of the
+// row's logits (−inf where nothing is cut, NaN for a row holding NaN, +inf for a row holding
+// +inf under top-p / min-p). One function, row_threshold, serves the threshold op (rows in
+// parallel) and the forward (each row's τ_s computed just before its walk, the row still in L2).
+//
+// - top-k: the k-th largest logit (counted with multiplicity). k ≤ V/8: one vectorised pass
+//   keeping a running threshold th (the k-th largest seen so far, −inf at first) and compressing
+//   the lanes > th into a buffer of 4k (at least 512) values; when it fills, nth_element finds
+//   the k-th largest of it, th rises to it and the buffer keeps its k largest (exact: a value ≤
+//   th never changes the k-th largest). Larger k: nth_element over a copy of the row.
+// - top-p on the top-k distribution: masses e_v = exp(s_v − m), s = x/T, m = max s, Z = Σ e_v,
+//   token j (decreasing order) kept iff the mass strictly before it is < p. Few candidates
+//   (top-k with a small k, rows of at most kSmallRow, float64 rows): gathered in index order,
+//   Z = Σ exp(s − m) in float64 in that order, then sorted and walked with the masses
+//   exp(s_j − log Z') (log Z' = m + log Z) in float64, as torch's cumsum would. Large float rows:
+//   one pass stores e_v (float32 exp2 polynomial) and sums Z in double lanes; then levels narrow
+//   a bracket (lo, hi] of logits that holds the crossing: kLevelCuts thresholds evenly spaced in
+//   the bracket, the mass above each (float lanes: a guide only), the sub-bracket that must hold
+//   the crossing (a margin of kMargin·Z either side), its members compressed into a buffer and
+//   the mass above it added in double; until at most kSmallRow candidates are left (or no
+//   progress: ties), which are sorted and walked from the mass above the bracket.
+// - min-p: π_v ≥ min_p·π_max ⟺ exp((x_v − max)/T) ≥ min_p, i.e. x_v ≥ c = max + T·log(min_p):
+//   a vectorised pass takes the minimum over x ≥ c + δ (surely kept) and decides the few logits
+//   within δ of c by the rule itself in double.
+// τ_s is the largest of the three (each keeps an upper set of the logits).
+
+constexpr int64_t kSmallRow = 256;   // candidates sorted and walked directly
+constexpr int kLevelCuts = 7;        // thresholds per narrowing level (8 sub-brackets)
+constexpr double kSpan = 32.0;       // the guide's first thresholds: within 32·T of the max
+constexpr int64_t kSampleRow = 4096;  // top-p rows from which a sample places pass 1's guide
+constexpr int64_t kSampleEvery = 4;   // the sample: every 4th vector
+constexpr double kMargin = 1e-4;     // relative to Z: the guide sums' error is below 1e-6
+
+struct Sampler {
+  int64_t top_k = 0;
+  double top_p = 1.0, min_p = 0.0, T = 1.0;
+  bool cut_k = false, cut_p = false, cut_min = false;
+  Sampler() = default;
+  Sampler(int64_t V, int64_t k, double p, double mp, double temperature)
+      : top_k(k), top_p(p), min_p(mp), T(temperature) {
+    cut_k = k >= 1 && k < V;
+    cut_p = p < 1.0;
+    cut_min = mp > 0.0;
+  }
+  bool cuts() const { return cut_k || cut_p || cut_min; }
+};
+
+// The op arguments checked as klpenalty.sampling checks the public ones (0, 1, 0: unused).
+void check_sampler_args(int64_t top_k, double top_p, double min_p) {
+  TORCH_CHECK_VALUE(top_k >= 0, "top_k must be >= 1 (or 0: unused), got ", top_k);
+  TORCH_CHECK_VALUE(top_p > 0.0 && top_p <= 1.0, "top_p must lie in (0, 1], got ", top_p);
+  TORCH_CHECK_VALUE(min_p >= 0.0 && min_p <= 1.0, "min_p must lie in [0, 1], got ", min_p);
+}
+
+// Per-thread buffers of the threshold (reused across rows and calls).
+struct ThresholdScratch {
+  std::vector<float> xs, es, cx0, ce0, cx1, ce1, kbuf, lm;
+  std::vector<double> cand;
+  int64_t survivors = -1;  // kth_largest's: the logits >= its lower bound, kept in kbuf
+};
+
+ThresholdScratch& scratch() {
+  thread_local ThresholdScratch s;
+  return s;
+}
+
+// (max, min) of a row; max NaN if the row holds NaN. The first read of the row: four
+// independent vectors per step and the lines kAhead elements ahead requested meanwhile. For float
+// rows, lane_max (if given) receives the lane maxima of each block of kLaneBlock elements
+// (kLaneBlock/VF::size() elements each, distinct elements of the row), *lanes their number.
+constexpr int64_t kLaneBlock = 256;
+template <typename T>
+std::pair<double, double> row_max_min(const T* x, int64_t V, float* lane_max = nullptr,
+                                      int64_t* lanes = nullptr) {
+  if constexpr (std::is_same_v<T, double>) {
+    double mx = -kInf, mn = kInf;
+    for (int64_t j = 0; j < V; ++j) {
+      mx = max_nan(mx, x[j]);
+      mn = std::min(mn, x[j]);
+    }
+    return {mx, mn};
+  } else {
+    constexpr int U = 4;
+    constexpr int64_t kStep = U * VF::size();
+    constexpr int64_t kBytes = kStep * static_cast<int64_t>(sizeof(T));
+    constexpr float finf = std::numeric_limits<float>::infinity();
+    static_assert(kLaneBlock % kStep == 0, "a lane block is whole steps");
+    VF mx[U], mn[U], gmax(-finf);
+    for (int k = 0; k < U; ++k) mn[k] = VF(finf);
+    LaneMask nan = lanes_empty();
+    int64_t i = 0, nl = 0;
+    while (i + kLaneBlock <= V) {
+      for (int k = 0; k < U; ++k) mx[k] = VF(-finf);
+      for (int64_t e = i + kLaneBlock; i < e; i += kStep) {
+        const char* ahead = reinterpret_cast<const char*>(x + i + kAhead);
+        for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(ahead + b);
+#pragma GCC unroll 4
+        for (int k = 0; k < U; ++k) {
+          const VF v = load1(x + i + k * VF::size());
+          mx[k] = max_fast(mx[k], v);
+          mn[k] = at::vec::clamp_max(mn[k], v);
+          nan = lanes_or(nan, lanes_nan(v));
+        }
+      }
+      const VF bm = max_fast(max_fast(mx[0], mx[1]), max_fast(mx[2], mx[3]));
+      if (lane_max) bm.store(lane_max + nl);
+      nl += VF::size();
+      gmax = max_fast(gmax, bm);
+    }
+    if (lanes) *lanes = nl;
+    for (int k = 0; k < U; ++k) mx[k] = VF(-finf);
+    mx[0] = gmax;
+    for (; i + kStep <= V; i += kStep) {
+#pragma GCC unroll 4
+      for (int k = 0; k < U; ++k) {
+        const VF v = load1(x + i + k * VF::size());
+        mx[k] = max_fast(mx[k], v);
+        mn[k] = at::vec::clamp_max(mn[k], v);
+        nan = lanes_or(nan, lanes_nan(v));
+      }
+    }
+    double m1 = -kInf, m0 = kInf;
+    if (!lanes_none(nan)) return {kNaN, kNaN};
+    float bx[VF::size()], bn[VF::size()];
+    for (int k = 0; k < U; ++k) {
+      mx[k].store(bx);
+      mn[k].store(bn);
+      for (int l = 0; l < VF::size(); ++l) {
+        m1 = std::max<double>(m1, bx[l]);
+        m0 = std::min<double>(m0, bn[l]);
+      }
+    }
+    for (; i < V; ++i) {
+      const double v = static_cast<float>(x[i]);
+      m1 = max_nan(m1, v);
+      m0 = std::min(m0, v);
+    }
+    return {m1, m0};
+  }
+}
+
+// The top-p walk over candidates c[0, n) (in any order): sorted decreasing, token j kept iff
+// before_j < p, before_0 = above (the mass above the candidates, normalised), before_{j+1} =
+// before_j + exp(c_j/T − log_z); the smallest kept candidate (at least the first; −inf never).
+inline double top_p_walk(double* c, int64_t n, double p, double T, double above, double log_z) {
+  std::sort(c, c + n, std::greater<>());
+  double before = above, last = n ? c[0] : -kInf;
+  for (int64_t j = 0; j < n && before < p && c[j] > -kInf; ++j) {
+    last = c[j];
+    before += std::exp(c[j] / T - log_z);
+  }
+  return last;
+}
+
+// top-p over the candidates c[0, n) alone (index order): Z in float64 in that order.
+inline double top_p_small(double* c, int64_t n, double p, double T) {
+  double m = -kInf;
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, c[j] / T);
+  if (m == -kInf) return -kInf;
+  double z = 0.0;
+  for (int64_t j = 0; j < n; ++j) z += std::exp(c[j] / T - m);
+  return top_p_walk(c, n, p, T, 0.0, m + std::log(z));
+}
+
+// w.cand = the logits x >= tau (and > −inf) of a row, in index order.
+template <typename T>
+void gather_at_least(const T* x, int64_t V, double tau, ThresholdScratch& w) {
+  w.cand.clear();
+  if constexpr (std::is_same_v<T, double>) {
+    for (int64_t j = 0; j < V; ++j) {
+      if (x[j] >= tau && x[j] > -kInf) w.cand.push_back(x[j]);
+    }
+  } else {
+    // tau is −inf or one of the (float) logits
+    const float ft = tau == -kInf ? std::numeric_limits<float>::lowest() : static_cast<float>(tau);
+    w.kbuf.resize(V + VF::size());
+    float* b = w.kbuf.data();
+    const VF vt(ft);
+    int64_t n = 0, i = 0;
+    for (; i + VF::size() <= V; i += VF::size()) {
+      const VF v = load1(x + i);
+      const LaneMask m = lanes_ge(v, vt);
+      if (!lanes_none(m)) n += compress_store(b + n, m, v);
+    }
+    for (; i < V; ++i) {
+      const float v = static_cast<float>(x[i]);
+      if (v >= ft) b[n++] = v;
+    }
+    w.cand.assign(b, b + n);
+  }
+}
+
+// The bracket's next bounds from the guide g (the mass above each threshold t, which increase):
+// the mass above hi' surely < P, above lo' surely >= P (kMargin·Z either side).
+inline void narrow(const float* t, const double* g, double above, double P, double margin,
+                   double& lo, double& hi) {
+  double nhi = hi, nlo = lo;
+  for (int b = kLevelCuts - 1; b >= 0 && above + g[b] < P - margin; --b) nhi = t[b];
+  for (int b = 0; b < kLevelCuts && above + g[b] >= P + margin; ++b) nlo = t[b];
+  lo = nlo, hi = nhi;
+}
+
+// Guide thresholds evenly spaced in (lo_t, hi).
+inline void guide_cuts(double lo_t, double hi, float* t, VF* vt) {
+  for (int b = 0; b < kLevelCuts; ++b) {
+    t[b] = static_cast<float>(lo_t + (hi - lo_t) * (b + 1) / (kLevelCuts + 1));
+    vt[b] = VF(t[b]);
+  }
+}
+
+// The guide's float lanes added into g (double), every 64 vectors.
+inline void flush_guide(VF* acc, double* g) {
+  for (int b = 0; b < kLevelCuts; ++b) {
+    float f[VF::size()];
+    acc[b].store(f);
+    double sum = 0.0;
+    for (int l = 0; l < VF::size(); ++l) sum += f[l];
+    g[b] += sum;
+    acc[b] = VF(0.0f);
+  }
+}
+
+// top-p of a large float row. Pass 1 over the row: e = exp((x − M)/T) where x > lo (0 elsewhere;
+// lo just below τ_k under top-k), stored; Z in double lanes; the first level's guide alongside.
+// Then per level: the members of the new bracket compressed (their logits only) and the mass
+// above it added in double; the next guide over the members, their e recomputed.
+template <bool kCount, typename T>
+double select_large(const T* x, int64_t V, double M, double row_min, double lo, const Sampler& s,
+                    ThresholdScratch& w) {
+  const float c = static_cast<float>(kLog2e / s.T);
+  const VF vc(c), vM(static_cast<float>(M)), vlo_exp(-127.0f / c), zero(0.0f), one(1.0f);
+  // the weight of a member: its mass e (top-p) or 1 (top-k)
+  auto weight = [&](const VF& v) { return kCount ? one : exp2_scaled(v - vM, vc, vlo_exp); };
+  auto weight1 = [&](float v) {
+    return kCount ? 1.0f : std::exp2((v - static_cast<float>(M)) * c);
+  };
+  const VF vlo(static_cast<float>(lo));
+  if constexpr (!kCount) w.es.resize(V + VF::size());
+  float* es = w.es.data();
+  double hi = M, above = 0.0;  // the bracket (lo, hi]; above: the mass of x > hi
+  // the guide's thresholds start above M − kSpan·T (lower logits hold below 1e-9 of Z)
+  double lo_t = std::max({lo, row_min, M - kSpan * s.T});
+  float t[kLevelCuts];
+  VF vt[kLevelCuts], acc[kLevelCuts];
+  double g[kLevelCuts] = {};
+  double cut_lo = lo_t, cut_hi = hi;  // where pass 1 places its guide's thresholds
+  double z = 0.0, P = 0.0, margin = 0.0;
+  int64_t n = V;
+  const float* cx = nullptr;  // the members after the first level
+  int flip = 0;
+  bool direct = false;  // the sample's bracket held the crossing: its members, in one pass
+  if (!kCount && V >= kSampleRow) {
+    // a sample (every kSampleEvery-th vector) places them: the bracket that the sample's guide
+    // gives (a margin of 2% of its Z); only where the thresholds lie depends on it, so a poor
+    // sample costs a level, never the result
+    guide_cuts(lo_t, hi, t, vt);
+    for (int b = 0; b < kLevelCuts; ++b) acc[b] = zero;
+    const int64_t ns = (V / VF::size() + kSampleEvery - 1) / kSampleEvery * VF::size();
+    w.xs.resize(ns + VF::size());
+    w.ce0.resize(ns + VF::size());
+    float* sx = w.xs.data();
+    float* se = w.ce0.data();
+    VF za = zero;
+    int64_t j = 0;
+    for (int64_t i = 0; i + VF::size() <= V; i += kSampleEvery * VF::size(), j += VF::size()) {
+      const VF v = load1(x + i);
+      const VF e = select(lanes_gt(v, vlo), weight(v), zero);
+      v.store(sx + j);
+      e.store(se + j);
+      za = za + e;
+#pragma GCC unroll 16
+      for (int b = 0; b < kLevelCuts; ++b) acc[b] = add_where(acc[b], lanes_gt(v, vt[b]), e);
+    }
+    flush_guide(acc, g);
+    WideSum zsum;
+    zsum.add(za);
+    const double zs0 = zsum.value();
+    double a = lo_t, b = hi;
+    narrow(t, g, 0.0, s.top_p * zs0, 0.02 * zs0, a, b);
+    // a second, finer look at the same sample (its stored masses)
+    if (b > std::max(lo_t, a)) {
+      for (int k = 0; k < kLevelCuts; ++k) g[k] = 0.0;
+      guide_cuts(std::max(lo_t, a), b, t, vt);
+      for (int64_t q = 0; q < j; q += VF::size()) {
+        const VF v = VF::loadu(sx + q), e = VF::loadu(se + q);
+#pragma GCC unroll 16
+        for (int k = 0; k < kLevelCuts; ++k) acc[k] = add_where(acc[k], lanes_gt(v, vt[k]), e);
+        if ((q / VF::size()) % 64 == 63) flush_guide(acc, g);
+      }
+      flush_guide(acc, g);
+      narrow(t, g, 0.0, s.top_p * zs0, 0.02 * zs0, a, b);
+    }
+    cut_lo = std::max(lo_t, a), cut_hi = b;
+    for (int k = 0; k < kLevelCuts; ++k) g[k] = 0.0;
+    // one pass: Z, the mass above the sample's bracket (fa, fb] and its members, in double;
+    // kept if the crossing surely lies inside (else pass 1 below, its guide placed there)
+    const float fa = static_cast<float>(cut_lo), fb = static_cast<float>(cut_hi);
+    if (fb > fa) {
+      w.cx0.resize(V + VF::size());
+      float* od = w.cx0.data();
+      const VF va(fa), vb(fb);
+      WideSum zw, uw, mw;
+      int64_t m = 0, i = 0;
+      while (i + VF::size() <= V) {
+        VF z8 = zero, u8 = zero, m8 = zero;
+        for (int f = 0; f < 8 && i + VF::size() <= V; ++f, i += VF::size()) {
+          const VF v = load1(x + i);
+          const VF e = select(lanes_gt(v, vlo), weight(v), zero);
+          z8 = z8 + e;
+          const LaneMask upper = lanes_gt(v, vb);
+          u8 = add_where(u8, upper, e);
+          const LaneMask in = lanes_andnot(lanes_gt(v, va), upper);
+          m8 = add_where(m8, in, e);
+          m += compress_store(od + m, in, v);
+        }
+        zw.add(z8), uw.add(u8), mw.add(m8);
+      }
+      double zz = zw.value(), up = uw.value(), mm = mw.value();
+      for (; i < V; ++i) {
+        const float v = static_cast<float>(x[i]);
+        const float e = v > lo ? weight1(v) : 0.0f;
+        zz += e;
+        if (v > fb) {
+          up += e;
+        } else if (v > fa) {
+          mm += e;
+          od[m++] = v;
+        }
+      }
+      const double Pz = s.top_p * zz, mz = kMargin * zz;
+      if (up < Pz - mz && up + mm >= Pz + mz) {
+        direct = true;
+        z = zz, P = Pz, margin = mz, above = up, n = m, cx = od;
+        lo = fa, hi = fb, lo_t = std::max(lo_t, static_cast<double>(fa));
+      }
+    }
+  }
+  if (!direct) {
+  guide_cuts(cut_lo, cut_hi, t, vt);
+  for (int b = 0; b < kLevelCuts; ++b) acc[b] = zero;
+  WideSum zs;
+  int64_t i = 0;
+  while (i + VF::size() <= V) {
+    VF za = zero;
+    for (int f = 0; f < 64 && i + VF::size() <= V; ++f, i += VF::size()) {
+      const VF v = load1(x + i);
+      const VF e = select(lanes_gt(v, vlo), weight(v), zero);
+      if constexpr (!kCount) e.store(es + i);
+      za = za + e;
+#pragma GCC unroll 16
+      for (int b = 0; b < kLevelCuts; ++b) acc[b] = add_where(acc[b], lanes_gt(v, vt[b]), e);
+    }
+    zs.add(za);
+    flush_guide(acc, g);
+  }
+  z = zs.value();
+  for (; i < V; ++i) {
+    const float v = static_cast<float>(x[i]);
+    const float e = v > lo ? weight1(v) : 0.0f;
+    if constexpr (!kCount) es[i] = e;
+    z += e;
+    for (int b = 0; b < kLevelCuts; ++b) g[b] += v > t[b] ? e : 0.0f;
+  }
+  if (kCount && z < s.top_k) return -kInf;  // fewer than k logits above −inf
+  // counts are exact (integers below 2^24 in float lanes): no margin
+  P = kCount ? static_cast<double>(s.top_k) : s.top_p * z;
+  margin = kCount ? 0.0 : kMargin * z;
+  }
+  for (bool first = !direct; n > kSmallRow; first = false) {
+    if (!first) {  // the guide over the members
+      for (int b = 0; b < kLevelCuts; ++b) g[b] = 0.0, acc[b] = zero;
+      guide_cuts(lo_t, hi, t, vt);
+      int64_t j = 0;
+      while (j + VF::size() <= n) {
+        for (int f = 0; f < 64 && j + VF::size() <= n; ++f, j += VF::size()) {
+          const VF v = VF::loadu(cx + j);
+          const VF e = weight(v);
+#pragma GCC unroll 16
+          for (int b = 0; b < kLevelCuts; ++b) acc[b] = add_where(acc[b], lanes_gt(v, vt[b]), e);
+        }
+        flush_guide(acc, g);
+      }
+      for (; j < n; ++j) {
+        const float e = weight1(cx[j]);
+        for (int b = 0; b < kLevelCuts; ++b) g[b] += cx[j] > t[b] ? e : 0.0f;
+      }
+    }
+    double nlo = lo, nhi = hi;
+    narrow(t, g, above, P, margin, nlo, nhi);
+    if (nhi <= nlo) break;  // (not reached: the guide is monotone up to its rounding)
+    flip ^= 1;
+    std::vector<float>& ox = flip ? w.cx1 : w.cx0;
+    ox.resize(n + VF::size());
+    const VF vnlo(static_cast<float>(nlo)), vnhi(static_cast<float>(nhi));
+    WideSum up;
+    int64_t m = 0, j = 0;
+    float* od = ox.data();
+    auto member = [&](const VF& v, const VF& e, VF& a) {
+      const LaneMask upper = lanes_gt(v, vnhi);
+      a = add_where(a, upper, e);
+      const LaneMask in = lanes_andnot(lanes_gt(v, vnlo), upper);
+      m += compress_store(od + m, in, v);
+    };
+    if (first) {
+      while (j + VF::size() <= n) {
+        VF a = zero;
+        for (int f = 0; f < 8 && j + VF::size() <= n; ++f, j += VF::size()) {
+          const VF v = load1(x + j);
+          member(v, kCount ? one : VF::loadu(es + j), a);
+        }
+        up.add(a);
+      }
+    } else {
+      while (j + VF::size() <= n) {
+        VF a = zero;
+        for (int f = 0; f < 8 && j + VF::size() <= n; ++f, j += VF::size()) {
+          const VF v = VF::loadu(cx + j);
+          member(v, weight(v), a);
+        }
+        up.add(a);
+      }
+    }
+    double add = up.value();
+    for (; j < n; ++j) {
+      const float v = first ? static_cast<float>(x[j]) : cx[j];
+      if (v > nhi) {
+        add += (first && !kCount) ? es[j] : weight1(v);
+      } else if (v > nlo) {
+        ox[m++] = v;
+      }
+    }
+    const bool progress = m < n;
+    above += add, hi = nhi, lo = nlo, n = m, cx = ox.data();
+    lo_t = std::max(lo_t, nlo);
+    if (!progress) break;  // ties: the walk sorts what is left
+  }
+  if (cx == nullptr) {  // (rows of more than kSmallRow logits always narrow at least once)
+    gather_at_least(x, V, std::nextafter(lo, kInf), w);
+  } else {
+    w.cand.assign(cx, cx + n);
+  }
+  double* cand = w.cand.data();
+  const int64_t nc = static_cast<int64_t>(w.cand.size());
+  if constexpr (kCount) {  // the (k − above)-th largest member
+    const int64_t at = std::min<int64_t>(nc - 1, std::max<int64_t>(0, s.top_k - 1 - static_cast<int64_t>(above)));
+    std::nth_element(cand, cand + at, cand + nc, std::greater<>());
+    return cand[at];
+  } else {
+    return top_p_walk(cand, nc, s.top_p, s.T, above / z, M / s.T + std::log(z));
+  }
+}
+
+// The k-th largest logit of a row without NaN (1 ≤ k < V), counted with multiplicity: the
+// smallest logit g with fewer than k logits > g, narrowed as top-p's crossing with unit weights
+// (float rows of more than kSmallRow logits), else nth_element over a copy.
+template <typename T>
+double kth_largest(const T* x, int64_t V, double M, double row_min, const Sampler& s,
+                   ThresholdScratch& w, int64_t lanes) {
+  w.survivors = -1;
+  if constexpr (!std::is_same_v<T, double>) {
+    // a small k: th0 = the k-th largest lane maximum (k distinct logits >= th0, so the k-th
+    // largest logit is the k-th largest of the logits >= th0, a few times k of them)
+    if (4 * s.top_k <= lanes) {
+      const double th0 = select_large<true>(w.lm.data(), lanes, M, row_min, -kInf, s, w);
+      gather_at_least(x, V, th0, w);
+      const int64_t n = static_cast<int64_t>(w.cand.size());
+      if (n >= s.top_k && n <= 64 * s.top_k + 4096) {
+        w.survivors = n;  // w.kbuf[0, n): the logits >= th0, in index order
+        std::nth_element(w.cand.begin(), w.cand.begin() + (s.top_k - 1), w.cand.end(),
+                         std::greater<>());
+        return w.cand[s.top_k - 1];
+      }
+    }
+    if (V > kSmallRow) return select_large<true>(x, V, M, row_min, -kInf, s, w);
+  }
+  w.cand.resize(V);
+  for (int64_t j = 0; j < V; ++j) w.cand[j] = static_cast<double>(x[j]);
+  std::nth_element(w.cand.begin(), w.cand.begin() + (s.top_k - 1), w.cand.end(), std::greater<>());
+  return w.cand[s.top_k - 1];
+}
+
+// The smallest logit with exp((x − M)/T) >= min_p (M finite: the max, always kept).
+template <typename T>
+double min_p_threshold(const T* x, int64_t V, double M, const Sampler& s) {
+  const double c = M + s.T * std::log(s.min_p);
+  const double delta = 1e-9 * (std::fabs(M) + std::fabs(c) + s.T);
+  auto rule = [&](double v) { return std::exp((v - M) / s.T) >= s.min_p; };
+  double best = M;
+  if constexpr (std::is_same_v<T, double>) {
+    for (int64_t j = 0; j < V; ++j) {
+      const double v = x[j];
+      if (v < best && v >= c - delta && (v >= c + delta || rule(v))) best = v;
+    }
+    return best;
+  } else {
+    // float bounds: above fhi surely kept, below flo surely not
+    const float fhi = std::nextafter(static_cast<float>(c + delta), std::numeric_limits<float>::infinity());
+    const float flo = std::nextafter(static_cast<float>(c - delta), -std::numeric_limits<float>::infinity());
+    constexpr float finf = std::numeric_limits<float>::infinity();
+    const VF vhi(fhi), vlo(flo), vinf(finf);
+    constexpr int U = 4;
+    VF mn[U];
+    for (int k = 0; k < U; ++k) mn[k] = vinf;
+    auto one = [&](const VF& v, VF& acc) {
+      const LaneMask sure = lanes_ge(v, vhi);
+      acc = at::vec::clamp_max(acc, select(sure, v, vinf));
+      const LaneMask band = lanes_andnot(lanes_ge(v, vlo), sure);
+      if (!lanes_none(band)) {
+        float f[VF::size()];
+        v.store(f);
+        for (int k = 0; k < VF::size(); ++k) {
+          if (f[k] >= flo && f[k] < fhi && f[k] < best && rule(f[k])) best = f[k];
+        }
+      }
+    };
+    int64_t i = 0;
+    for (; i + U * VF::size() <= V; i += U * VF::size()) {
+#pragma GCC unroll 4
+      for (int k = 0; k < U; ++k) one(load1(x + i + k * VF::size()), mn[k]);
+    }
+    for (; i + VF::size() <= V; i += VF::size()) one(load1(x + i), mn[0]);
+    for (int k = 0; k < U; ++k) {
+      float f[VF::size()];
+      mn[k].store(f);
+      for (int l = 0; l < VF::size(); ++l) best = std::min<double>(best, f[l]);
+    }
+    for (; i < V; ++i) {
+      const float v = static_cast<float>(x[i]);
+      if (v < best && v >= flo && (v >= fhi || rule(v))) best = v;
+    }
+    return best;
+  }
+}
+
+// τ_s of one row (see above); s.cuts() holds.
+template <typename T>
+double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& w) {
+  int64_t lanes = 0;
+  float* lane_max = nullptr;
+  if (!std::is_same_v<T, double> && s.cut_k) {
+    w.lm.resize(V / kLaneBlock * VF::size() + VF::size());
+    lane_max = w.lm.data();
+  }
+  const auto [M, row_min] = row_max_min(x, V, lane_max, &lanes);
+  if (std::isnan(M)) return kNaN;  // a row holding NaN keeps nothing
+  if (M == -kInf) return -kInf;    // every logit −inf: every step keeps them all
+  double tau = -kInf;
+  w.survivors = -1;
+  if (s.cut_k) tau = kth_largest(x, V, M, row_min, s, w, lanes);
+  if ((s.cut_p || s.cut_min) && M == kInf) return kInf;  // only the +inf logits
+  if (s.cut_p) {
+    double tp;
+    const bool few = s.cut_k && 8 * s.top_k <= V;
+    if (std::is_same_v<T, double> || few || V <= kSmallRow) {
+      if (w.survivors >= 0) {  // the candidates x >= τ_k among top-k's survivors, in order
+        w.cand.clear();
+        for (int64_t j = 0; j < w.survivors; ++j) {
+          if (w.kbuf[j] >= tau) w.cand.push_back(w.kbuf[j]);
+        }
+      } else {
+        gather_at_least(x, V, tau, w);  // the candidates x >= τ_k, in index order
+      }
+      tp = top_p_small(w.cand.data(), static_cast<int64_t>(w.cand.size()), s.top_p, s.T);
+    } else {
+      const double lo = s.cut_k ? std::nextafter(static_cast<float>(tau), -std::numeric_limits<float>::infinity())
+                                : -kInf;
+      if constexpr (std::is_same_v<T, double>) {
+        tp = -kInf;  // (float64 rows take the branch above)
+      } else {
+        tp = select_large<false>(x, V, M, row_min, lo, s, w);
+      }
+    }
+    tau = std::max(tau, tp);
+  }
+  if (s.cut_min) tau = std::max(tau, min_p_threshold(x, V, M, s));
+  return tau;
 }
 
 // ------------------------------------------------------------------------------ arguments
@@ -1019,8 +1856,7 @@ void finalize_row(const RowState& row, int64_t want, bool x_state, bool y_state,
                   const T* yr, const Support& sup, int64_t tok, double T_, O* out, O* st) {
   std::fill(out, out + kOutCols, O(0));
   std::fill(st, st + kStatsCols, O(0));
-  st[kStatsCols - 1] = static_cast<O>(
-      !sup.has_tau ? -kInf : (sup.tau_double ? sup.tau_d : static_cast<double>(sup.tau_f)));
+  st[kTau] = static_cast<O>(sup.threshold());
   const double lsx = std::log(row.s_x), lsy = std::log(row.s_y);
   const double shx = finite_or_zero(row.m_x), shy = finite_or_zero(row.m_y);
   const bool valid_x = row.s_x > 0 && std::isfinite(row.s_x);
@@ -1092,10 +1928,11 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
     const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& tau, double T,
     int64_t ignore_index, int64_t want, bool check, int64_t /*tile_rows*/,
     int64_t /*tile_cols*/, int64_t top_k, double top_p, double min_p) {
-  TORCH_CHECK_VALUE(!((top_k > 0 && top_k < x_arg.size(-1)) || top_p < 1.0 || min_p > 0.0),
-                    "native_token_stats: sampler settings are not supported by this build");
   const StatsArgs a(x_arg, y_arg, tokens, mask, keep, tau, T, want);
   const RowAccess ra(a);
+  check_sampler_args(top_k, top_p, min_p);
+  const Sampler sampler(a.V, top_k, top_p, min_p, T);
+  const bool cuts = sampler.cuts();
   if (check && a.tok.defined()) {
     check_token_range(a.tokens_in, ra.tp, a.N, a.V, ignore_index);
   }
@@ -1135,8 +1972,12 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
             std::swap(row.s_x, row.s_y);
             finalize_row(row, want, false, true, xr, yr, Support(), t, T, o, s);
           } else {
-            const Support sup = ra.support(r);
-            const RowState row = walk(xr, yr, sup, V, T, kY, kB);
+            Support sup = ra.support(r);
+            if (cuts) sup = with_threshold(sup, row_threshold(xr, V, sampler, scratch()),
+                                           a.ct == at::kDouble);
+            // with the sampler, the next row's logits are read into L2 during this walk
+            const T_in* side = cuts && r + 1 < r1 ? px + ra.rx.offset(r + 1) : nullptr;
+            const RowState row = walk(xr, yr, sup, V, T, kY, kB, side);
             finalize_row(row, want, true, a.need_y_state, xr, yr, sup, t, T, o, s);
           }
         }
@@ -1154,7 +1995,7 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
     } else {
       raise_if_nan(out, want, a.leading, {{"logits", a.x_in}});
     }
-    if (a.truncated() && (want & kWantLogp)) {
+    if ((a.truncated() || cuts) && (want & kWantLogp)) {
       if (a.ct == at::kDouble) {
         check_tokens_in_support(a, ra, out.const_data_ptr<double>(), ignore_index);
       } else {
@@ -1253,8 +2094,11 @@ struct GradCoef {
 // kKL, kH: the KL's and the entropy's d-dependent terms of ∂/∂x (each only where its upstream
 // gradient is nonzero: a KL of +inf gives no NaN to the other columns' gradients); kCareful:
 // 0 where p = 0 (−inf logits, off the support) and where ∂/∂y is NaN.
-template <bool kDy, bool kKL, bool kH, bool kCareful, typename TX, typename TY, typename TO>
-void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* gx, TO* gy) {
+// Sup: the support's lane masks (p = 0 off it; the logits read in memory order).
+template <bool kDy, bool kKL, bool kH, bool kCareful, typename TX, typename TY, typename TO,
+          typename Sup = NoLanes>
+void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* gx, TO* gy,
+                  const Sup& sup = Sup()) {
   const VF zero(0.0f);
   auto gx_of = [&](const VF& p, const VF& dx, const VF& dy) {
     VF inner = k.vc0;
@@ -1282,8 +2126,14 @@ void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* 
       dx0 = x0 - k.vsx;
       dx1 = x1 - k.vsx;
     }
-    const VF p0 = exp2_fast(at::vec::fmadd(dx0, k.vc, k.vbx));
-    const VF p1 = exp2_fast(at::vec::fmadd(dx1, k.vc, k.vbx));
+    VF p0 = exp2_fast(at::vec::fmadd(dx0, k.vc, k.vbx));
+    VF p1 = exp2_fast(at::vec::fmadd(dx1, k.vc, k.vbx));
+    if constexpr (Sup::kOn) {  // the logits again (from L1) for the comparison with tau
+      VF xa, xb;
+      load2(px + i, xa, xb);
+      p0 = select(sup.at(xa, i), p0, zero);
+      p1 = select(sup.at(xb, i + VF::size()), p1, zero);
+    }
     if (gx) store2(gx + i, gx_of(p0, dx0, dy0), gx_of(p1, dx1, dy1));
     if constexpr (kDy) {
       if (gy) store2(gy + i, gy_of(p0, dy0), gy_of(p1, dy1));
@@ -1292,7 +2142,7 @@ void grad_segment(const TX* px, const TY* py, int64_t n, const GradCoef& k, TO* 
   for (; i < n; ++i) {
     const float dx = static_cast<float>(px[i]) - k.shx;
     const float dy = kDy ? static_cast<float>(py[i]) - k.shy : 0.0f;
-    const float p = std::exp2(dx * k.c + k.bx);
+    const float p = sup.kept(static_cast<float>(px[i]), i) ? std::exp2(dx * k.c + k.bx) : 0.0f;
     if (gx) {
       float inner = k.c0;
       if (kH) inner += dx * k.ch;
@@ -1314,14 +2164,11 @@ template <bool kDy, bool kKL, bool kH, typename T>
 void grad_row_vec(const T* xr, const T* yr, const Support& sup, const GradRow& g, double T_,
                   T* gx, T* gy, int64_t V) {
   const GradCoef k(g, T_);
-  if (sup.any()) {
-    alignas(64) float buf[kChunk];
-    for (int64_t c0 = 0; c0 < V; c0 += kChunk) {
-      const int64_t n = std::min(kChunk, V - c0);
-      load_support(xr + c0, sup.from(c0), n, buf);
-      grad_segment<kDy, kKL, kH, true>(static_cast<const float*>(buf), kDy ? yr + c0 : yr, n, k,
-                                      gx ? gx + c0 : gx, gy ? gy + c0 : gy);
-    }
+  if (sup.any()) {  // p = 0 off the support by the lane masks; careful: −inf logits kept
+    with_lanes(sup, [&](const auto& lanes) {
+      grad_segment<kDy, kKL, kH, true>(xr, yr, V, k, gx, gy, lanes);
+      return 0;
+    });
   } else if (g.careful) {
     grad_segment<kDy, kKL, kH, true>(xr, yr, V, k, gx, gy);
   } else {
@@ -1472,6 +2319,43 @@ std::tuple<at::Tensor, at::Tensor> token_stats_backward(
   return {gx, gy};
 }
 
+// ------------------------------------------------------------------------------ threshold op
+// τ (...) of top-k → top-p → min-p sampling per row (row_threshold), in the compute dtype:
+// −inf where nothing is cut, NaN for a row holding NaN.
+at::Tensor sampling_threshold(const at::Tensor& x_arg, int64_t top_k, double top_p, double min_p,
+                              double T) {
+  check_logits_arg("logits", x_arg);
+  check_temperature(T);
+  check_sampler_args(top_k, top_p, min_p);
+  const at::Tensor x = unit_last_stride(x_arg);
+  const std::vector<int64_t> leading = leading_of(x);
+  const int64_t V = x.size(-1), N = x.numel() / V;
+  const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor tau = at::empty(leading, x.options().dtype(ct));
+  tau.fill_(-kInf);
+  const Sampler sampler(V, top_k, top_p, min_p, T);
+  if (!sampler.cuts() || N == 0) return tau;
+  const Rows rx(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "native_sampling_threshold", [&] {
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    auto run = [&](auto* out) {
+      using O = std::remove_pointer_t<decltype(out)>;
+      parallel_rows(N, V, [&](int64_t r0, int64_t r1) {
+        ThresholdScratch& w = scratch();
+        for (int64_t r = r0; r < r1; ++r) {
+          out[r] = static_cast<O>(row_threshold(px + rx.offset(r), V, sampler, w));
+        }
+      });
+    };
+    if (ct == at::kDouble) {
+      run(tau.mutable_data_ptr<double>());
+    } else {
+      run(tau.mutable_data_ptr<float>());
+    }
+  });
+  return tau;
+}
+
 // ------------------------------------------------------------------------------ compute floor
 // The forward's arithmetic without its memory traffic: the one-pass walk's chunk sums of the KL
 // (two exps, three sums and both maxima per element pair, U vectors per input in flight) over
@@ -1529,6 +2413,7 @@ TORCH_LIBRARY_IMPL(klpenalty, CPU, m) {
   m.impl("native_token_stats", &token_stats);
   m.impl("native_token_stats_backward", &token_stats_backward);
   m.impl("native_token_stats_state", &token_stats_state);
+  m.impl("native_sampling_threshold", &sampling_threshold);
   m.impl("native_compute_floor", &compute_floor);  // the benchmark's (schema in native.py)
 }
 

@@ -1,0 +1,121 @@
+"""What a sampler's support costs the KL on CPU: ``klpenalty.full_kl(x, y, **kw)`` with the
+sampler settings (the threshold computed inside the kernel's row pass) and with a precomputed
+kept set, against the untruncated KL.
+
+Rows, side by side in one process, interleaved rounds, medians, the ratio to ``plain``:
+
+- ``plain``: no support;
+- ``top_k=50``, ``top_p=0.9``, ``min_p=0.05``, ``top_k=50, top_p=0.9``: the sampler settings;
+- ``support=bool mask``: a dense (N, V) bool kept set (that of top_p=0.9);
+- ``support=(ids, offsets)``: the same kept set as compact ids (found to be a threshold set,
+  so it becomes a per-row tau).
+
+x = 2·N(0, 1) (top-p 0.9 keeps thousands of tokens per row), y = x + 0.3·N(0, 1). Writes
+``benchmarks/results/bench_support.{md,csv}`` with the 1-minute load average and the CPU model.
+
+    .venv/bin/python benchmarks/bench_support.py [--n 2048] [--vocab 32000] [--threads 2]
+        [--repeats 7] [--clock wall|cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import time
+
+import torch
+
+import klpenalty
+from klpenalty.sampling import sampling_threshold
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def cpu_model() -> str:
+    """lscpu's model name (or platform's processor string)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
+def compact(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, offsets) of a (N, V) bool kept set, in row order."""
+    rows, ids = kept.nonzero(as_tuple=True)
+    counts = torch.bincount(rows, minlength=kept.shape[0])
+    return ids, torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, default=2048, help="rows (positions)")
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                   help="wall: perf_counter; cpu: the process's CPU time (all its threads), "
+                        "steadier on a loaded machine")
+    p.add_argument("--out", default=os.path.join(HERE, "results", "bench_support"))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.n, args.vocab, generator=g) * 2
+    y = x + 0.3 * torch.randn(args.n, args.vocab, generator=g)
+    kept = x >= sampling_threshold(x, top_p=0.9).unsqueeze(-1)
+    ids, offsets = compact(kept)
+    cases = {
+        "plain": {},
+        "top_k=50": dict(top_k=50),
+        "top_p=0.9": dict(top_p=0.9),
+        "min_p=0.05": dict(min_p=0.05),
+        "top_k=50, top_p=0.9": dict(top_k=50, top_p=0.9),
+        "support=bool mask": dict(support=kept),
+        "support=(ids, offsets)": dict(support=(ids, offsets)),
+    }
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
+    times = {name: [] for name in cases}
+    for kw in cases.values():  # warm-up (native build, allocator)
+        klpenalty.full_kl(x, y, **kw)
+    for _ in range(args.repeats):  # interleaved rounds
+        for name, kw in cases.items():
+            t0 = clock()
+            klpenalty.full_kl(x, y, **kw)
+            times[name].append(clock() - t0)
+    load = os.getloadavg()[0]
+    model = cpu_model()
+    base = statistics.median(times["plain"])
+    rows = []
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        rows.append({"variant": name, "clock": args.clock, "median_ms": round(med * 1e3, 1),
+                     "x_plain": round(med / base, 2), "loadavg": round(load, 2)})
+        print(rows[-1], flush=True)
+    shape = (f"({args.n}, {args.vocab}) fp32, {args.threads} threads, median of "
+             f"{args.repeats} interleaved rounds, {args.clock} clock")
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    with open(args.out + ".md", "w") as f:
+        f.write(f"# full_kl with a sampler's support, {shape}\n\n")
+        f.write(f"CPU: {model}; backend: {klpenalty.ops.native.status()}; "
+                f"1-minute load average {load:.2f}.\n\n")
+        f.write("x = 2·N(0, 1), y = x + 0.3·N(0, 1); the mask and ids are top_p=0.9's kept set.\n\n")
+        f.write("| variant | median ms | × plain |\n|---|---:|---:|\n")
+        for r in rows:
+            f.write(f"| {r['variant']} | {r['median_ms']} | {r['x_plain']} |\n")
+    print(f"wrote {args.out}.md / .csv")
+
+
+if __name__ == "__main__":
+    main()

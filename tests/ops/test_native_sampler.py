@@ -1,0 +1,318 @@
+"""The native kernel's sampler thresholds (``native_sampling_threshold`` and the forward's
+``top_k`` / ``top_p`` / ``min_p``) against the float64 reference kept sets of
+tests/test_sampling.py and the Python rule of klpenalty.sampling, and its support walk (keep read
+as bytes, tau compared in the vector loads) against the float64 reference."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+from klpenalty import sampling
+from klpenalty.ops import native
+from klpenalty.ops.contract import OUT_COLS, ST_TAU, STATS_COLS, Want
+from klpenalty.ops.reference import token_stats_reference
+from tests.helpers import grad_tol, make_logits, tol
+from tests.ops.cases import ref_token_stats_grads
+from tests.test_sampling import ref_kept
+
+HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
+pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: native cannot build")
+
+NINF = float("-inf")
+ALL = int(Want.KL | Want.LOGP | Want.REF_LOGP | Want.ENTROPY)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _loaded():
+    assert native.available()
+
+
+def threshold(x, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0):
+    return torch.ops.klpenalty.native_sampling_threshold(x, top_k, top_p, min_p, temperature)
+
+
+def python_rule(x, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0):
+    """klpenalty.sampling's τ on one process (the Python implementation of the rule)."""
+    return sampling.threshold_rows(
+        x, top_k or None, top_p if top_p < 1.0 else None, min_p or None, temperature, None,
+        sampling.LOCAL,
+    )
+
+
+def kept_by(x, tau):
+    return x.to(tau.dtype) >= tau.unsqueeze(-1)
+
+
+def reference_kept(x, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0):
+    rows = x.reshape(-1, x.shape[-1])
+    kw = dict(top_k=top_k or None, top_p=top_p, min_p=min_p, temperature=temperature)
+    return torch.stack([ref_kept(r, **kw) for r in rows]).reshape(x.shape)
+
+
+# top_k, top_p, min_p, temperature
+SETTINGS = [
+    (1, 1.0, 0.0, 1.0),
+    (5, 1.0, 0.0, 1.0),
+    (0, 0.3, 0.0, 1.0),
+    (0, 0.9, 0.0, 0.5),
+    (0, 0.9, 0.0, 2.0),
+    (0, 1.0, 0.05, 1.0),
+    (0, 1.0, 0.2, 1.7),
+    (8, 0.6, 0.0, 1.0),
+    (20, 0.95, 0.1, 0.8),
+]
+
+
+def _rows(kind, n, vocab, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, vocab, generator=g, dtype=torch.float64)
+    if kind == "random":
+        x = 2.0 * x
+    elif kind == "peaked":  # one-hot-like: one logit far above the rest
+        x[:, 0] += 30.0
+    elif kind == "flat":  # all logits within 1e-6
+        x = 1.0 + 1e-6 * torch.rand(n, vocab, generator=g, dtype=torch.float64)
+    elif kind == "ties":  # few distinct values: ties at every boundary
+        x = torch.randint(0, 4, (n, vocab), generator=g).double()
+    elif kind == "minus_inf":
+        x = 2.0 * x
+        x[:, 1::3] = NINF  # (every row keeps finite logits: an all −inf row is its own case)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("kind", ["random", "peaked", "flat", "ties", "minus_inf"])
+@pytest.mark.parametrize("vocab", [1, 7, 50, 300, 2048 + 37])
+def test_thresholds_match_the_reference(dtype, kind, vocab):
+    x = _rows(kind, 3, vocab, dtype, seed=vocab)
+    for k, p, mp, t in SETTINGS:
+        tau = threshold(x, k if k < vocab else 0, p, mp, t)
+        assert tau.shape == (3,)
+        assert tau.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        got = kept_by(x, tau)
+        assert torch.equal(got, reference_kept(x, k, p, mp, t)), (k, p, mp, t)
+        assert torch.equal(got, kept_by(x, python_rule(x, k, p, mp, t))), (k, p, mp, t)
+        # τ is one of the row's logits, or −inf where nothing is cut
+        is_logit = (x.to(tau.dtype) == tau.unsqueeze(-1)).any(-1)
+        assert torch.all(is_logit | (tau == NINF))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_rows_top_p_and_large_top_k(dtype):
+    """Rows of 32000 with top-p 0.9 on 2·N(0, 1) keep thousands (the bracket narrowed over
+    several levels); top-k = V/2 (the unit-weight narrowing); both together."""
+    x = _rows("random", 3, 32000, dtype, seed=7)
+    for k, p, mp, t in [(0, 0.9, 0.0, 1.0), (16000, 1.0, 0.0, 1.0), (16000, 0.9, 0.0, 1.0),
+                        (50, 0.9, 0.0, 1.0), (0, 0.5, 0.01, 0.7), (3000, 0.99, 0.0, 1.3)]:
+        tau = threshold(x, k, p, mp, t)
+        got = kept_by(x, tau)
+        assert torch.equal(got, kept_by(x, python_rule(x, k, p, mp, t))), (k, p, mp, t)
+        if (k, p) == (0, 0.9):
+            assert torch.all(got.sum(-1) > 2000)
+    assert torch.equal(kept_by(x[:1], threshold(x[:1], 0, 0.9)), reference_kept(x[:1], 0, 0.9))
+    assert torch.equal(kept_by(x[:1], threshold(x[:1], 16000)), reference_kept(x[:1], 16000))
+
+
+def test_top_p_where_the_sample_misleads():
+    """top-p on long rows first looks at a sample of the row (every 4th vector); rows whose
+    mass lies off the sample (and a sorted row) make its bracket wrong: the exact check sends
+    them through the full narrowing, with the same result."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 8192, generator=g, dtype=torch.float64)
+    lanes = torch.arange(8192) % 64
+    x[0, lanes >= 16] += 4.0  # the mass off the sampled vectors (float32: 16 per vector)
+    x[1, lanes < 16] -= 6.0
+    x[2] = torch.linspace(-8.0, 8.0, 8192, dtype=torch.float64)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = x.to(dtype)
+        for p in (0.9, 0.5, 0.99):
+            got = kept_by(xs, threshold(xs, 0, p))
+            assert torch.equal(got, kept_by(xs, python_rule(xs, 0, p))), (dtype, p)
+    assert torch.equal(kept_by(x[:2].float(), threshold(x[:2].float(), 0, 0.9)),
+                       reference_kept(x[:2].float(), 0, 0.9))
+
+
+def test_nothing_cut_nan_inf_and_tiny_rows():
+    x = torch.randn(5, 40)
+    x[1, 7] = float("nan")
+    x[2] = NINF
+    x[3, 5] = float("inf")
+    x[4, :] = 0.5  # all tied
+    for args in [(0, 1.0, 0.0), (40, 1.0, 0.0), (100, 1.0, 0.0)]:  # nothing cut
+        assert torch.equal(threshold(x, *args), torch.full((5,), NINF))
+    for args in [(3, 1.0, 0.0), (0, 0.5, 0.0), (0, 1.0, 0.1), (3, 0.5, 0.1)]:
+        tau = threshold(x, *args)
+        assert math.isnan(tau[1].item()) and tau[2].item() == NINF
+        assert tau[4].item() == 0.5 and torch.isfinite(tau[0])
+        if args[1] < 1.0 or args[2] > 0.0:
+            assert tau[3].item() == math.inf  # only the +inf logit
+    one = torch.tensor([[1.5]])
+    assert threshold(one, 0, 0.3, 0.0).item() == 1.5 and threshold(one, 0, 1.0, 1.0).item() == 1.5
+    y = torch.tensor([[4.0, 4.0, 1.0, 4.0]])
+    assert kept_by(y, threshold(y, 0, 1.0, 1.0)).tolist() == [[True, True, False, True]]
+    assert kept_by(y, threshold(y, 2)).tolist() == [[True, True, False, True]]
+    assert threshold(torch.zeros(0, 9), 2).shape == (0,)
+
+
+def test_top_p_boundaries():
+    """Token j (decreasing order) is kept iff the mass strictly before it is < p, with the
+    masses formed as the kernel forms them: s = x/T, m = max s, Z = Σ exp(s − m) in float64 in
+    index order, mass = exp(s − (m + log Z)), summed in decreasing order."""
+    x = torch.tensor([[2.0, 0.5, 1.25, -1.0, 0.0, 0.9]], dtype=torch.float64)
+    t = 0.8
+    s = [v / t for v in x[0].tolist()]
+    m = max(s)
+    z = 0.0
+    for v in s:
+        z += math.exp(v - m)
+    log_z = m + math.log(z)
+    before, acc = [], 0.0
+    for v in sorted(s, reverse=True):
+        before.append(acc)
+        acc += math.exp(v - log_z)
+
+    def kept(p):
+        return int(kept_by(x, threshold(x, 0, p, 0.0, t)).sum())
+
+    for j in (1, 3, 5):
+        p = before[j]
+        assert kept(p) == j
+        assert kept(math.nextafter(p, 2.0)) == j + 1
+        assert kept(math.nextafter(p, 0.0)) == j
+    assert kept(1e-12) == 1 and kept(1.0) == 6
+
+
+def test_min_p_boundary():
+    x = torch.tensor([[3.0, 2.0, 0.5, -4.0]], dtype=torch.float64)
+    t = 1.3
+    for j, want in ((1, 2), (2, 3), (3, 4)):
+        ratio = math.exp((x[0, j].item() - 3.0) / t)  # π_v / π_max
+        assert int(kept_by(x, threshold(x, 0, 1.0, ratio, t)).sum()) == want
+        above = math.nextafter(ratio, 2.0)
+        assert int(kept_by(x, threshold(x, 0, 1.0, above, t)).sum()) == want - 1
+
+
+def test_threshold_arguments_are_validated():
+    x = torch.randn(2, 5)
+    for args, err, match in [
+        ((-1, 1.0, 0.0, 1.0), ValueError, "top_k must be >= 1"),
+        ((0, 0.0, 0.0, 1.0), ValueError, r"top_p must lie in \(0, 1\]"),
+        ((0, 1.5, 0.0, 1.0), ValueError, r"top_p must lie in \(0, 1\]"),
+        ((0, 1.0, -0.1, 1.0), ValueError, r"min_p must lie in \[0, 1\]"),
+        ((0, 1.0, 1.5, 1.0), ValueError, r"min_p must lie in \[0, 1\]"),
+        ((1, 1.0, 0.0, 0.0), ValueError, "temperature must be finite and > 0"),
+    ]:
+        with pytest.raises(err, match=match):
+            threshold(x, *args)
+    with pytest.raises(TypeError, match=r"logits must be a floating-point tensor .*torch.int64"):
+        threshold(torch.ones(2, 5, dtype=torch.long), 1)
+    with pytest.raises(ValueError, match="top_p must lie in"):
+        _forward(x, x, None, None, 1.0, ALL & ~int(Want.LOGP | Want.REF_LOGP), (0, 2.0, 0.0))
+
+
+# --------------------------------------------------------------------------- the fused forward
+def _forward(x, y, keep, tau, temperature, want, sampler=(0, 1.0, 0.0), tokens=None):
+    return torch.ops.klpenalty.native_token_stats(
+        x, y, tokens, None, keep, tau, temperature, -100, want, False, 0, 0, *sampler
+    )
+
+
+SAMPLERS = [(50, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.05), (50, 0.9, 0.0), (7, 0.8, 0.02)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_fused_forward_equals_the_forward_given_its_threshold(dtype):
+    """Same out and stats to the last bit as the forward given the threshold op's τ, ST_TAU
+    holding it; with a keep mask and a tau as well, the support is keep ∧ x ≥ max(tau, τ_s)."""
+    x, y = make_logits((2, 3, 2048 + 300), dtype, seed=3, scale=2.0)
+    tokens = x.argmax(-1)
+    want = ALL
+    g = torch.Generator().manual_seed(1)
+    keep = torch.rand(x.shape, generator=g) > 0.2
+    keep |= x == x.amax(-1, keepdim=True)  # the sampled tokens stay in the support
+    for sampler in SAMPLERS:
+        tau_s = threshold(x, *sampler, 1.3)
+        out, stats = _forward(x, y, None, None, 1.3, want, sampler, tokens)
+        out0, stats0 = _forward(x, y, None, tau_s, 1.3, want, tokens=tokens)
+        assert stats.shape == (2, 3, STATS_COLS) and out.shape == (2, 3, OUT_COLS)
+        assert torch.equal(out, out0) and torch.equal(stats, stats0)
+        assert torch.equal(stats[..., ST_TAU], tau_s)
+        # keep and a tau below τ_s in some rows, above in others
+        tau = tau_s - torch.tensor([1.0, -0.5, 0.0]).to(tau_s.dtype)
+        out, stats = _forward(x, y, keep, tau, 1.3, want, sampler, tokens)
+        both = torch.maximum(tau, tau_s)
+        out0, _ = _forward(x, y, keep, both, 1.3, want, tokens=tokens)
+        assert torch.equal(out, out0) and torch.equal(stats[..., ST_TAU], both)
+        ref = token_stats_reference(x, y, tokens, None, keep, both, 1.3, -100, want)
+        torch.testing.assert_close(out.double(), ref, **tol(dtype))
+    # no sampler: ST_TAU is the tau given, or −inf
+    _, stats = _forward(x, y, None, None, 1.0, want, tokens=tokens)
+    assert torch.all(stats[..., ST_TAU] == NINF)
+    # a sampled token outside the sampler's support is reported with check=True
+    bad = x.argmin(-1)
+    with pytest.raises(ValueError, match=r"sampled token \d+ at position \(0, 0\) is outside"):
+        torch.ops.klpenalty.native_token_stats(
+            x, y, bad, None, None, None, 1.0, -100, want, True, 0, 0, 50, 1.0, 0.0
+        )
+    # a NaN threshold keeps nothing: the checks report it
+    xn = x.clone()
+    xn[0, 1, 5] = float("nan")
+    with pytest.raises(ValueError, match="policy_logits contains NaN"):
+        torch.ops.klpenalty.native_token_stats(
+            xn, y, tokens, None, None, None, 1.0, -100, want, True, 0, 0, 0, 0.9, 0.0
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_forward_gradients(dtype):
+    """The autograd of the op hands ST_TAU to the backward: gradients of the sampler-truncated
+    policy against the float64 reference with that τ."""
+    x, y = make_logits((3, 2048 + 37), dtype, seed=5, scale=2.0)
+    tokens = x.argmax(-1)
+    for sampler in [(20, 1.0, 0.0), (0, 0.8, 0.0), (10, 0.9, 0.05)]:
+        xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+        out, stats = _forward(xr, yr, None, None, 0.9, ALL, sampler, tokens)
+        tau = stats[..., ST_TAU].detach()
+        assert torch.equal(tau, threshold(x, *sampler, 0.9))
+        grad = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape).to(out.dtype)
+        gx, gy = torch.autograd.grad(out, (xr, yr), grad)
+        wx, wy = ref_token_stats_grads(x, y, tokens, None, None, tau, 0.9, -100, ALL, grad)
+        torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
+        torch.testing.assert_close(gy.double(), wy, **grad_tol(dtype))
+
+
+# --------------------------------------------------------------------------- the support walk
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [37, 2048 + 37, 5000])
+def test_support_walk_keep_bytes_and_tau_lanes(dtype, vocab):
+    """The one-pass walk with the support folded into its loads: a keep mask read as bytes (in
+    memory order, also for bf16), a tau compared per lane (a float64 tau for float32 logits
+    rounded up to the next float), a keep mask that drops a row's maximum, −inf logits kept
+    by the mask (the careful redo): values and gradients against the float64 reference."""
+    x, y = make_logits((4, vocab), dtype, seed=vocab, scale=2.0)
+    g = torch.Generator().manual_seed(2)
+    keep = torch.rand(x.shape, generator=g) > 0.5
+    tokens = torch.zeros(4, dtype=torch.long)
+    keep[:, 0] = True
+    keep[1, x[1].argmax()] = False
+    keep[1, 0] = True
+    x = x.clone()
+    x[2, 3::5] = NINF  # −inf logits, some of them kept
+    x[2, 0] = 1.0
+    tau64 = torch.tensor([-0.7, 0.1, -1.0, 0.3], dtype=torch.float64)
+    tau64 = torch.minimum(tau64, x[:, 0].double())
+    for keep_, tau_ in [(keep, None), (None, tau64), (keep, tau64), (None, tau64.float())]:
+        xr, yr = x.clone().requires_grad_(), y.clone().requires_grad_()
+        out, _ = _forward(xr, yr, keep_, tau_, 1.1, ALL, tokens=tokens)
+        ref = token_stats_reference(x, y, tokens, None, keep_, tau_, 1.1, -100, ALL)
+        torch.testing.assert_close(out.double(), ref, **tol(dtype))
+        grad = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape).to(out.dtype)
+        gx, gy = torch.autograd.grad(out, (xr, yr), grad)
+        wx, wy = ref_token_stats_grads(x, y, tokens, None, keep_, tau_, 1.1, -100, ALL, grad)
+        torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
+        torch.testing.assert_close(gy.double(), wy, **grad_tol(dtype))

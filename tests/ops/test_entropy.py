@@ -136,7 +136,8 @@ def test_stats_match_across_backends(backend):
     x[1, 7] = NINF
     if backend == "native" and not klpenalty.ops.native.available():
         pytest.skip("the native kernel is unavailable")
-    args = (x, None, None, None, None, None, 0.9, -100, ag.Want.ENTROPY, False, 0, 0)
+    args = (x, None, None, None, None, None, 0.9, -100, ag.Want.ENTROPY, False, 0, 0, 0, 1.0,
+            0.0)
     cols = [ag.ST_SHIFT_X, ag.ST_LOG_S_X, ag.ST_MEAN_U]
     out, st = getattr(torch.ops.klpenalty, f"{backend}_token_stats")(*args)
     out_s, st_s = torch.ops.klpenalty.streaming_token_stats(*args)

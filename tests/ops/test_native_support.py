@@ -211,7 +211,9 @@ def test_full_kl_with_compact_sets_is_the_dense_mask_and_the_reference(name, dty
         dense[r, s] = True
     dense = dense.reshape(x.shape)
     got = klpenalty.full_kl(x, y, support=(ids, offsets))
-    torch.testing.assert_close(got, klpenalty.full_kl(x, y, support=dense), rtol=0, atol=0)
+    # the same support as a threshold or as a mask: the kernel's two support walks, equal up to
+    # the float32 rounding of their sums
+    torch.testing.assert_close(got, klpenalty.full_kl(x, y, support=dense), **tol(torch.float32))
     want = full_kl_reference(torch.where(dense, x.double(), -INF), y)
     torch.testing.assert_close(got.double(), want, **tol(dtype))
 

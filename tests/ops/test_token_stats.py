@@ -80,7 +80,8 @@ def test_without_support_it_is_the_single_output_ops(dtype):
 
 def test_stats_hold_the_contract_columns():
     c = token_stats_case(torch.float64)
-    args = (c["x"], c["y"], c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, -100, 15, True, 0, 0)
+    args = (c["x"], c["y"], c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, -100, 15, True, 0, 0,
+            0, 1.0, 0.0)
     out, stats = torch.ops.klpenalty.streaming_token_stats(*args)
     assert stats.shape == (2, 3, ag.STATS_COLS) and stats.dtype == torch.float64
     counted = c["mask"] & (c["tokens"] != -100)

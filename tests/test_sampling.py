@@ -95,6 +95,72 @@ def test_top_p_rows_needing_different_numbers_of_candidates():
     assert counts[0] < 256 < 1024 < counts[1]  # rows that finish in different rounds
 
 
+def _wide_rows(dtype):
+    """Rows whose kept prefix runs past the largest 256 logits (top-p walks a histogram of the
+    mass there), and the hard cases of that walk, 3000 logits each."""
+    g = torch.Generator().manual_seed(7)
+    v = 3000
+    n = lambda: torch.randn(v, generator=g, dtype=torch.float64)
+    rows = [
+        2.0 * n(),  # high entropy: thousands kept
+        1.0 + 1e-6 * torch.rand(v, generator=g, dtype=torch.float64),  # within 1e-6: ties in fp32
+        1e-6 * n(),  # within 1e-6, distinct
+        torch.where(torch.arange(v) == 17, 30.0, 0.1 * n()),  # one-hot-like
+        torch.where(torch.arange(v) % 2 == 0, 2.0 * n(), -math.inf),  # half −inf
+        torch.round(8.0 * n()) / 4.0,  # a coarse grid: ties at (and across) bucket edges
+        torch.where(torch.arange(v) < 1500, 2.0 * n(), -1e9),  # a −1e9 mask
+        torch.zeros(v, dtype=torch.float64),  # all equal
+        40.0 * n(),  # a range wider than the histogram's
+    ]
+    return torch.stack(rows).to(dtype)
+
+
+WIDE_SETTINGS = [
+    dict(top_p=0.9),
+    dict(top_p=0.5, temperature=2.0),
+    dict(top_p=0.999999),  # the last kept token far in the tail
+    dict(top_k=1000, top_p=0.95),  # top-k wider than the sorted candidates, then top-p
+    dict(top_k=2000, top_p=0.9, min_p=0.001, temperature=0.7),
+]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_top_p_on_wide_rows_matches_the_reference(dtype, backend):
+    x = _wide_rows(dtype)
+    for kw in WIDE_SETTINGS:
+        tau = sampling_threshold(x, **kw, backend=backend)
+        got = _kept_by_tau(x, tau)
+        want = torch.stack([ref_kept(r, **kw) for r in x])
+        bad = (got != want).any(-1).nonzero().flatten().tolist()
+        assert not bad, (kw, bad, got.sum(-1).tolist(), want.sum(-1).tolist())
+    counts = _kept_by_tau(x, sampling_threshold(x, top_p=0.9, backend=backend)).sum(-1)
+    assert counts[0] > 2 * 256 and counts[7] == 3000  # past the sorted candidates
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_top_p_on_wide_rows_of_nan_and_minus_inf(backend):
+    x = _wide_rows(torch.float32)[:3].clone()
+    x[1, 5] = float("nan")
+    x[2] = float("-inf")
+    for kw in (dict(top_p=0.9), dict(top_k=1000, top_p=0.9)):
+        tau = sampling_threshold(x, **kw, backend=backend)
+        assert math.isnan(tau[1].item()) and tau[2].item() == float("-inf"), kw
+        assert torch.equal(_kept_by_tau(x[0], tau[0]), ref_kept(x[0], **kw)), kw
+
+
+def test_portable_top_p_in_row_chunks():
+    """The portable rule's histogram walk, a chunk of rows at a time, and with the rows that the
+    sorted candidates settle mixed in (a peaked row)."""
+    x = _wide_rows(torch.float32)
+    x[3] *= 4.0
+    full = threshold_rows(x, None, 0.9, None, 1.0, None, LOCAL)
+    for rows in (1, 2, 4):
+        assert torch.equal(threshold_rows(x, None, 0.9, None, 1.0, rows, LOCAL), full)
+    want = torch.stack([ref_kept(r, top_p=0.9) for r in x])
+    assert torch.equal(_kept_by_tau(x, full), want)
+
+
 def test_temperature_is_applied_first():
     x, _ = make_logits((6, 40), seed=2, scale=2.0)
     cold = _kept_by_tau(x, sampling_threshold(x, top_p=0.8, temperature=0.5)).sum(-1)
@@ -112,28 +178,37 @@ def test_ties_at_the_kth_logit_are_all_kept():
     assert _kept_by_tau(y, sampling_threshold(y, min_p=1.0)).tolist() == [[True, True, False]]
 
 
-def test_top_p_boundaries():
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_top_p_boundaries(backend):
     """Token j (in decreasing order) is kept iff the mass strictly before it is < p: exactly
     p drops it, the next float above keeps it, the one below drops it and keeps j − 1."""
     x = torch.tensor([[2.0, 0.5, 1.25, -1.0, 0.0, 0.9]], dtype=torch.float64)
     t = 0.8
-    # the masses as the CPU threshold op forms them: exp(x/T − log Z), log Z = max + log of
-    # Σ exp(x/T − max) summed in index order (float64, the C library's exp), the masses then
-    # added in decreasing order (a boundary this exact depends on the order of the sum)
-    scaled = [v / t for v in x[0].tolist()]
-    m = max(scaled)
-    z = 0.0
-    for s in scaled:
-        z += math.exp(s - m)
-    log_z = m + math.log(z)
-    before, acc = [], 0.0
-    for s in sorted(scaled, reverse=True):
-        before.append(acc)
-        acc += math.exp(s - log_z)
-    before = torch.tensor([before], dtype=torch.float64)
+    # the masses as the CPU threshold op forms them (a boundary this exact depends on the order
+    # of the sums): exp(x/T − log Z), log Z = max + log Σ exp(x/T − max), the masses then
+    # added in decreasing order. native: Σ in index order with the C library's exp; the
+    # portable rule (streaming): the torch ops of ops/thresholds.py on the row
+    if backend == "native":
+        scaled = [v / t for v in x[0].tolist()]
+        m = max(scaled)
+        z = 0.0
+        for s in scaled:
+            z += math.exp(s - m)
+        log_z = m + math.log(z)
+        before, acc = [], 0.0
+        for s in sorted(scaled, reverse=True):
+            before.append(acc)
+            acc += math.exp(s - log_z)
+        before = torch.tensor([before], dtype=torch.float64)
+    else:
+        scaled = x / t
+        m = scaled.amax(-1, keepdim=True)
+        log_z = m + torch.exp(scaled - m).sum(-1, keepdim=True, dtype=torch.float64).log()
+        mass = torch.exp(scaled.sort(-1, descending=True).values - log_z).cumsum(-1)
+        before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], -1)
     j = 3
     p = before[0, j].item()  # the mass before the 4th largest logit
-    kept = lambda top_p: int(_kept_by_tau(x, sampling_threshold(x, top_p=top_p, temperature=t)).sum())
+    kept = lambda top_p: int(_kept_by_tau(x, sampling_threshold(x, top_p=top_p, temperature=t, backend=backend)).sum())
     assert kept(p) == j
     assert kept(math.nextafter(p, 2.0)) == j + 1
     assert kept(math.nextafter(p, 0.0)) == j

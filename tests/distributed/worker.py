@@ -19,6 +19,7 @@ can compare with the single-process functions on the gathered tensors without ga
 from __future__ import annotations
 
 import contextlib
+import math
 import json
 import sys
 import time
@@ -257,6 +258,38 @@ def check_empty_and_one_dim(ctx: Ctx):
     kl1 = kd.vocab_parallel_full_kl(ctx.shard(xf), ctx.shard(yf), vocab_start=ctx.start)
     assert kl.shape == (0, 3) and lp.shape == (0, 3) and x.grad.shape == x.shape
     assert_close(kl1, full_kl(xf, yf), **tol(torch.float32))
+
+
+def check_thresholds_on_wide_rows(ctx: Ctx):
+    """top-p over rows whose kept prefix runs past the sorted candidates (the histogram of the
+    mass summed across ranks, the crossing bucket's logits gathered): the same τ on every rank,
+    the single-process kept sets, the float64 reference's."""
+    from klpenalty.distributed.vocab_parallel import _RankReduce
+    from klpenalty.ops.thresholds import LOCAL, threshold_rows
+
+    from ..test_sampling import ref_kept
+
+    g = _generator(41)
+    x = torch.randn(5, VOCAB, generator=g) * 0.7  # ~700 of 1001 kept at p = 0.9
+    x[1] = 1.0 + 1e-6 * torch.rand(VOCAB, generator=g)  # within 1e-6
+    x[2] = torch.round(x[2] * 16.0) / 8.0  # ties
+    x[3, ::2] = -math.inf
+    x[4, 7] = math.nan
+    settings = [dict(top_p=0.9), dict(top_k=400, top_p=0.95, temperature=0.8)]
+    reduce = _RankReduce(None, ctx.world, VOCAB)
+    taus = [threshold_rows(ctx.shard(x), kw.get("top_k"), kw["top_p"], None,
+                           kw.get("temperature", 1.0), 2, reduce) for kw in settings]
+    same = all(gather_equal(t) for t in taus)
+    assert same
+    for kw, tau in zip(settings, taus):
+        full = threshold_rows(x, kw.get("top_k"), kw["top_p"], None, kw.get("temperature", 1.0),
+                              None, LOCAL)
+        assert math.isnan(tau[4].item()) and math.isnan(full[4].item()), kw
+        got, one = (x[:4] >= t[:4].unsqueeze(-1) for t in (tau, full))
+        want = torch.stack([ref_kept(r, **kw) for r in x[:4].cpu()]).to(got.device)
+        assert torch.equal(got, one) and torch.equal(got, want), kw
+        assert int(got.sum(-1).min()) > 256, kw  # past the sorted candidates
+
 
 
 def _count_collectives():

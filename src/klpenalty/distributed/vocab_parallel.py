@@ -84,6 +84,11 @@ class _RankReduce(RowReduce):
         top, at = pair[..., 0].topk(k, -1)
         return top, pair[..., 1].gather(-1, at)
 
+    def histogram64(self, bucket, weight, bins):
+        h = super().histogram64(bucket, weight, bins)  # (R, bins) of this slice
+        _all_reduce(h, dist.ReduceOp.SUM, self.group)
+        return h
+
 
 def _local_keep(support, x: torch.Tensor, vocab_start: int | None, caller: str):
     """The kept set of this slice as a (..., V_r) bool mask, from ``support``: the slice of a

@@ -23,6 +23,18 @@ __all__ = ["RowReduce", "LOCAL", "threshold_rows", "CHUNK_ELEMENTS"]
 # and int64 indices), a few of a large vocabulary's rows at a time.
 CHUNK_ELEMENTS = 1 << 21
 
+# top-p sorts the largest SORTED_CANDIDATES logits of a row (all of a row this narrow); a row
+# whose kept prefix goes past them is walked through a histogram of its mass over
+# BUCKETS(vocab) buckets of its logit range, the lowest of which holds everything more than
+# BUCKET_RANGE below the row's maximum (in units of x/T)
+SORTED_CANDIDATES = 256
+BUCKET_RANGE = 64.0
+
+
+def _buckets(vocab: int) -> int:
+    """The histogram's width for rows of ``vocab`` logits (the same on every rank)."""
+    return max(64, min(4096, vocab // 8))
+
 
 def _chunks(n: int, vocab: int, chunk_rows: int | None):
     rows = chunk_rows if chunk_rows else max(1, CHUNK_ELEMENTS // max(vocab, 1))
@@ -62,6 +74,11 @@ class RowReduce:
         keys, idx = key.topk(k, -1)
         return keys, value.gather(-1, idx)
 
+    def histogram64(self, bucket: Tensor, weight: Tensor, bins: int) -> Tensor:
+        """(R, bins) float64 sums of ``weight`` (R, C) float64 by ``bucket`` (R, C) int64."""
+        out = weight.new_zeros((weight.shape[0], bins))
+        return out.scatter_add_(-1, bucket, weight)
+
 
 LOCAL = RowReduce()
 
@@ -98,11 +115,12 @@ def _chunk_threshold(
 ) -> Tensor:
     """τ (R,) float64 of a chunk of rows x (R, C): the smallest logit kept by the three steps.
 
-    No full sort, and passes over the whole chunk only in the compute dtype (float32; float64
-    for float64 logits): top-k reads the k-th largest logit (``topk``); top-p takes the largest
-    k' logits of each row, k' growing until every row's kept prefix ends inside them, with the
-    masses exp(x/T − log Z) in float64 (log Z: the max plus the log of a float64-accumulated sum
-    of exp over the live logits); min-p is an elementwise test against the row's maximum.
+    No full sort: top-k reads the k-th largest logit (``topk``); top-p weighs the logits by
+    their masses exp(x/T − log Z) in float64 (log Z: the max plus the log of a
+    float64-accumulated sum of exp over the live logits), sorting only the largest 256 (rows
+    whose kept prefix ends inside them) and otherwise the logits of one bucket of a histogram
+    of the mass (:func:`_bucketed_top_p`); min-p is an elementwise test against the row's
+    maximum.
     """
     xc = x.to(compute_dtype(x))  # (R, C), no copy for float32/float64 logits
     r = xc.shape[0]
@@ -115,21 +133,22 @@ def _chunk_threshold(
             scaled = scaled.masked_fill_(xc < tau.to(xc.dtype).unsqueeze(-1), -math.inf)
         m = finite_or_zero(reduce.amax(scaled))  # (R, 1)
         log_z = m.double() + reduce.sum64(torch.exp(scaled - m)).log()
-        k = min(vocab, 256 if top_k is None else top_k)
         tau_p = torch.empty(r, dtype=xc.dtype, device=x.device)
-        active = torch.arange(r, device=x.device)  # rows whose kept prefix is not found yet
-        while active.numel():
-            vals, at = reduce.topk(scaled[active], xc[active], k)  # (A, k), decreasing
-            mass = torch.exp(vals.double() - log_z[active]).cumsum(-1)  # (A, k)
-            # the mass strictly before each position (an exclusive cumulative sum)
-            before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], -1)
-            kept = (before < top_p) & (vals > -math.inf)  # a prefix of each row
-            done = ~kept[:, -1] if k < vocab else torch.ones_like(kept[:, -1])
-            last = kept[done].sum(-1, keepdim=True).clamp_min(1) - 1  # at least the first
-            rows = active[done]
-            tau_p[rows] = at[done].gather(-1, last).squeeze(-1)
-            active = active[~done]
-            k = 4 * k if 16 * k <= vocab else vocab  # past a quarter of V: one full sort
+        k = min(vocab, SORTED_CANDIDATES if top_k is None else top_k)
+        if k <= SORTED_CANDIDATES:  # a few candidates: one sorted walk settles most rows
+            vals, at = reduce.topk(scaled, xc, k)  # (R, k), decreasing
+            done, last = _walk(vals, torch.zeros_like(log_z), log_z, top_p)
+            if k == vocab:
+                done = torch.ones_like(done)
+            tau_p[done] = at[done].gather(-1, last[done]).squeeze(-1)
+            rest = (~done).nonzero().squeeze(-1)
+        else:
+            rest = torch.arange(r, device=x.device)
+        if rest.numel() == r:
+            tau_p = _bucketed_top_p(scaled, xc, m, log_z, top_p, vocab, reduce)
+        elif rest.numel():
+            tau_p[rest] = _bucketed_top_p(scaled[rest], xc[rest], m[rest], log_z[rest], top_p,
+                                          vocab, reduce)
         tau = torch.maximum(tau, tau_p.double())
     if min_p is not None:
         # π_v ≥ min_p·π_max ⟺ exp((x_v − x_max)/T) ≥ min_p
@@ -139,3 +158,57 @@ def _chunk_threshold(
         tau = torch.maximum(tau, torch.minimum(smallest, top.squeeze(-1)).double())
     # a row holding NaN keeps nothing, so that the NaN is reported, never silently cut away
     return tau.masked_fill(reduce.any(torch.isnan(xc)), math.nan)
+
+
+def _walk(vals: Tensor, above: Tensor, log_z: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
+    """The top-p walk over decreasing candidates ``vals`` (R, k) of x/T, after a mass ``above``
+    (R, 1) float64 of the logits before them: (R,) whether the kept prefix ends inside them,
+    and (R, 1) the position of its last token (at least the first)."""
+    mass = torch.exp(vals.double() - log_z).cumsum(-1)  # (R, k)
+    # the mass strictly before each position (an exclusive cumulative sum)
+    before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], -1) + above
+    kept = (before < top_p) & (vals > -math.inf)  # a prefix of each row
+    return ~kept[:, -1], kept.sum(-1, keepdim=True).clamp_min(1) - 1
+
+
+def _bucketed_top_p(
+    scaled: Tensor, xc: Tensor, m: Tensor, log_z: Tensor, top_p: float, vocab: int,
+    reduce: RowReduce,
+) -> Tensor:
+    """The top-p threshold (R,) in the dtype of ``xc`` (R, C) of rows whose kept prefix is long,
+    from x/T ``scaled`` (R, C), its finite-or-zero maximum ``m`` (R, 1) and ``log_z`` (R, 1).
+
+    A bucket index, non-increasing in x/T (ties share a bucket, so each bucket is a run of the
+    sorted row), splits [m − D, m] (D: the finite range of the row, at most BUCKET_RANGE) into
+    B equal buckets, x/T = −inf and everything lower in the last; the masses summed by bucket
+    (float64, one all-reduce across ranks) give the bucket c holding the last kept token: the
+    first whose inclusive cumulative mass reaches p, so that the mass before it is < p and its
+    first token is kept. Only the logits of bucket c are sorted and walked, from that mass. A
+    row whose total (as summed) stays < p keeps every live logit.
+    """
+    bins = _buckets(vocab)
+    live = scaled > -math.inf  # (R, C)
+    low = reduce.amin(torch.where(live, scaled, math.inf)).unsqueeze(-1)  # (R, 1); +inf if none
+    span = (m - low).clamp(max=BUCKET_RANGE)  # NaN / −inf rows: no finite span
+    scale = torch.where(span > 0, bins / span, 0.0).clamp(max=1e30)  # (R, 1)
+    t = ((m - scaled) * scale).clamp_min_(0.0)  # (R, C), non-decreasing as x/T falls
+    bucket = torch.where(t < bins - 1, t, bins - 1).to(torch.int64)  # NaN, +inf → the last
+    del t
+    weight = torch.exp(scaled.double() - log_z)  # (R, C) float64 masses
+    hist = reduce.histogram64(bucket, weight, bins)  # (R, B)
+    del weight
+    upto = hist.cumsum(-1)  # mass of the buckets 0..b
+    reached = upto[:, -1] >= top_p  # False for NaN sums too
+    c = (upto < top_p).sum(-1, keepdim=True).clamp(max=bins - 1)  # (R, 1)
+    above = torch.where(c > 0, upto.gather(-1, (c - 1).clamp_min(0)), 0.0)  # (R, 1)
+    inside = (bucket == c) & reached.unsqueeze(-1)  # (R, C)
+    del bucket
+    k = max(1, int(reduce.sum64(inside).max()))
+    key = torch.where(inside, scaled, -math.inf)
+    vals, at = reduce.topk(key, xc, k)  # (R, k), decreasing
+    _, last = _walk(vals, above, log_z, top_p)
+    tau = at.gather(-1, last).squeeze(-1)  # (R,)
+    # rows whose total mass stays below p: every live logit (−inf if none)
+    smallest = reduce.amin(torch.where(live, xc, math.inf))
+    everything = torch.where(smallest < math.inf, smallest, -math.inf).to(xc.dtype)
+    return torch.where(reached, tau, everything)

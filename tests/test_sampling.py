@@ -208,7 +208,10 @@ def test_top_p_boundaries(backend):
         before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], -1)
     j = 3
     p = before[0, j].item()  # the mass before the 4th largest logit
-    kept = lambda top_p: int(_kept_by_tau(x, sampling_threshold(x, top_p=top_p, temperature=t, backend=backend)).sum())
+    def kept(top_p):
+        tau = sampling_threshold(x, top_p=top_p, temperature=t, backend=backend)
+        return int(_kept_by_tau(x, tau).sum())
+
     assert kept(p) == j
     assert kept(math.nextafter(p, 2.0)) == j + 1
     assert kept(math.nextafter(p, 0.0)) == j

@@ -187,14 +187,15 @@ def _bucketed_top_p(
     row whose total (as summed) stays < p keeps every live logit.
     """
     bins = _buckets(vocab)
-    live = scaled > -math.inf  # (R, C)
-    low = reduce.amin(torch.where(live, scaled, math.inf)).unsqueeze(-1)  # (R, 1); +inf if none
+    # the smallest live x/T (−inf and NaN read as +inf; +inf if none)
+    low = reduce.amin(scaled.nan_to_num(nan=math.inf, neginf=math.inf)).unsqueeze(-1)  # (R, 1)
     span = (m - low).clamp(max=BUCKET_RANGE)  # NaN / −inf rows: no finite span
     scale = torch.where(span > 0, bins / span, 0.0).clamp(max=1e30)  # (R, 1)
-    t = ((m - scaled) * scale).clamp_min_(0.0)  # (R, C), non-decreasing as x/T falls
-    bucket = torch.where(t < bins - 1, t, bins - 1).to(torch.int64)  # NaN, +inf → the last
+    t = torch.sub(m, scaled).mul_(scale).clamp_min_(0.0)  # (R, C), non-decreasing as x/T falls
+    t = t.nan_to_num_(nan=bins - 1, posinf=bins - 1).clamp_max_(bins - 1)  # NaN, +inf: the last
+    bucket = t.to(torch.int64)
     del t
-    weight = torch.exp(scaled.double() - log_z)  # (R, C) float64 masses
+    weight = scaled.to(torch.float64, copy=True).sub_(log_z).exp_()  # (R, C) float64 masses
     hist = reduce.histogram64(bucket, weight, bins)  # (R, B)
     del weight
     upto = hist.cumsum(-1)  # mass of the buckets 0..b
@@ -203,12 +204,14 @@ def _bucketed_top_p(
     above = torch.where(c > 0, upto.gather(-1, (c - 1).clamp_min(0)), 0.0)  # (R, 1)
     inside = (bucket == c) & reached.unsqueeze(-1)  # (R, C)
     del bucket
-    k = max(1, int(reduce.sum64(inside).max()))
-    key = torch.where(inside, scaled, -math.inf)
+    k = max(1, int(reduce.sum64(inside.sum(-1, keepdim=True)).max()))  # the largest bucket c
+    key = scaled.masked_fill(~inside, -math.inf)
     vals, at = reduce.topk(key, xc, k)  # (R, k), decreasing
     _, last = _walk(vals, above, log_z, top_p)
     tau = at.gather(-1, last).squeeze(-1)  # (R,)
-    # rows whose total mass stays below p: every live logit (−inf if none)
-    smallest = reduce.amin(torch.where(live, xc, math.inf))
+    if bool(reached.all()):  # the same on every rank (all-reduced sums)
+        return tau
+    # rows whose total mass stays below p (or is NaN): every live logit (−inf if none)
+    smallest = reduce.amin(torch.where(scaled > -math.inf, xc, math.inf))
     everything = torch.where(smallest < math.inf, smallest, -math.inf).to(xc.dtype)
     return torch.where(reached, tau, everything)

@@ -25,7 +25,7 @@ CHUNK_ELEMENTS = 1 << 21
 
 # top-p sorts the largest SORTED_CANDIDATES logits of a row (all of a row this narrow); a row
 # whose kept prefix goes past them is walked through a histogram of its mass over
-# BUCKETS(vocab) buckets of its logit range, the lowest of which holds everything more than
+# _buckets(vocab) buckets of its logit range, the lowest of which holds everything more than
 # BUCKET_RANGE below the row's maximum (in units of x/T)
 SORTED_CANDIDATES = 256
 BUCKET_RANGE = 64.0

@@ -26,13 +26,16 @@ for top-k (``TopKLogitsWarper`` removes only logits < the k-th). When an engine 
 its own way, pass its kept set (``support=(ids, offsets)``): that is exact whatever its rule.
 
 The masses of top-p and min-p are computed from the logits in the compute dtype (float32, or
-float64 for float64 logits; top-p: exp(x/T − log Z) in float64 with log Z a float64-accumulated
-log-sum-exp, summed in decreasing order over the largest logits only); a sampler working in float32 can decide differently for a token whose mass-before is
-within float32 rounding of p (again: its own kept set is then the exact answer).
+float64 for float64 logits), accumulated in float64; a sampler working in float32 can decide
+differently for a token whose mass-before is within float32 rounding of p (again: its own kept
+set is then the exact answer), and where p lies within float64 rounding of a prefix's mass the
+order of the float64 sum decides (each backend documents its own).
 
-**Memory and time.** Rows are processed in chunks of about :data:`CHUNK_ELEMENTS` elements:
-O(chunk), and no full sort at all (``topk`` of the k-th logit; top-p sorts the largest k' logits
-of a row, k' growing fourfold from 64 until the kept prefix ends inside them).
+**Where it is computed.** By the backend's ``sampling_threshold`` op (:mod:`klpenalty.ops`):
+inside the native and Triton kernels' pass over a row (the forward given ``top_k``/``top_p``/
+``min_p`` computes it in the same walk as the KL), or by the portable rule of
+:mod:`klpenalty.ops.thresholds` in row chunks (no full sort: the k-th logit for top-k, a mass
+histogram and one sorted bucket for top-p). Nothing of size (N, V) is kept.
 """
 
 from __future__ import annotations

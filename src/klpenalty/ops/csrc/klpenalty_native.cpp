@@ -1117,18 +1117,20 @@ void parallel_rows(int64_t N, int64_t V, const F& f) {
 //   a bracket (lo, hi] of logits that holds the crossing: kLevelCuts thresholds evenly spaced in
 //   the bracket, the mass above each (float lanes: a guide only), the sub-bracket that must hold
 //   the crossing (a margin of kMargin·Z either side), its members compressed into a buffer and
-//   the mass above it added in double; until at most kSmallRow candidates are left (or no
-//   progress: ties), which are sorted and walked from the mass above the bracket.
+//   the mass above it added in double; until at most kWalkRow candidates are left (or no
+//   progress: ties), which are sorted and walked from the mass above the bracket (a level over
+//   a few hundred members costs less than sorting them).
 // - min-p: π_v ≥ min_p·π_max ⟺ exp((x_v − max)/T) ≥ min_p, i.e. x_v ≥ c = max + T·log(min_p):
 //   a vectorised pass takes the minimum over x ≥ c + δ (surely kept) and decides the few logits
 //   within δ of c by the rule itself in double.
 // τ_s is the largest of the three (each keeps an upper set of the logits).
 
 constexpr int64_t kSmallRow = 256;   // candidates sorted and walked directly
+constexpr int64_t kWalkRow = 32;     // the narrowing levels of a large row stop at this many
 constexpr int kLevelCuts = 7;        // thresholds per narrowing level (8 sub-brackets)
 constexpr double kSpan = 32.0;       // the guide's first thresholds: within 32·T of the max
 constexpr int64_t kSampleRow = 4096;  // top-p rows from which a sample places pass 1's guide
-constexpr int64_t kSampleEvery = 4;   // the sample: every 4th vector
+constexpr int64_t kSampleEvery = 8;   // the sample: every 8th vector
 constexpr double kMargin = 1e-4;     // relative to Z: the guide sums' error is below 1e-6
 
 struct Sampler {
@@ -1335,6 +1337,12 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     return kCount ? 1.0f : std::exp2((v - static_cast<float>(M)) * c);
   };
   const VF vlo(static_cast<float>(lo));
+  // the weight of a logit of the row (0 at or below lo); top-p without a lower bound skips the
+  // comparison (exp2_scaled gives 0 at −inf already; a count must still leave −inf out)
+  const bool has_lo = kCount || lo > -kInf;
+  auto row_weight = [&](const VF& v) {
+    return has_lo ? select(lanes_gt(v, vlo), weight(v), zero) : weight(v);
+  };
   if constexpr (!kCount) w.es.resize(V + VF::size());
   float* es = w.es.data();
   double hi = M, above = 0.0;  // the bracket (lo, hi]; above: the mass of x > hi
@@ -1364,7 +1372,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     int64_t j = 0;
     for (int64_t i = 0; i + VF::size() <= V; i += kSampleEvery * VF::size(), j += VF::size()) {
       const VF v = load1(x + i);
-      const VF e = select(lanes_gt(v, vlo), weight(v), zero);
+      const VF e = row_weight(v);
       v.store(sx + j);
       e.store(se + j);
       za = za + e;
@@ -1401,18 +1409,27 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
       const VF va(fa), vb(fb);
       WideSum zw, uw, mw;
       int64_t m = 0, i = 0;
-      while (i + VF::size() <= V) {
-        VF z8 = zero, u8 = zero, m8 = zero;
-        for (int f = 0; f < 8 && i + VF::size() <= V; ++f, i += VF::size()) {
-          const VF v = load1(x + i);
-          const VF e = select(lanes_gt(v, vlo), weight(v), zero);
-          z8 = z8 + e;
-          const LaneMask upper = lanes_gt(v, vb);
-          u8 = add_where(u8, upper, e);
-          const LaneMask in = lanes_andnot(lanes_gt(v, va), upper);
-          m8 = add_where(m8, in, e);
-          m += compress_store(od + m, in, v);
-        }
+      VF z8, u8, m8;
+      auto step = [&](int64_t at) {
+        const VF v = load1(x + at);
+        const VF e = row_weight(v);
+        z8 = z8 + e;
+        const LaneMask upper = lanes_gt(v, vb);
+        u8 = add_where(u8, upper, e);
+        const LaneMask in = lanes_andnot(lanes_gt(v, va), upper);
+        m8 = add_where(m8, in, e);
+        m += compress_store(od + m, in, v);
+      };
+      // groups of 8 vectors (whole groups unrolled), each group's float sums added in double
+      for (; i + 8 * VF::size() <= V; i += 8 * VF::size()) {
+        z8 = zero, u8 = zero, m8 = zero;
+#pragma GCC unroll 8
+        for (int f = 0; f < 8; ++f) step(i + f * VF::size());
+        zw.add(z8), uw.add(u8), mw.add(m8);
+      }
+      if (i + VF::size() <= V) {
+        z8 = zero, u8 = zero, m8 = zero;
+        for (; i + VF::size() <= V; i += VF::size()) step(i);
         zw.add(z8), uw.add(u8), mw.add(m8);
       }
       double zz = zw.value(), up = uw.value(), mm = mw.value();
@@ -1444,7 +1461,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     VF za = zero;
     for (int f = 0; f < 64 && i + VF::size() <= V; ++f, i += VF::size()) {
       const VF v = load1(x + i);
-      const VF e = select(lanes_gt(v, vlo), weight(v), zero);
+      const VF e = row_weight(v);
       if constexpr (!kCount) e.store(es + i);
       za = za + e;
 #pragma GCC unroll 16
@@ -1466,7 +1483,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
   P = kCount ? static_cast<double>(s.top_k) : s.top_p * z;
   margin = kCount ? 0.0 : kMargin * z;
   }
-  for (bool first = !direct; n > kSmallRow; first = false) {
+  for (bool first = !direct; n > kWalkRow; first = false) {
     if (!first) {  // the guide over the members
       for (int b = 0; b < kLevelCuts; ++b) g[b] = 0.0, acc[b] = zero;
       guide_cuts(lo_t, hi, t, vt);

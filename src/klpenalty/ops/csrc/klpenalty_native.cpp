@@ -1116,7 +1116,7 @@ void parallel_rows(int64_t N, int64_t V, const F& f) {
 //   one pass stores e_v (float32 exp2 polynomial) and sums Z in double lanes; then levels narrow
 //   a bracket (lo, hi] of logits that holds the crossing: kLevelCuts thresholds evenly spaced in
 //   the bracket, the mass above each (float lanes: a guide only), the sub-bracket that must hold
-//   the crossing (a margin of kMargin·Z either side), its members compressed into a buffer and
+//   the crossing (a margin of kMargin·Z either side), its members and their masses compressed and
 //   the mass above it added in double; until at most kWalkRow candidates are left (or no
 //   progress: ties), which are sorted and walked from the mass above the bracket (a level over
 //   a few hundred members costs less than sorting them).
@@ -1324,8 +1324,8 @@ inline void flush_guide(VF* acc, double* g) {
 
 // top-p of a large float row. Pass 1 over the row: e = exp((x − M)/T) where x > lo (0 elsewhere;
 // lo just below τ_k under top-k), stored; Z in double lanes; the first level's guide alongside.
-// Then per level: the members of the new bracket compressed (their logits only) and the mass
-// above it added in double; the next guide over the members, their e recomputed.
+// Then per level: the members of the new bracket compressed (their logits and masses e) and the
+// mass above it added in double; the next guide over the members and their stored e.
 template <bool kCount, typename T>
 double select_large(const T* x, int64_t V, double M, double row_min, double lo, const Sampler& s,
                     ThresholdScratch& w) {
@@ -1355,6 +1355,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
   double z = 0.0, P = 0.0, margin = 0.0;
   int64_t n = V;
   const float* cx = nullptr;  // the members after the first level
+  const float* ce = nullptr;  // their masses (top-p; counts weigh 1)
   int flip = 0;
   bool direct = false;  // the sample's bracket held the crossing: its members, in one pass
   if (!kCount && V >= kSampleRow) {
@@ -1405,7 +1406,9 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     const float fa = static_cast<float>(cut_lo), fb = static_cast<float>(cut_hi);
     if (fb > fa) {
       w.cx0.resize(V + VF::size());
+      w.ce0.resize(V + VF::size());  // (the sample's masses are no longer needed)
       float* od = w.cx0.data();
+      float* oe = w.ce0.data();
       const VF va(fa), vb(fb);
       WideSum zw, uw, mw;
       int64_t m = 0, i = 0;
@@ -1418,6 +1421,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
         u8 = add_where(u8, upper, e);
         const LaneMask in = lanes_andnot(lanes_gt(v, va), upper);
         m8 = add_where(m8, in, e);
+        compress_store(oe + m, in, e);
         m += compress_store(od + m, in, v);
       };
       // groups of 8 vectors (whole groups unrolled), each group's float sums added in double
@@ -1441,13 +1445,14 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
           up += e;
         } else if (v > fa) {
           mm += e;
+          oe[m] = e;
           od[m++] = v;
         }
       }
       const double Pz = s.top_p * zz, mz = kMargin * zz;
       if (up < Pz - mz && up + mm >= Pz + mz) {
         direct = true;
-        z = zz, P = Pz, margin = mz, above = up, n = m, cx = od;
+        z = zz, P = Pz, margin = mz, above = up, n = m, cx = od, ce = oe;
         lo = fa, hi = fb, lo_t = std::max(lo_t, static_cast<double>(fa));
       }
     }
@@ -1491,14 +1496,14 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
       while (j + VF::size() <= n) {
         for (int f = 0; f < 64 && j + VF::size() <= n; ++f, j += VF::size()) {
           const VF v = VF::loadu(cx + j);
-          const VF e = weight(v);
+          const VF e = kCount ? one : VF::loadu(ce + j);
 #pragma GCC unroll 16
           for (int b = 0; b < kLevelCuts; ++b) acc[b] = add_where(acc[b], lanes_gt(v, vt[b]), e);
         }
         flush_guide(acc, g);
       }
       for (; j < n; ++j) {
-        const float e = weight1(cx[j]);
+        const float e = kCount ? 1.0f : ce[j];
         for (int b = 0; b < kLevelCuts; ++b) g[b] += cx[j] > t[b] ? e : 0.0f;
       }
     }
@@ -1507,15 +1512,20 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     if (nhi <= nlo) break;  // (not reached: the guide is monotone up to its rounding)
     flip ^= 1;
     std::vector<float>& ox = flip ? w.cx1 : w.cx0;
+    std::vector<float>& oxe = flip ? w.ce1 : w.ce0;
     ox.resize(n + VF::size());
+    if constexpr (!kCount) oxe.resize(n + VF::size());
     const VF vnlo(static_cast<float>(nlo)), vnhi(static_cast<float>(nhi));
     WideSum up;
     int64_t m = 0, j = 0;
     float* od = ox.data();
+    float* oe = kCount ? nullptr : oxe.data();
+    // members keep their masses (computed once, in pass 1 or the sample's pass)
     auto member = [&](const VF& v, const VF& e, VF& a) {
       const LaneMask upper = lanes_gt(v, vnhi);
       a = add_where(a, upper, e);
       const LaneMask in = lanes_andnot(lanes_gt(v, vnlo), upper);
+      if constexpr (!kCount) compress_store(oe + m, in, e);
       m += compress_store(od + m, in, v);
     };
     if (first) {
@@ -1532,7 +1542,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
         VF a = zero;
         for (int f = 0; f < 8 && j + VF::size() <= n; ++f, j += VF::size()) {
           const VF v = VF::loadu(cx + j);
-          member(v, weight(v), a);
+          member(v, kCount ? one : VF::loadu(ce + j), a);
         }
         up.add(a);
       }
@@ -1540,14 +1550,16 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     double add = up.value();
     for (; j < n; ++j) {
       const float v = first ? static_cast<float>(x[j]) : cx[j];
+      const float e = kCount ? 1.0f : (first ? es[j] : ce[j]);
       if (v > nhi) {
-        add += (first && !kCount) ? es[j] : weight1(v);
+        add += e;
       } else if (v > nlo) {
+        if constexpr (!kCount) oe[m] = e;
         ox[m++] = v;
       }
     }
     const bool progress = m < n;
-    above += add, hi = nhi, lo = nlo, n = m, cx = ox.data();
+    above += add, hi = nhi, lo = nlo, n = m, cx = ox.data(), ce = oe;
     lo_t = std::max(lo_t, nlo);
     if (!progress) break;  // ties: the walk sorts what is left
   }

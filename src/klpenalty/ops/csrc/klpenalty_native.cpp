@@ -1292,6 +1292,39 @@ void gather_at_least(const T* x, int64_t V, double tau, ThresholdScratch& w) {
   }
 }
 
+// The same for a float row whose lane maxima lm (row_max_min's, `lanes` of them) are known and
+// tau > −inf: only the kLaneBlock-logit blocks with a lane maximum >= tau (and the tail after the
+// last whole block) can hold such logits, so only they are read (the same logits, same order).
+template <typename T>
+void gather_at_least_blocks(const T* x, int64_t V, double tau, const float* lm, int64_t lanes,
+                            ThresholdScratch& w) {
+  const float ft = static_cast<float>(tau);  // one of the (float) logits
+  w.kbuf.resize(V + VF::size());
+  float* b = w.kbuf.data();
+  const VF vt(ft);
+  int64_t n = 0;
+  auto scan = [&](int64_t i0, int64_t i1) {
+    int64_t i = i0;
+    for (; i + VF::size() <= i1; i += VF::size()) {
+      const VF v = load1(x + i);
+      const LaneMask m = lanes_ge(v, vt);
+      if (!lanes_none(m)) n += compress_store(b + n, m, v);
+    }
+    for (; i < i1; ++i) {
+      const float v = static_cast<float>(x[i]);
+      if (v >= ft) b[n++] = v;
+    }
+  };
+  const int64_t blocks = lanes / VF::size();
+  for (int64_t k = 0; k < blocks; ++k) {
+    if (!lanes_none(lanes_ge(VF::loadu(lm + k * VF::size()), vt))) {
+      scan(k * kLaneBlock, (k + 1) * kLaneBlock);
+    }
+  }
+  scan(blocks * kLaneBlock, V);
+  w.cand.assign(b, b + n);
+}
+
 // The bracket's next bounds from the guide g (the mass above each threshold t, which increase):
 // the mass above hi' surely < P, above lo' surely >= P (kMargin·Z either side).
 inline void narrow(const float* t, const double* g, double above, double P, double margin,
@@ -1591,7 +1624,11 @@ double kth_largest(const T* x, int64_t V, double M, double row_min, const Sample
     // largest logit is the k-th largest of the logits >= th0, a few times k of them)
     if (4 * s.top_k <= lanes) {
       const double th0 = select_large<true>(w.lm.data(), lanes, M, row_min, -kInf, s, w);
-      gather_at_least(x, V, th0, w);
+      if (th0 > -kInf) {
+        gather_at_least_blocks(x, V, th0, w.lm.data(), lanes, w);
+      } else {
+        gather_at_least(x, V, th0, w);
+      }
       const int64_t n = static_cast<int64_t>(w.cand.size());
       if (n >= s.top_k && n <= 64 * s.top_k + 4096) {
         w.survivors = n;  // w.kbuf[0, n): the logits >= th0, in index order

@@ -119,9 +119,10 @@ def test_large_rows_top_p_and_large_top_k(dtype):
 
 
 def test_top_p_where_the_sample_misleads():
-    """top-p on long rows first looks at a sample of the row (every 4th vector); rows whose
-    mass lies off the sample (and a sorted row) make its bracket wrong: the exact check sends
-    them through the full narrowing, with the same result."""
+    """top-p on long rows first looks at a sample of the row (every 8th vector, all of whose
+    elements lie at positions i % 64 < 16); rows whose mass lies off the sample (and a sorted
+    row) make its bracket wrong: the exact check sends them through the full narrowing, with the
+    same result."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(3, 8192, generator=g, dtype=torch.float64)
     lanes = torch.arange(8192) % 64
@@ -135,6 +136,28 @@ def test_top_p_where_the_sample_misleads():
             assert torch.equal(got, kept_by(xs, python_rule(xs, 0, p))), (dtype, p)
     assert torch.equal(kept_by(x[:2].float(), threshold(x[:2].float(), 0, 0.9)),
                        reference_kept(x[:2].float(), 0, 0.9))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_top_k_survivors_in_one_block_or_the_tail(dtype):
+    """A small top-k reads only the 256-logit blocks whose lane maxima reach its lower bound
+    (and the logits after the last whole block): the largest logits in one block, in the tail,
+    spread over both, and ties across blocks give the reference's kept sets."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 8 * 256 + 100
+    x = torch.randn(4, vocab, generator=g, dtype=torch.float64)
+    x[0, 3 * 256:3 * 256 + 40] += 10.0  # one block
+    x[1, 8 * 256:] += 10.0  # the tail
+    x[2, 8 * 256 + 90:] += 10.0  # ten in the tail, the rest anywhere
+    x[2, 5 * 256 + 7] += 12.0
+    x[3] = torch.randint(0, 3, (vocab,), generator=g).double()  # ties everywhere
+    x[3, 8 * 256 + 5] = 3.0
+    x = x.to(dtype)
+    for k in (1, 5, 10, 20, 30):
+        for p in (1.0, 0.8):
+            got = kept_by(x, threshold(x, k, p))
+            assert torch.equal(got, reference_kept(x, k, p)), (k, p)
+            assert torch.equal(got, kept_by(x, python_rule(x, k, p))), (k, p)
 
 
 def test_nothing_cut_nan_inf_and_tiny_rows():

@@ -1116,19 +1116,21 @@ void parallel_rows(int64_t N, int64_t V, const F& f) {
 //   one pass stores e_v (float32 exp2 polynomial) and sums Z in double lanes; then levels narrow
 //   a bracket (lo, hi] of logits that holds the crossing: kLevelCuts thresholds evenly spaced in
 //   the bracket, the mass above each (float lanes: a guide only), the sub-bracket that must hold
-//   the crossing (a margin of kMargin·Z either side), its members compressed into a buffer and
-//   the mass above it added in double; until at most kSmallRow candidates are left (or no
-//   progress: ties), which are sorted and walked from the mass above the bracket.
+//   the crossing (a margin of kMargin·Z either side), its members and their masses compressed and
+//   the mass above it added in double; until at most kWalkRow candidates are left (or no
+//   progress: ties), which are sorted and walked from the mass above the bracket (a level over
+//   a few hundred members costs less than sorting them).
 // - min-p: π_v ≥ min_p·π_max ⟺ exp((x_v − max)/T) ≥ min_p, i.e. x_v ≥ c = max + T·log(min_p):
 //   a vectorised pass takes the minimum over x ≥ c + δ (surely kept) and decides the few logits
 //   within δ of c by the rule itself in double.
 // τ_s is the largest of the three (each keeps an upper set of the logits).
 
 constexpr int64_t kSmallRow = 256;   // candidates sorted and walked directly
+constexpr int64_t kWalkRow = 32;     // the narrowing levels of a large row stop at this many
 constexpr int kLevelCuts = 7;        // thresholds per narrowing level (8 sub-brackets)
 constexpr double kSpan = 32.0;       // the guide's first thresholds: within 32·T of the max
 constexpr int64_t kSampleRow = 4096;  // top-p rows from which a sample places pass 1's guide
-constexpr int64_t kSampleEvery = 4;   // the sample: every 4th vector
+constexpr int64_t kSampleEvery = 8;   // the sample: every 8th vector
 constexpr double kMargin = 1e-4;     // relative to Z: the guide sums' error is below 1e-6
 
 struct Sampler {
@@ -1290,6 +1292,39 @@ void gather_at_least(const T* x, int64_t V, double tau, ThresholdScratch& w) {
   }
 }
 
+// The same for a float row whose lane maxima lm (row_max_min's, `lanes` of them) are known and
+// tau > −inf: only the kLaneBlock-logit blocks with a lane maximum >= tau (and the tail after the
+// last whole block) can hold such logits, so only they are read (the same logits, same order).
+template <typename T>
+void gather_at_least_blocks(const T* x, int64_t V, double tau, const float* lm, int64_t lanes,
+                            ThresholdScratch& w) {
+  const float ft = static_cast<float>(tau);  // one of the (float) logits
+  w.kbuf.resize(V + VF::size());
+  float* b = w.kbuf.data();
+  const VF vt(ft);
+  int64_t n = 0;
+  auto scan = [&](int64_t i0, int64_t i1) {
+    int64_t i = i0;
+    for (; i + VF::size() <= i1; i += VF::size()) {
+      const VF v = load1(x + i);
+      const LaneMask m = lanes_ge(v, vt);
+      if (!lanes_none(m)) n += compress_store(b + n, m, v);
+    }
+    for (; i < i1; ++i) {
+      const float v = static_cast<float>(x[i]);
+      if (v >= ft) b[n++] = v;
+    }
+  };
+  const int64_t blocks = lanes / VF::size();
+  for (int64_t k = 0; k < blocks; ++k) {
+    if (!lanes_none(lanes_ge(VF::loadu(lm + k * VF::size()), vt))) {
+      scan(k * kLaneBlock, (k + 1) * kLaneBlock);
+    }
+  }
+  scan(blocks * kLaneBlock, V);
+  w.cand.assign(b, b + n);
+}
+
 // The bracket's next bounds from the guide g (the mass above each threshold t, which increase):
 // the mass above hi' surely < P, above lo' surely >= P (kMargin·Z either side).
 inline void narrow(const float* t, const double* g, double above, double P, double margin,
@@ -1322,8 +1357,8 @@ inline void flush_guide(VF* acc, double* g) {
 
 // top-p of a large float row. Pass 1 over the row: e = exp((x − M)/T) where x > lo (0 elsewhere;
 // lo just below τ_k under top-k), stored; Z in double lanes; the first level's guide alongside.
-// Then per level: the members of the new bracket compressed (their logits only) and the mass
-// above it added in double; the next guide over the members, their e recomputed.
+// Then per level: the members of the new bracket compressed (their logits and masses e) and the
+// mass above it added in double; the next guide over the members and their stored e.
 template <bool kCount, typename T>
 double select_large(const T* x, int64_t V, double M, double row_min, double lo, const Sampler& s,
                     ThresholdScratch& w) {
@@ -1335,6 +1370,12 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     return kCount ? 1.0f : std::exp2((v - static_cast<float>(M)) * c);
   };
   const VF vlo(static_cast<float>(lo));
+  // the weight of a logit of the row (0 at or below lo); top-p without a lower bound skips the
+  // comparison (exp2_scaled gives 0 at −inf already; a count must still leave −inf out)
+  const bool has_lo = kCount || lo > -kInf;
+  auto row_weight = [&](const VF& v) {
+    return has_lo ? select(lanes_gt(v, vlo), weight(v), zero) : weight(v);
+  };
   if constexpr (!kCount) w.es.resize(V + VF::size());
   float* es = w.es.data();
   double hi = M, above = 0.0;  // the bracket (lo, hi]; above: the mass of x > hi
@@ -1347,6 +1388,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
   double z = 0.0, P = 0.0, margin = 0.0;
   int64_t n = V;
   const float* cx = nullptr;  // the members after the first level
+  const float* ce = nullptr;  // their masses (top-p; counts weigh 1)
   int flip = 0;
   bool direct = false;  // the sample's bracket held the crossing: its members, in one pass
   if (!kCount && V >= kSampleRow) {
@@ -1364,7 +1406,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     int64_t j = 0;
     for (int64_t i = 0; i + VF::size() <= V; i += kSampleEvery * VF::size(), j += VF::size()) {
       const VF v = load1(x + i);
-      const VF e = select(lanes_gt(v, vlo), weight(v), zero);
+      const VF e = row_weight(v);
       v.store(sx + j);
       e.store(se + j);
       za = za + e;
@@ -1397,22 +1439,34 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     const float fa = static_cast<float>(cut_lo), fb = static_cast<float>(cut_hi);
     if (fb > fa) {
       w.cx0.resize(V + VF::size());
+      w.ce0.resize(V + VF::size());  // (the sample's masses are no longer needed)
       float* od = w.cx0.data();
+      float* oe = w.ce0.data();
       const VF va(fa), vb(fb);
       WideSum zw, uw, mw;
       int64_t m = 0, i = 0;
-      while (i + VF::size() <= V) {
-        VF z8 = zero, u8 = zero, m8 = zero;
-        for (int f = 0; f < 8 && i + VF::size() <= V; ++f, i += VF::size()) {
-          const VF v = load1(x + i);
-          const VF e = select(lanes_gt(v, vlo), weight(v), zero);
-          z8 = z8 + e;
-          const LaneMask upper = lanes_gt(v, vb);
-          u8 = add_where(u8, upper, e);
-          const LaneMask in = lanes_andnot(lanes_gt(v, va), upper);
-          m8 = add_where(m8, in, e);
-          m += compress_store(od + m, in, v);
-        }
+      VF z8, u8, m8;
+      auto step = [&](int64_t at) {
+        const VF v = load1(x + at);
+        const VF e = row_weight(v);
+        z8 = z8 + e;
+        const LaneMask upper = lanes_gt(v, vb);
+        u8 = add_where(u8, upper, e);
+        const LaneMask in = lanes_andnot(lanes_gt(v, va), upper);
+        m8 = add_where(m8, in, e);
+        compress_store(oe + m, in, e);
+        m += compress_store(od + m, in, v);
+      };
+      // groups of 8 vectors (whole groups unrolled), each group's float sums added in double
+      for (; i + 8 * VF::size() <= V; i += 8 * VF::size()) {
+        z8 = zero, u8 = zero, m8 = zero;
+#pragma GCC unroll 8
+        for (int f = 0; f < 8; ++f) step(i + f * VF::size());
+        zw.add(z8), uw.add(u8), mw.add(m8);
+      }
+      if (i + VF::size() <= V) {
+        z8 = zero, u8 = zero, m8 = zero;
+        for (; i + VF::size() <= V; i += VF::size()) step(i);
         zw.add(z8), uw.add(u8), mw.add(m8);
       }
       double zz = zw.value(), up = uw.value(), mm = mw.value();
@@ -1424,13 +1478,14 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
           up += e;
         } else if (v > fa) {
           mm += e;
+          oe[m] = e;
           od[m++] = v;
         }
       }
       const double Pz = s.top_p * zz, mz = kMargin * zz;
       if (up < Pz - mz && up + mm >= Pz + mz) {
         direct = true;
-        z = zz, P = Pz, margin = mz, above = up, n = m, cx = od;
+        z = zz, P = Pz, margin = mz, above = up, n = m, cx = od, ce = oe;
         lo = fa, hi = fb, lo_t = std::max(lo_t, static_cast<double>(fa));
       }
     }
@@ -1444,7 +1499,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     VF za = zero;
     for (int f = 0; f < 64 && i + VF::size() <= V; ++f, i += VF::size()) {
       const VF v = load1(x + i);
-      const VF e = select(lanes_gt(v, vlo), weight(v), zero);
+      const VF e = row_weight(v);
       if constexpr (!kCount) e.store(es + i);
       za = za + e;
 #pragma GCC unroll 16
@@ -1466,7 +1521,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
   P = kCount ? static_cast<double>(s.top_k) : s.top_p * z;
   margin = kCount ? 0.0 : kMargin * z;
   }
-  for (bool first = !direct; n > kSmallRow; first = false) {
+  for (bool first = !direct; n > kWalkRow; first = false) {
     if (!first) {  // the guide over the members
       for (int b = 0; b < kLevelCuts; ++b) g[b] = 0.0, acc[b] = zero;
       guide_cuts(lo_t, hi, t, vt);
@@ -1474,14 +1529,14 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
       while (j + VF::size() <= n) {
         for (int f = 0; f < 64 && j + VF::size() <= n; ++f, j += VF::size()) {
           const VF v = VF::loadu(cx + j);
-          const VF e = weight(v);
+          const VF e = kCount ? one : VF::loadu(ce + j);
 #pragma GCC unroll 16
           for (int b = 0; b < kLevelCuts; ++b) acc[b] = add_where(acc[b], lanes_gt(v, vt[b]), e);
         }
         flush_guide(acc, g);
       }
       for (; j < n; ++j) {
-        const float e = weight1(cx[j]);
+        const float e = kCount ? 1.0f : ce[j];
         for (int b = 0; b < kLevelCuts; ++b) g[b] += cx[j] > t[b] ? e : 0.0f;
       }
     }
@@ -1490,15 +1545,20 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     if (nhi <= nlo) break;  // (not reached: the guide is monotone up to its rounding)
     flip ^= 1;
     std::vector<float>& ox = flip ? w.cx1 : w.cx0;
+    std::vector<float>& oxe = flip ? w.ce1 : w.ce0;
     ox.resize(n + VF::size());
+    if constexpr (!kCount) oxe.resize(n + VF::size());
     const VF vnlo(static_cast<float>(nlo)), vnhi(static_cast<float>(nhi));
     WideSum up;
     int64_t m = 0, j = 0;
     float* od = ox.data();
+    float* oe = kCount ? nullptr : oxe.data();
+    // members keep their masses (computed once, in pass 1 or the sample's pass)
     auto member = [&](const VF& v, const VF& e, VF& a) {
       const LaneMask upper = lanes_gt(v, vnhi);
       a = add_where(a, upper, e);
       const LaneMask in = lanes_andnot(lanes_gt(v, vnlo), upper);
+      if constexpr (!kCount) compress_store(oe + m, in, e);
       m += compress_store(od + m, in, v);
     };
     if (first) {
@@ -1515,7 +1575,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
         VF a = zero;
         for (int f = 0; f < 8 && j + VF::size() <= n; ++f, j += VF::size()) {
           const VF v = VF::loadu(cx + j);
-          member(v, weight(v), a);
+          member(v, kCount ? one : VF::loadu(ce + j), a);
         }
         up.add(a);
       }
@@ -1523,14 +1583,16 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     double add = up.value();
     for (; j < n; ++j) {
       const float v = first ? static_cast<float>(x[j]) : cx[j];
+      const float e = kCount ? 1.0f : (first ? es[j] : ce[j]);
       if (v > nhi) {
-        add += (first && !kCount) ? es[j] : weight1(v);
+        add += e;
       } else if (v > nlo) {
+        if constexpr (!kCount) oe[m] = e;
         ox[m++] = v;
       }
     }
     const bool progress = m < n;
-    above += add, hi = nhi, lo = nlo, n = m, cx = ox.data();
+    above += add, hi = nhi, lo = nlo, n = m, cx = ox.data(), ce = oe;
     lo_t = std::max(lo_t, nlo);
     if (!progress) break;  // ties: the walk sorts what is left
   }
@@ -1562,7 +1624,11 @@ double kth_largest(const T* x, int64_t V, double M, double row_min, const Sample
     // largest logit is the k-th largest of the logits >= th0, a few times k of them)
     if (4 * s.top_k <= lanes) {
       const double th0 = select_large<true>(w.lm.data(), lanes, M, row_min, -kInf, s, w);
-      gather_at_least(x, V, th0, w);
+      if (th0 > -kInf) {
+        gather_at_least_blocks(x, V, th0, w.lm.data(), lanes, w);
+      } else {
+        gather_at_least(x, V, th0, w);
+      }
       const int64_t n = static_cast<int64_t>(w.cand.size());
       if (n >= s.top_k && n <= 64 * s.top_k + 4096) {
         w.survivors = n;  // w.kbuf[0, n): the logits >= th0, in index order

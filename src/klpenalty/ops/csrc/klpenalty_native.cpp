@@ -1264,6 +1264,23 @@ inline double top_p_small(double* c, int64_t n, double p, double T) {
   return top_p_walk(c, n, p, T, 0.0, m + std::log(z));
 }
 
+// Appends the logits x[i0, i1) >= ft of a float row to b[n...] in index order; returns the new n.
+template <typename T>
+inline int64_t gather_range(const T* x, int64_t i0, int64_t i1, float ft, float* b, int64_t n) {
+  const VF vt(ft);
+  int64_t i = i0;
+  for (; i + VF::size() <= i1; i += VF::size()) {
+    const VF v = load1(x + i);
+    const LaneMask m = lanes_ge(v, vt);
+    if (!lanes_none(m)) n += compress_store(b + n, m, v);
+  }
+  for (; i < i1; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (v >= ft) b[n++] = v;
+  }
+  return n;
+}
+
 // w.cand = the logits x >= tau (and > −inf) of a row, in index order.
 template <typename T>
 void gather_at_least(const T* x, int64_t V, double tau, ThresholdScratch& w) {
@@ -1277,18 +1294,7 @@ void gather_at_least(const T* x, int64_t V, double tau, ThresholdScratch& w) {
     const float ft = tau == -kInf ? std::numeric_limits<float>::lowest() : static_cast<float>(tau);
     w.kbuf.resize(V + VF::size());
     float* b = w.kbuf.data();
-    const VF vt(ft);
-    int64_t n = 0, i = 0;
-    for (; i + VF::size() <= V; i += VF::size()) {
-      const VF v = load1(x + i);
-      const LaneMask m = lanes_ge(v, vt);
-      if (!lanes_none(m)) n += compress_store(b + n, m, v);
-    }
-    for (; i < V; ++i) {
-      const float v = static_cast<float>(x[i]);
-      if (v >= ft) b[n++] = v;
-    }
-    w.cand.assign(b, b + n);
+    w.cand.assign(b, b + gather_range(x, 0, V, ft, b, 0));
   }
 }
 
@@ -1303,18 +1309,7 @@ void gather_at_least_blocks(const T* x, int64_t V, double tau, const float* lm, 
   float* b = w.kbuf.data();
   const VF vt(ft);
   int64_t n = 0;
-  auto scan = [&](int64_t i0, int64_t i1) {
-    int64_t i = i0;
-    for (; i + VF::size() <= i1; i += VF::size()) {
-      const VF v = load1(x + i);
-      const LaneMask m = lanes_ge(v, vt);
-      if (!lanes_none(m)) n += compress_store(b + n, m, v);
-    }
-    for (; i < i1; ++i) {
-      const float v = static_cast<float>(x[i]);
-      if (v >= ft) b[n++] = v;
-    }
-  };
+  auto scan = [&](int64_t i0, int64_t i1) { n = gather_range(x, i0, i1, ft, b, n); };
   const int64_t blocks = lanes / VF::size();
   for (int64_t k = 0; k < blocks; ++k) {
     if (!lanes_none(lanes_ge(VF::loadu(lm + k * VF::size()), vt))) {

@@ -559,7 +559,9 @@ def linear_policy_loss_rows(ctx):
             hp, wp, ctx.hr, ctx.wr, ctx.tokens, beta=1.0, reduction="sum", chunk_rows=rows
         ).loss
 
-    default = ctx.klpenalty.linear.default_chunk_rows(ctx.n, ctx.v, ctx.hr.device)
+    default = ctx.klpenalty.linear.default_chunk_rows(
+        ctx.n, ctx.v, ctx.hr.device, ctx.wr.shape[1], ctx.wr.dtype
+    )
     rows = list(dict.fromkeys([*ctx.chunk_rows, default]))
     return [(f"fused_loss R={r}", r, loss_at(r)) for r in rows]
 

@@ -588,3 +588,63 @@ def test_head_receiving_other_than_hidden_states_raises():
     policy.forward = last_position_only
     with pytest.raises(ValueError, match=r"policy_model's LM head received shape=\(3, 1, 32\)"):
         causal_lm_kl(policy, ref, ids)
+
+
+# ------------------------------------------------------------------------- reference_states
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "phi", "granite"])
+def test_reference_states_reused_equal_the_model(arch):
+    """causal_lm_kl with the reference's states captured once equals causal_lm_kl with the
+    model (values and the policy's gradients), and the states' log-probs are log ρ(token)."""
+    policy, ref = model_pair(arch)
+    ids, attention, response = batch(left_padding=True)
+    counted = scored_positions(ids, attention, response_mask=response)
+    opts = dict(response_mask=response, temperature=0.8, entropy=True)
+    states = hf.reference_states(ref, ids, attention, response_mask=response, temperature=0.8)
+    assert states.hidden.shape == (B, T, 32) and not states.hidden.requires_grad
+    # a plain model's head is used in place, not copied
+    assert states.weight.data_ptr() == ref.get_output_embeddings().weight.data_ptr()
+    position_ids = generate_position_ids(attention)
+    with torch.no_grad():
+        zr = plain_logits(ref, ids, attention, position_ids)
+    want = token_logprobs_reference(zr, ids[:, 1:], 0.8)
+    torch.testing.assert_close(states.logprobs[counted].double(), want[counted], **tol(torch.float32))
+    assert torch.all(states.logprobs[~counted] == 0)
+    head = policy.get_output_embeddings().weight
+    results = []
+    for reference in (ref, states, states):  # the states serve any number of calls
+        out = causal_lm_kl(policy, reference, ids, attention, **opts)
+        (grad,) = torch.autograd.grad((out.kl + out.logprobs).sum(), head)
+        results.append((out, grad))
+    for out, grad in results[1:]:
+        for a, b in zip(out, results[0][0]):
+            assert torch.equal(a, b)
+        assert torch.equal(grad, results[0][1])
+    torch.testing.assert_close(results[1][0].ref_logprobs, states.logprobs, rtol=0, atol=0)
+
+
+def test_reference_states_of_a_peft_model_with_adapters_disabled():
+    peft = pytest.importorskip("peft")
+    base = make_model("llama", 1)
+    policy = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False))
+    ids, attention, response = batch(left_padding=False)
+    states = hf.reference_states(policy, ids, attention, response_mask=response,
+                                 disable_adapters=True)
+    got = causal_lm_kl(policy, states, ids, attention, response_mask=response)
+    want = causal_lm_kl(policy, None, ids, attention, response_mask=response)
+    for a, b in zip(got[:3], want[:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert got.kl.max() > 0.01  # the adapters move the policy away from its base
+
+
+def test_reference_states_bad_arguments_raise():
+    policy, ref = model_pair("llama")
+    ids, attention, _ = batch(left_padding=False)
+    with pytest.raises(ValueError, match="disable_adapters=True needs a PeftModel"):
+        hf.reference_states(ref, ids, attention, disable_adapters=True)
+    states = hf.reference_states(ref, ids, attention)
+    with pytest.raises(ValueError, match=r"ReferenceStates must hold hidden \(B, T, H_r\) = "
+                                         r"\(2, 10, H_r\)"):
+        causal_lm_kl(policy, states, ids[:2], attention[:2])
+    with pytest.raises(TypeError, match="disable_adapters must be a bool"):
+        hf.reference_states(ref, ids, attention, disable_adapters=1)

@@ -31,6 +31,7 @@ from klpenalty import (
     next_token_kl,
     token_logprobs,
 )
+from klpenalty import linear
 from klpenalty.linear import default_chunk_rows
 from klpenalty.ops.reference import (
     entropy_reference,
@@ -323,16 +324,26 @@ def test_equals_the_public_functions_on_materialised_logits(backend):
 
 
 # --------------------------------------------------------------------------- chunking
-def test_chunk_size_invariance():
+def test_chunk_size_invariance(monkeypatch):
     leading = (2, 5)  # N = 10
     t = make_heads(leading, dtype=torch.float32, seed=9)
     tokens, mask = make_tokens(leading, 37, seed=10), make_mask(leading, seed=11)
     results = []
-    for chunk in (1, 3, 10, 25, None):
+    # None: the default plan (one chunk at this size); "plan": the default plan with a budget
+    # small enough for several balanced chunks
+    for chunk in (1, 3, 10, 25, None, "plan"):
         u = {k: x.detach().clone().requires_grad_() for k, x in t.items()}
-        got = call(u, tokens=tokens, mask=mask, entropy=True, softcap=5.0, chunk_rows=chunk)
-        grads = upstream(got, seed=12)
-        loss_of(got, grads).backward()
+        with monkeypatch.context() as m:
+            if chunk == "plan":
+                m.setattr(linear, "CPU_MIN_CHUNK_BYTES", 3 * 37 * 4 * 5)  # R = 5 rows
+                m.setattr(linear, "CPU_MIN_CHUNK_ROWS", 1)
+                m.setattr(linear, "CPU_CHUNK_MULTIPLE", 1)
+                m.setattr(linear, "CHUNK_BUDGET_HEADS", 0.0)
+                m.setattr(linear, "_LinearKL", counting_chunks(-(-int(mask.sum()) // 5)))
+                chunk = None
+            got = call(u, tokens=tokens, mask=mask, entropy=True, softcap=5.0, chunk_rows=chunk)
+            grads = upstream(got, seed=12)
+            loss_of(got, grads).backward()
         results.append((got, {k: u[k].grad for k in NAMES}))
     (base, base_g), rest = results[0], results[1:]
     for got, g in rest:
@@ -342,19 +353,127 @@ def test_chunk_size_invariance():
             close_grad(g[k], base_g[k].double(), torch.float32, k)
 
 
-def test_default_chunk_rows():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    # CPU: 16 MiB of fp32 logits per model and chunk, a multiple of 16 rows
+def counting_chunks(expected_chunks):
+    """A _LinearKL whose forward checks that the plan it got makes ``expected_chunks`` chunks
+    of the counted rows (the mask's), of sizes that differ by at most one row."""
+    base = linear._LinearKL
+
+    class Counting(base):
+        @staticmethod
+        def forward(ctx, hp, wp, bp, hr, wr, br, tokens, rows, opts):
+            m = hp.shape[0] if rows is None else rows.shape[0]
+            sizes = _chunks(m, opts[6])
+            assert len(sizes) == expected_chunks and max(sizes) - min(sizes) <= 1, sizes
+            return base.forward(ctx, hp, wp, bp, hr, wr, br, tokens, rows, opts)
+
+    return Counting
+
+
+def _chunks(n, rows):
+    """The chunk sizes of N rows walked R at a time."""
+    return [min(rows, n - r0) for r0 in range(0, n, rows)]
+
+
+def test_default_chunk_rows_values(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(linear, "_host_memory", lambda: 64 << 30)
+    big = 1 << 20
+    # one head's bytes of three (R, V) float32 buffers: R ≈ H/3 rows whatever V, a multiple
+    # of 16; bf16 heads: half
+    assert default_chunk_rows(big, 151936, cpu, 896) == 288
+    assert default_chunk_rows(big, 32000, cpu, 896) == 288
+    assert default_chunk_rows(big, 32000, cpu, 512) == 160
+    assert default_chunk_rows(big, 151936, cpu, 4096) == 1360
+    assert default_chunk_rows(big, 151936, cpu, 896, torch.bfloat16) == 144
+    assert default_chunk_rows(big, 151936, cpu, 896, torch.float64) == 288
+    # the floor: 48 MiB (small heads, or the head unknown), at least 16 rows
     assert default_chunk_rows(4096, 32000, cpu) == 128
-    assert default_chunk_rows(4096, 50257, cpu) == 80
-    assert default_chunk_rows(10, 32000, cpu) == 10 and default_chunk_rows(0, 5, cpu) == 1
+    assert default_chunk_rows(4096, 32000, cpu, 64) == 128
     assert default_chunk_rows(4096, 1 << 24, cpu) == 16
-    # accelerators: 1024-2048 rows, a multiple of 128 (compute-bound GEMMs)
-    assert default_chunk_rows(16384, 128256, cuda) == 1024
-    assert default_chunk_rows(16384, 32000, cuda) == 2048
-    assert default_chunk_rows(16384, 256000, cuda) == 1024
-    assert default_chunk_rows(16384, 100000, cuda) == 1280
-    assert default_chunk_rows(300, 128256, cuda) == 300
+    # the cap: 1/8 of the physical memory (here 1 GiB -> 128 MiB)
+    monkeypatch.setattr(linear, "_host_memory", lambda: 1 << 30)
+    assert default_chunk_rows(big, 151936, cpu, 4096) == (128 << 20) // (3 * 151936 * 4) // 16 * 16
+    # an explicit budget replaces the rule's (no floor, no cap)
+    assert default_chunk_rows(big, 32000, cpu, 512, budget=3 * 32000 * 4 * 100) == 96
+    # clipped to N, balanced chunks: 300 rows at R = 288 are two chunks of 150 -> 160 rows
+    monkeypatch.setattr(linear, "_host_memory", lambda: 64 << 30)
+    assert default_chunk_rows(300, 151936, cpu, 896) == 160
+    assert default_chunk_rows(288, 151936, cpu, 896) == 288
+    assert default_chunk_rows(10, 32000, cpu, 896) == 10 and default_chunk_rows(0, 5, cpu) == 1
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_default_chunk_rows_properties(monkeypatch, device):
+    """Multiples, the budget bound, balanced chunks and the clip to N, over a grid of shapes."""
+    dev = torch.device(device)
+    memory = 8 << 30
+    monkeypatch.setattr(linear, "_physical_memory", lambda d: memory)
+    cpu = device == "cpu"
+    multiple = 16 if cpu else 128
+    low, high = (16, None) if cpu else (1024, 2048)
+    fraction = linear.CPU_MAX_MEMORY_FRACTION if cpu else linear.ACCEL_MAX_MEMORY_FRACTION
+    for vocab in (37, 2048, 32000, 151936, 262144, 1 << 24):
+        for hidden in (None, 16, 512, 896, 4096, 16384):
+            for dtype in (torch.float32, torch.bfloat16, torch.float64):
+                head = 0 if hidden is None else vocab * hidden * dtype.itemsize
+                budget = min(max(head, linear.CPU_MIN_CHUNK_BYTES if cpu else 0),
+                             int(memory * fraction))
+                buf = 8 if dtype == torch.float64 else 4
+                r_max = default_chunk_rows(1 << 40, vocab, dev, hidden, dtype)
+                assert r_max % multiple == 0 and r_max >= low
+                assert high is None or r_max <= high
+                # the budget bound, unless at the rows floor
+                assert 3 * r_max * vocab * buf <= budget or r_max == low
+                # the largest multiple within the budget (and the rows bounds)
+                within = budget // (3 * vocab * buf) // multiple * multiple
+                assert r_max == max(low, within if high is None else min(high, within))
+                for n in (0, 1, 15, 17, r_max - 1, r_max, r_max + 1, 3 * r_max + 5, 10 * r_max):
+                    rows = default_chunk_rows(n, vocab, dev, hidden, dtype)
+                    assert 1 <= rows <= max(n, 1) and rows <= r_max
+                    if n <= r_max:
+                        assert rows == max(n, 1)  # one chunk
+                        continue
+                    sizes = _chunks(n, rows)
+                    assert rows % multiple == 0
+                    assert len(sizes) == -(-n // r_max)  # as few chunks as R allows
+                    # equal sizes up to the multiple: ceil(N/chunks) rounded up
+                    assert rows - multiple < -(-n // len(sizes)) <= rows
+
+
+def test_default_chunk_rows_errors():
+    cpu = torch.device("cpu")
+    with pytest.raises(TypeError, match="n_rows must be an int"):
+        default_chunk_rows(2.0, 5, cpu)
+    with pytest.raises(ValueError, match="vocab must be >= 0"):
+        default_chunk_rows(2, -1, cpu)
+    with pytest.raises(ValueError, match="hidden must be >= 1"):
+        default_chunk_rows(2, 5, cpu, 0)
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        default_chunk_rows(2, 5, cpu, 4, budget=0)
+    with pytest.raises(TypeError, match="dtype must be a floating torch.dtype"):
+        default_chunk_rows(2, 5, cpu, 4, torch.int64)
+
+
+def test_default_plan_reads_both_heads(monkeypatch):
+    """linear_kl and linear_policy_loss plan from the larger hidden size and the wider
+    weight dtype of the two heads."""
+    seen = []
+    real = linear.default_chunk_rows
+
+    def spy(n, vocab, device, hidden=None, dtype=torch.float32, budget=None):
+        seen.append((n, vocab, hidden, dtype))
+        return real(n, vocab, device, hidden, dtype, budget)
+
+    monkeypatch.setattr(linear, "default_chunk_rows", spy)
+    t = make_heads((2, 3), h_p=12, h_r=9, dtype=torch.float32)
+    call(t)
+    t64 = dict(t, wr=t["wr"].double(), hr=t["hr"].double(), br=t["br"].double())
+    call(t64, mask=make_mask((2, 3)))
+    tokens = make_tokens((2, 3), 37, ignored=0.0)
+    klpenalty.linear_policy_loss(t["hp"], t["wp"], t["hr"], t["wr"], tokens, beta=0.1)
+    m = int(make_mask((2, 3)).sum())
+    assert seen == [(6, 37, 12, torch.float32), (m, 37, 12, torch.float64),
+                    (6, 37, 12, torch.float32)]
 
 
 # --------------------------------------------------------------------------- edge cases
@@ -658,3 +777,151 @@ def test_support_validation(kw, exc, match):
     t = make_heads((2, 4))
     with pytest.raises(exc, match=match):
         call(t, **kw)
+
+
+# --------------------------------------------------------------------------- expected_grads
+def _sequence_loss_plan(coef_kl, coef_lp, seq_len):
+    """A loss of the outputs whose per-row gradient depends on later rows: per sequence of
+    ``seq_len`` rows, Σ_t coef_kl·KL_t + Σ_t coef_lp·R_t·log π_t, R_t = Σ_{u>t} KL_u (detached):
+    the loss as autograd sees it, and the plan of its upstream gradients (rows visited last
+    first), recording the order of the rows it is asked about."""
+    n = coef_kl.numel()
+    seen = torch.zeros(n, dtype=torch.float64)
+    order = []
+
+    def plan(rows, out):
+        order.append(rows.clone())
+        seen[rows] = out[:, 0].double()
+        per_seq = seen.view(-1, seq_len)
+        to_go = per_seq.flip(-1).cumsum(-1).flip(-1) - per_seq  # Σ_{u>t}: later rows are in
+        grads = torch.zeros(rows.shape[0], 4, dtype=out.dtype)
+        grads[:, 0] = coef_kl[rows]
+        grads[:, 1] = (coef_lp[rows].double() * to_go.view(-1)[rows]).to(out.dtype)
+        return grads
+
+    def loss(stats):
+        kl = stats.kl.reshape(-1, seq_len)
+        to_go = (kl.detach().double().flip(-1).cumsum(-1).flip(-1) - kl.detach().double())
+        return (coef_kl * stats.kl.reshape(-1)).sum() + (
+            coef_lp * to_go.reshape(-1).to(kl.dtype) * stats.logprobs.reshape(-1)).sum()
+
+    return plan, loss, order
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_expected_grads_form_the_gradient_in_the_forward(monkeypatch, backend):
+    """With the plan of the loss's upstream gradients, the backward multiplies no head (the
+    gradients were formed in the forward: 2 GEMMs per chunk in all) and the gradients equal
+    the recomputing path's; the rows are visited from the last chunk to the first."""
+    import klpenalty.linear as lin
+
+    leading = (4, 6)
+    t = make_heads(leading, dtype=torch.float32, seed=11)
+    for k in ("hp", "wp", "bp"):
+        t[k].requires_grad_()
+    tokens = make_tokens(leading, 37, seed=3, ignored=0.0)
+    mask = make_mask(leading, seed=4)
+    g = torch.Generator().manual_seed(5)
+    coef_kl = torch.rand(24, generator=g) * mask.reshape(-1)
+    coef_lp = torch.randn(24, generator=g) * mask.reshape(-1)
+    opts = dict(tokens=tokens, mask=mask, temperature=0.9, chunk_rows=5, backend=backend)
+    plain = call(t, **opts)
+    _, loss, _ = _sequence_loss_plan(coef_kl, coef_lp, 6)
+    want = torch.autograd.grad(loss(plain), [t["hp"], t["wp"], t["bp"]])
+
+    calls = []
+    original = lin._logits
+    monkeypatch.setattr(lin, "_logits", lambda h, w, *a: calls.append(w) or original(h, w, *a))
+    plan, loss, order = _sequence_loss_plan(coef_kl, coef_lp, 6)
+    got = call(t, expected_grads=plan, **opts)
+    forward_calls = len(calls)
+    grads = torch.autograd.grad(loss(got), [t["hp"], t["wp"], t["bp"]])
+    chunks = math.ceil(int(mask.sum()) / 5)
+    assert forward_calls == 2 * chunks and len(calls) == forward_calls  # none in the backward
+    assert [int(o[0]) for o in order] == sorted((int(o[0]) for o in order), reverse=True)
+    for a, b in zip(got[:3], plain[:3]):  # the same values, whatever the order of the chunks
+        assert torch.equal(a, b)
+    for n, a, b in zip(("hp", "wp", "bp"), grads, want):
+        torch.testing.assert_close(a, b, rtol=GRAD_REL_TOL[torch.float32],
+                                   atol=GRAD_REL_TOL[torch.float32] * float(b.abs().max()))
+
+
+def test_expected_grads_that_do_not_arrive_are_recomputed(monkeypatch):
+    """A plan that differs from the gradients the backward receives (another loss) is not
+    used: the backward recomputes, and the gradient is the received loss's."""
+    import klpenalty.linear as lin
+
+    leading = (3, 5)
+    t = make_heads(leading, dtype=torch.float32, seed=12)
+    for k in ("hp", "wp"):
+        t[k].requires_grad_()
+    tokens = make_tokens(leading, 37, seed=6, ignored=0.0)
+    coef = torch.linspace(0.5, 1.5, 15)
+    opts = dict(tokens=tokens, chunk_rows=4)
+    plain = call(t, **opts)
+    want = torch.autograd.grad((coef * plain.kl.reshape(-1)).sum(), [t["hp"], t["wp"]])
+
+    def plan(rows, out):
+        grads = torch.zeros(rows.shape[0], 4)
+        grads[:, 0] = coef[rows] * (1 + 1e-3)  # off by 1e-3 relative: more than PLAN_RTOL
+        return grads
+
+    calls = []
+    original = lin._logits
+    monkeypatch.setattr(lin, "_logits", lambda h, w, *a: calls.append(w) or original(h, w, *a))
+    got = call(t, expected_grads=plan, **opts)
+    grads = torch.autograd.grad((coef * got.kl.reshape(-1)).sum(), [t["hp"], t["wp"]])
+    assert len(calls) == 2 * 4 + 2 * 4  # the forward's, then the recomputing backward's
+    for a, b in zip(grads, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_expected_grads_must_be_callable():
+    t = make_heads((3,), seed=13)
+    with pytest.raises(TypeError, match="expected_grads must be callable or None, got int"):
+        call(t, expected_grads=3)
+
+
+# --------------------------------------------------------------------------- linear_logprobs
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("sampler", [{}, {"top_k": 5}, {"top_p": 0.8}])
+def test_linear_logprobs_one_head_against_the_reference(dtype, sampler):
+    from klpenalty.linear import linear_logprobs
+    from klpenalty import entropy as entropy_of
+
+    leading = (3, 7)
+    t = make_heads(leading, dtype=dtype, seed=14)
+    tokens = make_tokens(leading, 37, seed=7)
+    mask = make_mask(leading, seed=8)
+    got = linear_logprobs(t["hp"], t["wp"], tokens, bias=t["bp"], mask=mask, temperature=0.8,
+                          entropy=True, logit_scale=0.7, softcap=4.0, chunk_rows=4,
+                          check=False, **sampler)
+    assert got.kl is None and got.ref_logprobs is None and not got.logprobs.requires_grad
+    z = transformed(t["hp"], t["wp"], t["bp"], 0.7, 4.0)  # the same input-dtype logits
+    counted = mask & (tokens != -100)
+    if not sampler:
+        want = token_logprobs_reference(z.double(), tokens.clamp_min(0), 0.8)
+        torch.testing.assert_close(got.logprobs[counted].double(), want[counted], **tol(dtype))
+        want_h = entropy_reference(z.double(), 0.8)
+        torch.testing.assert_close(got.entropy[mask].double(), want_h[mask], **tol(dtype))
+    else:  # the sampler's π̃: the logits functions on the materialised logits
+        want = token_logprobs(z, tokens, temperature=0.8, check=False, **sampler)
+        torch.testing.assert_close(got.logprobs[counted], want[counted], **tol(dtype))
+        want_h = entropy_of(z, temperature=0.8, **sampler)
+        torch.testing.assert_close(got.entropy[mask], want_h[mask], **tol(dtype))
+    assert torch.all(got.logprobs[~mask] == 0) and torch.all(got.entropy[~mask] == 0)
+
+
+def test_linear_logprobs_validation():
+    from klpenalty.linear import linear_logprobs
+
+    t = make_heads((4,), seed=15)
+    tokens = make_tokens((4,), 37, seed=9, ignored=0.0)
+    with pytest.raises(ValueError, match=r"weight must have shape \(V, 12\)"):
+        linear_logprobs(t["hp"], t["wr"], tokens)
+    with pytest.raises(ValueError, match="tokens"):
+        linear_logprobs(t["hp"], t["wp"], tokens[:3])
+    with pytest.raises(ValueError, match=r"out of range|\[0, 37\)"):
+        linear_logprobs(t["hp"], t["wp"], tokens + 40)
+    with pytest.raises(ValueError, match="chunk_rows must be >= 1"):
+        linear_logprobs(t["hp"], t["wp"], tokens, chunk_rows=0)

@@ -27,11 +27,18 @@ import torch
 
 from . import _validation as v
 from .functional import TokenStats
-from .linear import linear_kl
+from .linear import linear_kl, linear_logprobs
 from .sampling import parse_support
 from .ops.dispatch import get_backend
 
-__all__ = ["causal_lm_kl", "scored_positions", "generate_position_ids", "SUPPORTED_ARCHITECTURES"]
+__all__ = [
+    "causal_lm_kl",
+    "reference_states",
+    "ReferenceStates",
+    "scored_positions",
+    "generate_position_ids",
+    "SUPPORTED_ARCHITECTURES",
+]
 
 IGNORE_INDEX = -100  # Hugging Face's label for "not scored"
 
@@ -439,12 +446,14 @@ class _RefHead(NamedTuple):
     bias: Optional[torch.Tensor]  # (V,)
 
 
-def _reference_head(ref: _Parts, name: str, kwargs: dict, batch, disabled: bool) -> _RefHead:
+def _reference_head(ref: _Parts, name: str, kwargs: dict, batch, disabled: bool,
+                    frozen: bool = False) -> _RefHead:
     """Run the reference through its own (wrapped) forward with its LM head replaced by a
     capture of what the head receives and of its weight and bias, taken inside the head's
-    forward. Under no_grad (unless it has trainable parameters, and is not sharded); a sharded
-    weight (FSDP, ZeRO-3) is gathered only there, so it is copied: a (V, H_r) tensor."""
-    trainable = not disabled and any(p.requires_grad for p in ref.outer.parameters())
+    forward. Under no_grad (unless it has trainable parameters and is neither ``frozen`` nor
+    sharded); a sharded weight (FSDP, ZeRO-3) is gathered only there, so it is copied: a
+    (V, H_r) tensor."""
+    trainable = not (disabled or frozen) and any(p.requires_grad for p in ref.outer.parameters())
     if trainable and ref.sharded:
         raise ValueError(
             f"{name} is sharded ({type(ref.outer).__name__}) and has parameters that require "
@@ -479,9 +488,116 @@ def _reference_head(ref: _Parts, name: str, kwargs: dict, batch, disabled: bool)
     return captured[0]
 
 
+class ReferenceStates(NamedTuple):
+    """A frozen reference's part of :func:`causal_lm_kl`, captured by one forward of it
+    (:func:`reference_states`) and reusable for every later call on the same batch rows.
+
+    ``hidden`` (B, T, H_r) its last hidden states (after the final norm), ``weight`` (V, H_r)
+    and ``bias`` (V,) or None its LM head (the module's own tensors, detached; a copy where
+    the model is sharded), ``scale`` / ``softcap`` the logit transform of its architecture,
+    ``logprobs`` (B, T - 1) log ρ(token) at the scored positions (0 elsewhere), aligned as
+    :func:`causal_lm_kl`'s outputs. A subset of the rows is
+    ``states._replace(hidden=states.hidden[i], logprobs=states.logprobs[i])``.
+    """
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    scale: float
+    softcap: Optional[float]
+    logprobs: torch.Tensor
+
+
+def reference_states(
+    ref_model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    labels: Optional[torch.Tensor] = None,
+    response_mask: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    disable_adapters: bool = False,
+    chunk_rows: Optional[int] = None,
+    backend: str = "auto",
+    check: bool = True,
+) -> ReferenceStates:
+    """One no-grad forward of a frozen reference: its last hidden states and LM head for
+    :func:`causal_lm_kl`, and its token log-probs log ρ(token), without its (B, T, V) logits.
+
+    Pass the result as ``ref_model`` of :func:`causal_lm_kl` (any number of times: PPO epochs,
+    GRPO iterations, gradient-accumulation splits of the same rows) and the reference's body
+    never runs again; its head's logits are recomputed chunk by chunk in each call, as they
+    are with a model. The model is held and run as in :func:`causal_lm_kl` (plain, DDP, FSDP1,
+    FSDP2, ZeRO-3, PEFT); ``disable_adapters=True`` runs a ``PeftModel`` with its adapters
+    disabled (the base model as the reference). Kept: (B, T, H_r) hidden states and, for a
+    sharded model, a (V, H_r) copy of the head (a plain model's head is used in place).
+
+    Args:
+        ref_model: a causal LM of a supported architecture, plain or wrapped.
+        input_ids, attention_mask, labels, response_mask, position_ids, temperature,
+            chunk_rows, backend, check: as in :func:`causal_lm_kl` (they decide which positions
+            are scored and the position ids; give the same ones to the later calls).
+        disable_adapters: run a ``PeftModel`` with its adapters disabled.
+
+    Returns:
+        :class:`ReferenceStates`; ``logprobs`` (B, T - 1) float32 (float64 for a float64 model).
+
+    Raises:
+        TypeError / ValueError: as :func:`causal_lm_kl`, and ``disable_adapters`` with a model
+            that is not a ``PeftModel``.
+    """
+    ref = _model_parts("ref_model", ref_model)
+    if not isinstance(disable_adapters, bool):
+        raise TypeError(f"disable_adapters must be a bool, got {type(disable_adapters).__name__}")
+    if disable_adapters and ref.peft is None:
+        raise ValueError(
+            "disable_adapters=True needs a PeftModel, got "
+            f"{type(ref_model).__name__} ({type(ref.lm).__name__} inside)"
+        )
+    counted, real = _scored(input_ids, attention_mask, labels, response_mask, position_ids)
+    B, T = input_ids.shape
+    if position_ids is None and real is not None:
+        position_ids = generate_position_ids(real)
+    temperature = v.check_temperature(temperature)
+    get_backend(backend, input_ids.device)
+    tokens = (input_ids if labels is None else labels)[:, 1:]  # (B, T - 1)
+    if check and ref.vocab is not None:
+        name, ids = ("input_ids", input_ids) if labels is None else ("labels", labels)
+        _check_scored_range(name, ids, counted, ref.vocab)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False)
+    refh = _reference_head(ref, "ref_model", kwargs, (B, T), disable_adapters, frozen=True)
+    lp = linear_logprobs(
+        refh.hidden[:, :-1], refh.weight, tokens.masked_fill(~counted, IGNORE_INDEX),
+        bias=refh.bias, logit_scale=ref.scale, softcap=ref.softcap, mask=counted,
+        temperature=temperature, chunk_rows=chunk_rows, backend=backend, check=check,
+    ).logprobs
+    return ReferenceStates(refh.hidden, refh.weight, refh.bias, ref.scale, ref.softcap, lp)
+
+
+def _check_states(states: ReferenceStates, batch: tuple[int, int], device) -> None:
+    """A :class:`ReferenceStates` that fits a (B, T) batch on ``device``."""
+    h, w = states.hidden, states.weight
+    if not (isinstance(h, torch.Tensor) and isinstance(w, torch.Tensor)):
+        raise TypeError("ref_model ReferenceStates must hold tensors hidden and weight")
+    if h.dim() != 3 or tuple(h.shape[:2]) != batch or w.dim() != 2 \
+            or w.shape[1] != h.shape[2]:
+        raise ValueError(
+            f"ref_model ReferenceStates must hold hidden (B, T, H_r) = ({batch[0]}, "
+            f"{batch[1]}, H_r) and weight (V, H_r): got hidden {v.describe(h)}, weight "
+            f"{v.describe(w)}"
+        )
+    if h.device != device or w.device != device:
+        raise ValueError(
+            f"ref_model ReferenceStates must be on {device}: hidden on {h.device}, weight on "
+            f"{w.device}"
+        )
+
+
 def causal_lm_kl(
     policy_model: torch.nn.Module,
-    ref_model: Optional[torch.nn.Module],
+    ref_model,
     input_ids: torch.Tensor,
     attention_mask: Optional[torch.Tensor] = None,
     *,
@@ -497,6 +613,7 @@ def causal_lm_kl(
     chunk_rows: Optional[int] = None,
     backend: str = "auto",
     check: bool = True,
+    expected_grads=None,
 ) -> TokenStats:
     """Exact per-token KL(π‖ρ), log π(token), log ρ(token) (and H(π)) of two Hugging Face
     causal LMs on one batch, without computing either model's (B, T, V) logits.
@@ -555,7 +672,9 @@ def causal_lm_kl(
         ref_model: the reference, same vocabulary size V (its hidden size and architecture may
             differ), plain or wrapped (it may be sharded like the policy); or None for a
             ``PeftModel`` policy: the same model with its adapters disabled
-            (``disable_adapter()``), run under no_grad.
+            (``disable_adapter()``), run under no_grad; or the :class:`ReferenceStates` of an
+            earlier :func:`reference_states` call on the same batch (the reference does not
+            run again; it gets no gradient).
         input_ids: (B, T) integer tokens, prompt and response.
         attention_mask: optional (B, T) bool or 0/1 integer, 1 = real token (either padding side).
         labels: optional (B, T) integer, Hugging Face style (unshifted; -100 = not scored). The
@@ -570,6 +689,9 @@ def causal_lm_kl(
             over the B·(T - 1) positions; or the sampler's settings): π is renormalised on it,
             ρ is not truncated.
         chunk_rows, backend, check: as in :func:`klpenalty.linear.linear_kl`.
+        expected_grads: the plan of the upstream gradients of the outputs, as in
+            :func:`klpenalty.linear.linear_kl`; its ``rows`` index the (B, T - 1) outputs
+            row-major (``b·(T - 1) + t``).
 
     Returns:
         :class:`klpenalty.TokenStats` ``(kl, logprobs, ref_logprobs, entropy)``, each (B, T - 1)
@@ -595,7 +717,12 @@ def causal_lm_kl(
     """
     policy = _model_parts("policy_model", policy_model)
     disabled = ref_model is None
-    if disabled:
+    states = ref_model if isinstance(ref_model, ReferenceStates) else None
+    if states is not None:
+        _check_states(states, tuple(input_ids.shape), input_ids.device)
+        ref = policy._replace(vocab=states.weight.shape[0], scale=states.scale,
+                              softcap=states.softcap, model_type="ReferenceStates")
+    elif disabled:
         if policy.peft is None:
             raise ValueError(
                 "ref_model=None means the policy with its adapters disabled, which needs a "
@@ -638,8 +765,11 @@ def causal_lm_kl(
         input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
         use_cache=False,
     )
-    refh = _reference_head(ref, "ref_model" if not disabled else "policy_model (adapters "
-                           "disabled)", kwargs, (B, T), disabled)
+    if states is not None:
+        refh = _RefHead(states.hidden, states.weight, states.bias)
+    else:
+        refh = _reference_head(ref, "ref_model" if not disabled else "policy_model (adapters "
+                               "disabled)", kwargs, (B, T), disabled)
     if refh.weight.shape[0] != policy.vocab and policy.vocab is not None:
         raise ValueError(
             "policy_model and ref_model must have the same vocabulary size V: policy_model "
@@ -676,6 +806,7 @@ def causal_lm_kl(
                 chunk_rows=chunk_rows,
                 backend=backend,
                 check=check,
+                expected_grads=expected_grads,
             )
             ent = stats.entropy if entropy else torch.zeros_like(stats.kl)
             made.append(torch.stack([stats.kl, stats.logprobs, stats.ref_logprobs, ent], -1))

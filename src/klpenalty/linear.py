@@ -15,7 +15,9 @@ biases.
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from numbers import Integral
 from typing import NamedTuple, Optional
 
@@ -31,25 +33,47 @@ from .ops.contract import Want
 from .ops.dispatch import get_backend
 from .sampling import parse_support, rows_of_support, support_args
 
-__all__ = ["linear_kl", "linear_policy_loss", "PolicyLoss"]
+__all__ = ["linear_kl", "linear_logprobs", "linear_policy_loss", "PolicyLoss"]
 
 # Rows R of a chunk (default_chunk_rows). Both paths peak at three (R, V) buffers of the compute
-# dtype per chunk: both models' logits and ∂/∂z.
-# CPU: R = CPU_CHUNK_ELEMENTS / V rows, a multiple of 16 (GEMM-friendly), so the peak is at most
-# 3·CPU_CHUNK_ELEMENTS elements (48 MiB of float32): ≤ 10% of one model's (N, V) float32 logits
-# from N ≥ 30·R on. Larger chunks make the GEMMs more efficient (the weight-gradient GEMM has
-# K = R and reads and writes the (V, H) accumulator once per chunk); R = 128 at V = 32000
-# (benchmarks/README.md, the chunk-rows sweep).
-CPU_CHUNK_ELEMENTS = 4 << 20
+# dtype per chunk (both models' logits and ∂/∂z), and every chunk re-reads each whole (V, H)
+# head weight (the BLAS re-packs it) and, in the backward, reads and writes the (V, H) weight
+# gradient: O(V·H) traffic per chunk, paid once per R rows. So R is as large as a memory
+# budget allows:
+#
+#     budget = clip(CHUNK_BUDGET_HEADS · V·H·bytes(weight), floor, cap)
+#     R      = budget // (3·V·bytes(compute dtype)),   a multiple of 16 (CPU) / 128 (else),
+#              clipped to [min rows, max rows], then to N, with ceil(N/R) equal-sized chunks
+#
+# (H the larger of the two hidden sizes.) The weight and its gradient are resident anyway, so
+# chunk buffers of one head's size add at most ~1× the head: R ≈ CHUNK_BUDGET_HEADS·H/3 for
+# float32 weights (H/6 for bf16 with float32 buffers), whatever V: 160 rows at H = 512,
+# 288 at H = 896, 1360 at H = 4096 on CPU.
+# CPU: floor CPU_MIN_CHUNK_BYTES (48 MiB, the former fixed 3·4M float32 elements), cap
+# CPU_MAX_MEMORY_FRACTION of the machine's physical memory (os.sysconf: the plan is a function
+# of the shapes and the machine, never of the momentary free memory, so runs repeat), at least
+# 16 rows. Measured on a 2-core AVX2 machine: benchmarks/README.md (the chunk-plan sweep).
+CHUNK_BUDGET_HEADS = 1.0
+CPU_MIN_CHUNK_BYTES = 48 << 20
+CPU_MAX_MEMORY_FRACTION = 1 / 8
 CPU_MIN_CHUNK_ROWS = 16
-# Accelerators: every chunk reads the whole (V, H) weight and, for bf16/fp16 weights, reads and
-# writes the (V, H) float32 weight-gradient accumulator: a chunk is compute-bound from ~750 rows
-# at H = 4096 (an H100/H200 does ~200 flop per byte read). R = ACCEL_CHUNK_ELEMENTS / V clipped
-# to [1024, 2048] rows, a multiple of 128: 1024 at V = 128256 (256 MiB of bf16 logits per
-# model and chunk), 2048 at V ≤ 65536.
-ACCEL_CHUNK_ELEMENTS = 1 << 27
+CPU_CHUNK_MULTIPLE = 16
+# Accelerators (reasoned, not measured here: no GPU was available): a chunk's weight-gradient
+# GEMM does 2·R·V·H flops against the (V, H) float32 accumulator read and written (8 bytes per
+# element), ~R/4 flops per byte for bf16 operands (the forward's GEMMs ~R, reading the bf16
+# weight); an H100/H200 needs ~200-300 flops per byte (989 Tflop/s dense bf16 against 3.35-4.8
+# TB/s) to be compute-bound, so a chunk is bound by that traffic below ~800-1200 rows (at
+# V = 128256, H = 4096: ~4 GB per chunk, ~1 ms, against ~0.34 ms of math at 256 rows). Hence at
+# least ACCEL_MIN_CHUNK_ROWS = 1024 rows whatever the budget (the rows floor wins over it);
+# past ~2048 rows more rows buy no speed, only memory, so at most ACCEL_MAX_CHUNK_ROWS; device
+# memory is scarcer than the host's, so the cap is ACCEL_MAX_MEMORY_FRACTION of the device's
+# total memory (CUDA: get_device_properties). bf16 weights: R ≈ H/6 gives the 1024-row floor up
+# to H = 6144 (at V = 128256, H = 4096: 3 × 0.5 GiB of float32 buffers), 1280 at H = 8192,
+# 2048 from H = 12288.
 ACCEL_MIN_CHUNK_ROWS = 1024
 ACCEL_MAX_CHUNK_ROWS = 2048
+ACCEL_MAX_MEMORY_FRACTION = 1 / 16
+ACCEL_CHUNK_MULTIPLE = 128
 
 # Token id the adapter reads as "ignored" (linear_kl maps the caller's ignore_index to it after
 # the range check, so the adapter's signature stays free of it).
@@ -193,21 +217,112 @@ class LocalChunks:
 
 
 # ------------------------------------------------------------------------------ chunked matmul
-def default_chunk_rows(n_rows: int, vocab: int, device: torch.device) -> int:
-    """Rows R of one chunk for an (N, V) problem on ``device`` (clipped to [1, N]).
+def _physical_memory(device: torch.device) -> Optional[int]:
+    """Total memory in bytes of ``device`` (CPU: the machine's physical memory from
+    ``os.sysconf``; CUDA: the device's), or None where it cannot be read."""
+    try:
+        if device.type == "cpu":
+            return _host_memory()
+        if device.type == "cuda":
+            return _cuda_memory(torch.cuda._get_device_index(device, optional=True))
+    except (ValueError, OSError, RuntimeError, AssertionError, AttributeError):
+        pass
+    return None
 
-    CPU: ``CPU_CHUNK_ELEMENTS // V`` rounded down to a multiple of 16, at least 16 rows;
-    accelerators: ``ACCEL_CHUNK_ELEMENTS // V`` clipped to [1024, 2048], a multiple of 128.
+
+@functools.lru_cache(maxsize=None)
+def _host_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_memory(index: int) -> int:
+    return torch.cuda.get_device_properties(index).total_memory
+
+
+def default_chunk_rows(
+    n_rows: int,
+    vocab: int,
+    device: torch.device,
+    hidden: Optional[int] = None,
+    dtype: torch.dtype = torch.float32,
+    budget: Optional[int] = None,
+) -> int:
+    """Rows R of one chunk for N rows of a (V, H) head of ``dtype`` on ``device``.
+
     The peak extra memory of :func:`linear_kl` and :func:`linear_policy_loss` is three (R, V)
-    buffers of the compute dtype plus O(N).
+    buffers of the compute dtype (float64 for float64 weights, else float32) plus O(N), and each
+    chunk reads the whole (V, H) weight(s) and, backward, reads and writes the (V, H) weight
+    gradient. So R is the most rows whose three buffers fit ``budget`` bytes::
+
+        budget = clip(CHUNK_BUDGET_HEADS · V·H·bytes(dtype), floor, cap)   (``budget`` None)
+        R      = budget // (3·V·bytes(compute dtype))
+
+    CPU: floor :data:`CPU_MIN_CHUNK_BYTES`, cap :data:`CPU_MAX_MEMORY_FRACTION` of the
+    physical memory, R a multiple of 16, at least 16. Accelerators: no floor, cap
+    :data:`ACCEL_MAX_MEMORY_FRACTION` of the device's memory, R a multiple of 128 clipped to
+    [:data:`ACCEL_MIN_CHUNK_ROWS`, :data:`ACCEL_MAX_CHUNK_ROWS`] (the rows floor wins over the
+    budget: smaller GEMMs are bound by the weight traffic). Then the N rows are split into
+    ceil(N/R) chunks of equal size (rounded up to the multiple, never above R, and clipped to
+    [1, N]): no small last chunk.
+
+    Args:
+        n_rows: N, the counted rows (≥ 0).
+        vocab: V (the whole vocabulary, also for a vocabulary slice: the same R on every rank).
+        device: where the chunks are computed.
+        hidden: H, the larger hidden size of the two heads; None: the head's size is unknown
+            and the budget is the floor (CPU) / the rows floor (accelerators).
+        dtype: the heads' dtype (float64 if either is).
+        budget: bytes for the three (R, V) buffers, replacing the rule's (no floor, no cap;
+            the rows floor still applies).
+
+    Raises:
+        TypeError / ValueError: arguments that are not ints ≥ 0 (``budget`` > 0), a ``dtype``
+            that is not a floating torch.dtype.
     """
-    vocab = max(vocab, 1)
-    if device.type == "cpu":
-        rows = max(CPU_MIN_CHUNK_ROWS, CPU_CHUNK_ELEMENTS // vocab // 16 * 16)
+    for name, x, low in (("n_rows", n_rows, 0), ("vocab", vocab, 0), ("hidden", hidden, 1),
+                         ("budget", budget, 1)):
+        if x is None and name in ("hidden", "budget"):
+            continue
+        if isinstance(x, bool) or not isinstance(x, Integral):
+            raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+        if x < low:
+            raise ValueError(f"{name} must be >= {low}, got {x}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype!r}")
+    device = torch.device(device)
+    vocab = max(int(vocab), 1)
+    cpu = device.type == "cpu"
+    buffer_bytes = 8 if dtype == torch.float64 else 4  # the compute dtype's
+    if budget is None:
+        head = 0 if hidden is None else int(CHUNK_BUDGET_HEADS * vocab * hidden * dtype.itemsize)
+        budget = max(head, CPU_MIN_CHUNK_BYTES) if cpu else head
+        memory = _physical_memory(device)
+        fraction = CPU_MAX_MEMORY_FRACTION if cpu else ACCEL_MAX_MEMORY_FRACTION
+        if memory is not None:
+            budget = min(budget, int(memory * fraction))
+    rows = budget // (3 * vocab * buffer_bytes)
+    if cpu:
+        multiple = CPU_CHUNK_MULTIPLE
+        rows = max(CPU_MIN_CHUNK_ROWS, rows // multiple * multiple)
     else:
-        rows = min(ACCEL_MAX_CHUNK_ROWS, max(ACCEL_MIN_CHUNK_ROWS, ACCEL_CHUNK_ELEMENTS // vocab))
-        rows = rows // 128 * 128
+        multiple = ACCEL_CHUNK_MULTIPLE
+        rows = min(ACCEL_MAX_CHUNK_ROWS, max(ACCEL_MIN_CHUNK_ROWS, rows // multiple * multiple))
+    if n_rows > rows:  # balanced: ceil(N/R) chunks of about N/chunks rows each
+        chunks = -(-n_rows // rows)
+        rows = min(rows, -(-(-(-n_rows // chunks)) // multiple) * multiple)
     return max(1, min(rows, n_rows))
+
+
+def _plan_rows(n_rows: int, vocab: int, policy_weight: Tensor, ref_weight: Tensor) -> int:
+    """:func:`default_chunk_rows` for two heads (V_r, H_p) and (V_r, H_r) (a vocabulary slice's
+    rows or the whole head; ``vocab`` the whole V): H the larger hidden size, the dtype float64
+    if either weight is, else the wider of the two."""
+    dtypes = (policy_weight.dtype, ref_weight.dtype)
+    dtype = (torch.float64 if torch.float64 in dtypes
+             else max(dtypes, key=lambda d: d.itemsize))
+    hidden = max(policy_weight.shape[1], ref_weight.shape[1])
+    return default_chunk_rows(n_rows, vocab, policy_weight.device, hidden, dtype)
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], scale: float, softcap) -> Tensor:
@@ -289,44 +404,72 @@ def _head_grads(dz: Tensor, h: Tensor, weight: Tensor, sel, grad_h, grad_w, grad
         grad_b.add_(dz.sum(0, dtype=grad_b.dtype))
 
 
+# The largest difference, per output column and relative to the column's largest upstream
+# gradient, between the gradients a plan promised and those the backward receives for which the
+# gradients formed in the forward are handed over (else the backward recomputes). Both sides are
+# the same float32 formula evaluated in another order (a few ulps, ~1e-7); the handed-over
+# gradient then differs from the recomputed one by at most this fraction of its scale, below the
+# float32 rounding of the head's own GEMMs over H ≥ 64 terms.
+PLAN_RTOL = 1e-5
+
+
 class _LinearKL(torch.autograd.Function):
     """Chunked LM heads of both models → engine → per-row outputs, with a recomputing backward.
 
     Inputs are already validated; hidden states are (N, H_p) / (N, H_r) rows. ``rows`` (M,)
     int64 are the counted rows (None = all N); ``tokens`` (N,) int64 with ignored positions
-    set to :data:`IGNORE`, or None. ``opts`` ends with the chunk adapter and the parsed support
-    (:func:`klpenalty.sampling.parse_support`): each chunk's thresholds are computed by the op on
-    its rows' logits (they are per row) and kept in the saved stats (``ST_TAU``) for the
-    backward; a kept set is re-read there.
+    set to :data:`IGNORE`, or None. ``opts`` ends with the chunk adapter, the parsed support
+    (:func:`klpenalty.sampling.parse_support`) and the plan of upstream gradients (or None):
+    each chunk's thresholds are computed by the op on its rows' logits (they are per row) and
+    kept in the saved stats (``ST_TAU``) for the backward; a kept set is re-read there.
+
+    With a plan the forward visits the chunks last rows first, asks the plan for each chunk's
+    upstream gradients and forms the input gradients at once (the engine's backward and the
+    gradient GEMMs on the logits already in hand); the backward hands them over when the
+    gradients it receives are those planned (:data:`PLAN_RTOL`), else recomputes as without.
     Outputs: kl, logprobs, ref_logprobs, entropy, each (N,) in the compute dtype (0 for
     outputs not requested, rows not counted).
     """
 
     @staticmethod
     def forward(ctx, hp, wp, bp, hr, wr, br, tokens, rows, opts):
-        temperature, scale_p, cap_p, scale_r, cap_r, want_entropy, chunk, adapter, support = opts
+        (temperature, scale_p, cap_p, scale_r, cap_r, want_entropy, chunk, adapter, support,
+         plan) = opts
         n = hp.shape[0]
         dtype = v.compute_dtype(hp, wp, hr, wr)
         outs = [hp.new_zeros(n, dtype=dtype) for _ in range(4)]
         m = n if rows is None else rows.shape[0]
+        need = ctx.needs_input_grad[:6]
+        held = _Held(hp, wp, bp, hr, wr, br, need, n, dtype) if plan is not None \
+            and any(need) else None
+        starts = list(range(0, m, chunk))
         stats = None
-        for r0 in range(0, m, chunk):
+        for r0 in (reversed(starts) if held is not None else starts):
             r1 = min(m, r0 + chunk)
             sel = slice(r0, r1) if rows is None else rows[r0:r1]
-            zp = _logits(hp[sel], wp, bp, scale_p, cap_p)  # (R, V)
-            zr = _logits(hr[sel], wr, br, scale_r, cap_r)  # (R, V)
+            hpc, hrc = hp[sel], hr[sel]
+            zp = _logits(hpc, wp, bp, scale_p, cap_p)  # (R, V)
+            zr = _logits(hrc, wr, br, scale_r, cap_r)  # (R, V)
             tok = None if tokens is None else tokens[sel]
             keep, tau, sampler = _chunk_support(support, zp, rows, r0, r1)
             out, st = adapter.forward(zp, zr, tok, temperature, want_entropy, keep, tau, sampler)
-            del zp, zr, keep
             if stats is None:
                 stats = st.new_empty((m, st.shape[-1]))
             stats[r0:r1] = st
             for k in range(4):
                 outs[k][sel] = out[:, k]
-            del out, st
+            if held is not None:
+                flat = torch.arange(r0, r1, device=hp.device) if rows is None else sel
+                grad_out = plan(flat, out.detach()).to(out.dtype)  # (R, 4)
+                held.planned[sel] = grad_out
+                if support[0] == "rule":
+                    keep, tau = None, st[:, contract.ST_TAU]
+                _chunk_grads(held.buffers, (wp, wr), grad_out, zp, zr, hpc, hrc, sel, tok, st,
+                             opts, keep, tau)
+            del zp, zr, keep, out, st
         ctx.save_for_backward(hp, wp, bp, hr, wr, br, tokens, rows, stats)
         ctx.opts = opts
+        ctx.held = held
         ctx.set_materialize_grads(False)
         unused = [outs[k] for k, on in ((LOGPROBS, tokens is not None),
                                          (REF_LOGPROBS, tokens is not None),
@@ -338,17 +481,17 @@ class _LinearKL(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads):
         hp, wp, bp, hr, wr, br, tokens, rows, stats = ctx.saved_tensors
-        temperature, scale_p, cap_p, scale_r, cap_r, _, chunk, adapter, support = ctx.opts
+        temperature, scale_p, cap_p, scale_r, cap_r, _, chunk, adapter, support, _ = ctx.opts
         need = ctx.needs_input_grad[:6]
         need_p, need_r = any(need[:3]), any(need[3:6])
         n = hp.shape[0]
         m = n if rows is None else rows.shape[0]
-        grad_hp = torch.zeros_like(hp) if need[0] else None
-        grad_wp = _accumulator(wp) if need[1] else None
-        grad_bp = _accumulator(bp) if need[2] else None
-        grad_hr = torch.zeros_like(hr) if need[3] else None
-        grad_wr = _accumulator(wr) if need[4] else None
-        grad_br = _accumulator(br) if need[5] else None
+        held, ctx.held = ctx.held, None  # handed over once; a second backward recomputes
+        if held is not None and held.matches(grads, rows):
+            return (*_handed_over(held.buffers, adapter, (hp, wp, bp, hr, wr, br)),
+                    None, None, None)
+        del held
+        buffers = _gradient_buffers(hp, wp, bp, hr, wr, br, need)
         live = [g is not None for g in grads]
         # the reference's logits are recomputed only when a gradient needs them: its own, or
         # the KL's (∂KL/∂zp holds log ρ). Log-probs/entropy alone (e.g. the KL detached into
@@ -375,33 +518,79 @@ class _LinearKL(torch.autograd.Function):
                     keep, tau = None, stats[r0:r1, contract.ST_TAU]
                 else:  # a kept set (or none), re-read for these rows
                     keep, tau, _ = _chunk_support(support, zp, rows, r0, r1)
-                dzp, dzr = adapter.backward(
-                    g_all[sel].to(dtype), zp, zr, tok, stats[r0:r1], temperature, need_p,
-                    need_r, keep, tau,
-                )
-                del keep
-                # the logits are needed again only for the soft-cap's derivative: free them now
-                zp = zp if cap_p is not None else None
-                zr = zr if cap_r is not None else None
-                if dzp is not None:
-                    dzp = _chain(dzp, zp, scale_p, cap_p, wp.dtype)  # (R, V), ∂/∂(h Wᵀ + b)
-                    zp = None
-                    _head_grads(dzp, hpc, wp, sel, grad_hp, grad_wp, grad_bp)
-                    dzp = None
-                if dzr is not None:
-                    dzr = _chain(dzr, zr, scale_r, cap_r, wr.dtype)
-                    zr = None
-                    _head_grads(dzr, hrc, wr, sel, grad_hr, grad_wr, grad_br)
-                # free this chunk's buffers before the next chunk allocates its own
-                del zp, zr, dzp, dzr
-        grad_hp = None if grad_hp is None else adapter.hidden_grad(grad_hp)
-        grad_hr = None if grad_hr is None else adapter.hidden_grad(grad_hr)
-        cast = lambda acc, t: None if acc is None else acc.to(t.dtype)  # noqa: E731
-        return (
-            grad_hp, cast(grad_wp, wp), cast(grad_bp, bp),
-            grad_hr, cast(grad_wr, wr), cast(grad_br, br),
-            None, None, None,
-        )
+                _chunk_grads(buffers, (wp, wr), g_all[sel].to(dtype), zp, zr, hpc, hrc, sel,
+                             tok, stats[r0:r1], ctx.opts, keep, tau)
+                del zp, zr, keep
+        return (*_handed_over(buffers, adapter, (hp, wp, bp, hr, wr, br)), None, None, None)
+
+
+class _Held:
+    """What a planned forward keeps for its backward: the input gradients it formed
+    (:func:`_gradient_buffers`) and the (N, 4) upstream gradients they were formed for."""
+
+    def __init__(self, hp, wp, bp, hr, wr, br, need, n: int, dtype: torch.dtype):
+        self.buffers = _gradient_buffers(hp, wp, bp, hr, wr, br, need)
+        self.planned = hp.new_zeros((n, 4), dtype=dtype)
+
+    def matches(self, grads, rows: Optional[Tensor]) -> bool:
+        """Whether the received upstream gradients (None = 0) are the planned ones on the
+        counted rows, column by column within :data:`PLAN_RTOL` of the column's largest
+        (one host read)."""
+        got = torch.zeros_like(self.planned)
+        for k, g in enumerate(grads):
+            if g is not None:
+                got[:, k] = g
+        want = self.planned
+        if rows is not None:
+            got, want = got[rows], want[rows]
+        gap = (got - want).abs().amax(0) if got.numel() else got.new_zeros(4)
+        scale = got.abs().amax(0) if got.numel() else got.new_zeros(4)
+        return bool((gap <= PLAN_RTOL * scale).all())
+
+
+def _handed_over(buffers, adapter, inputs) -> tuple:
+    """The six input gradients from their buffers: the hidden states' through the adapter,
+    the accumulators cast to their tensors' dtypes."""
+    out = []
+    for i, (g, t) in enumerate(zip(buffers, inputs)):
+        if g is not None:
+            g = adapter.hidden_grad(g) if i in (0, 3) else g.to(t.dtype)
+        out.append(g)
+    return tuple(out)
+
+
+def _gradient_buffers(hp, wp, bp, hr, wr, br, need) -> list:
+    """[grad_hp, grad_wp, grad_bp, grad_hr, grad_wr, grad_br], None where not needed: zeros
+    of the hidden states' shapes, float32 accumulators for bf16/fp16 weights and biases."""
+    return [
+        None if not need[i] else (torch.zeros_like(t) if i in (0, 3) else _accumulator(t))
+        for i, t in enumerate((hp, wp, bp, hr, wr, br))
+    ]
+
+
+def _chunk_grads(buffers, weights, grad_out, zp, zr, hpc, hrc, sel, tok, st, opts, keep,
+                 tau) -> None:
+    """One chunk's share of every needed input gradient: the engine's ∂/∂z for the (R, 4)
+    upstream gradients, chained through the soft-cap and scale, then the gradient GEMMs.
+    ``weights`` (wp, wr); ``zr`` may be None when no gradient needs the reference's logits."""
+    temperature, scale_p, cap_p, scale_r, cap_r, _, _, adapter, _, _ = opts
+    grad_hp, grad_wp, grad_bp, grad_hr, grad_wr, grad_br = buffers
+    need_p = any(b is not None for b in buffers[:3])
+    need_r = any(b is not None for b in buffers[3:])
+    dzp, dzr = adapter.backward(grad_out, zp, zr, tok, st, temperature, need_p, need_r,
+                                keep, tau)
+    # the logits are needed again only for the soft-cap's derivative
+    zp = zp if cap_p is not None else None
+    zr = zr if cap_r is not None else None
+    if dzp is not None:
+        dzp = _chain(dzp, zp, scale_p, cap_p, hpc.dtype)  # (R, V), ∂/∂(h Wᵀ + b)
+        zp = None
+        _head_grads(dzp, hpc, weights[0], sel, grad_hp, grad_wp, grad_bp)
+        dzp = None
+    if dzr is not None:
+        dzr = _chain(dzr, zr, scale_r, cap_r, hrc.dtype)
+        zr = None
+        _head_grads(dzr, hrc, weights[1], sel, grad_hr, grad_wr, grad_br)
 
 
 def _chunk_support(support, zp: Tensor, rows: Optional[Tensor], r0: int, r1: int) -> tuple:
@@ -425,7 +614,8 @@ def _check_positive(name: str, value: object) -> float:
 def _check_head(side: str, hidden: object, weight: object, bias: object, suffix: str = "") -> None:
     """One model's hidden states (..., H), weight (V, H) and bias (V,) or None (``suffix``
     ends the weight's and the bias's argument names)."""
-    hname, wname, bname = f"{side}_hidden", f"{side}_weight{suffix}", f"{side}_bias{suffix}"
+    pre = f"{side}_" if side else ""
+    hname, wname, bname = f"{pre}hidden", f"{pre}weight{suffix}", f"{pre}bias{suffix}"
     v.check_float(hname, hidden)
     v.check_float(wname, weight)
     if hidden.dim() < 1:
@@ -515,14 +705,18 @@ def _check_heads(
     cap_p = None if softcap is None else _check_positive("softcap", softcap)
     cap_r = cap_p if ref_softcap is None else _check_positive("ref_softcap", ref_softcap)
     ignore_index = v.check_ignore_index(ignore_index)
+    _check_chunk_rows(chunk_rows)
+    impl = get_backend(backend, device)
+    return _Checked(vocab, leading, named, mask, temperature, (scale_p, cap_p, scale_r, cap_r),
+                    ignore_index, impl)
+
+
+def _check_chunk_rows(chunk_rows: object) -> None:
     if chunk_rows is not None:
         if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, Integral):
             raise TypeError(f"chunk_rows must be an int or None, got {type(chunk_rows).__name__}")
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows must be >= 1 or None, got {chunk_rows}")
-    impl = get_backend(backend, device)
-    return _Checked(vocab, leading, named, mask, temperature, (scale_p, cap_p, scale_r, cap_r),
-                    ignore_index, impl)
 
 
 def _flat_rows(policy_hidden: Tensor, ref_hidden: Tensor, tokens: Optional[Tensor],
@@ -586,6 +780,7 @@ def linear_kl(
     chunk_rows: Optional[int] = None,
     backend: str = "auto",
     check: bool = True,
+    expected_grads=None,
 ) -> TokenStats:
     """Exact KL(π‖ρ), token log-probs and entropy from both models' hidden states and LM heads.
 
@@ -631,9 +826,11 @@ def linear_kl(
             the policy's transformed logits at ``temperature``.
         ignore_index: negative int; positions whose token equals it give log-probs 0 (and zero
             gradient through them); their KL and entropy still count unless masked.
-        chunk_rows: ≥ 1 rows per chunk; None: :func:`default_chunk_rows` (≈16 MiB of
-            float32 logits per model on CPU; 1024-2048 rows on accelerators, where smaller
-            GEMMs are bound by reading the weight and the weight-gradient accumulator).
+        chunk_rows: ≥ 1 rows per chunk; None: :func:`default_chunk_rows`, from the heads'
+            size: three (R, V) float32 buffers about the bytes of one head (R ≈ H/3 for
+            float32 weights on CPU, at least 48 MiB of buffers; 1024-2048 rows on
+            accelerators, where smaller GEMMs are bound by reading the weight and the
+            weight-gradient accumulator), in equal chunks.
         backend: as in :func:`klpenalty.full_kl` (the engine run on each chunk).
         check: raise ValueError for token ids out of range and for NaN in a counted position's
             outputs (naming the hidden states or the weight that hold NaN). One host read of
@@ -641,6 +838,19 @@ def linear_kl(
             ``mask`` costs one more: the indices of the counted rows.) With a support, a
             sampled token outside it raises too, naming its position (``check=False``: its
             log-prob is −inf).
+        expected_grads: optional ``f(rows, out) -> grads``, the upstream gradients the caller's
+            loss will give the outputs, as a function of the forward's values: ``rows`` (R,)
+            int64 flat (row-major) indices into the leading dims, ``out`` (R, 4) their
+            detached kl, logprobs, ref_logprobs, entropy (0 where not computed); ``grads``
+            (R, 4) for the same columns. The counted rows are visited in chunks from the last
+            to the first, so a row's gradient may depend on the values of every row after it
+            (e.g. a sequence's KL still to go). With it the forward forms the input gradients
+            on the logits it already has: 4 LM-head GEMMs in all instead of 6, and the input
+            gradients' buffers are held from the forward to the backward. The backward checks
+            the gradients it receives against the planned ones (one host read): where they
+            agree within :data:`PLAN_RTOL` of each column's largest it hands the held
+            gradients over, otherwise it recomputes as without a plan, so the result is always
+            the gradient of the loss actually backpropagated.
 
     Returns:
         :class:`klpenalty.TokenStats` ``(kl, logprobs, ref_logprobs, entropy)``, each (...)
@@ -670,7 +880,7 @@ def linear_kl(
         logit_scale=logit_scale, softcap=softcap, ref_logit_scale=ref_logit_scale,
         ref_softcap=ref_softcap, entropy=entropy, ignore_index=ignore_index,
         chunk_rows=chunk_rows, backend=backend, check=check, support=support, top_k=top_k,
-        top_p=top_p, min_p=min_p,
+        top_p=top_p, min_p=min_p, expected_grads=expected_grads,
     )
 
 
@@ -678,7 +888,7 @@ def _linear_kl(
     policy_hidden, policy_weight, ref_hidden, ref_weight, *, tokens, mask, temperature,
     policy_bias, ref_bias, logit_scale, softcap, ref_logit_scale, ref_softcap, entropy,
     ignore_index, chunk_rows, backend, check, parallel=None, suffix: str = "",
-    support=None, top_k=None, top_p=None, min_p=None,
+    support=None, top_k=None, top_p=None, min_p=None, expected_grads=None,
 ) -> TokenStats:
     """:func:`linear_kl`'s validation and run, with the chunk adapter of ``parallel``.
 
@@ -708,6 +918,10 @@ def _linear_kl(
         if parallel is not None and support[0] != "none":
             raise ValueError("the vocabulary-parallel fused head takes no support or sampler "
                              "settings")
+        if expected_grads is not None and not callable(expected_grads):
+            raise TypeError(
+                f"expected_grads must be callable or None, got {type(expected_grads).__name__}"
+            )
     except (TypeError, ValueError) as err:
         if parallel is None:
             raise
@@ -722,9 +936,10 @@ def _linear_kl(
     )
     m = hp.shape[0] if rows is None else rows.shape[0]
     chunk = (int(chunk_rows) if chunk_rows is not None
-             else default_chunk_rows(m, vocab, policy_hidden.device))
+             else _plan_rows(m, vocab, policy_weight, ref_weight))
     scale_p, cap_p, scale_r, cap_r = checked.transforms
-    opts = (temperature, scale_p, cap_p, scale_r, cap_r, entropy, chunk, adapter, support)
+    opts = (temperature, scale_p, cap_p, scale_r, cap_r, entropy, chunk, adapter, support,
+            expected_grads)
     outs = _LinearKL.apply(
         hp, policy_weight, policy_bias, hr, ref_weight, ref_bias, tok, rows, opts
     )
@@ -746,6 +961,106 @@ def _linear_kl(
         rlp if tok is not None else None,
         ent if entropy else None,
     )
+
+
+def linear_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    bias: Optional[Tensor] = None,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    mask: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    support=None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    ignore_index: int = -100,
+    chunk_rows: Optional[int] = None,
+    backend: str = "auto",
+    check: bool = True,
+) -> TokenStats:
+    """log π(token) (and H(π)) of one LM head from its hidden states, as values: the no-grad
+    pass of a frozen model (a reference's log-probs, the log-probs of the policy that sampled).
+
+    Shapes: ... leading dims, N their product, H the hidden size, V the vocabulary. The logits
+    z = scale·(h Wᵀ + b) (soft-capped) are computed chunk by chunk, one GEMM per chunk, as in
+    :func:`linear_kl`, and never held as (N, V); π = softmax(z/T), or π̃ on a sampler's support
+    (``support`` / ``top_k`` / ``top_p`` / ``min_p`` as in :func:`linear_kl`). The values equal
+    :func:`klpenalty.token_logprobs` and :func:`klpenalty.entropy` of the materialised logits.
+
+    Args:
+        hidden: (..., H) float; weight: (V, H), same dtype; bias: optional (V,).
+        tokens: (...) integer ids in [0, V) or ``ignore_index``.
+        mask: optional (...) bool, True = counts (False rows are never multiplied and give 0).
+        logit_scale, softcap, temperature, entropy, support, top_k, top_p, min_p,
+            ignore_index, chunk_rows, backend, check: as in :func:`linear_kl`.
+
+    Returns:
+        :class:`klpenalty.TokenStats` with ``logprobs`` (and ``entropy`` when asked), (...)
+        float32 (float64 for float64 inputs), 0 where not counted; ``kl`` and ``ref_logprobs``
+        None. Not differentiable (computed under ``torch.no_grad()``): for gradients use
+        :func:`linear_kl` or :func:`linear_policy_loss`.
+
+    Raises:
+        TypeError / ValueError: as :func:`linear_kl` for the one head.
+    """
+    _check_head("", hidden, weight, bias)
+    leading, device, vocab = hidden.shape[:-1], hidden.device, weight.shape[0]
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.device != device:
+            raise ValueError(f"{name} must be on the device of hidden ({device}), got {t.device}")
+    v.check_tokens(tokens, leading)
+    if tokens.device != device:
+        raise ValueError(f"tokens must be on {device}, got {tokens.device}")
+    if mask is not None:
+        mask = v.check_mask(mask, leading, device)
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
+    temperature = v.check_temperature(temperature)
+    scale = _check_positive("logit_scale", logit_scale)
+    cap = None if softcap is None else _check_positive("softcap", softcap)
+    ignore_index = v.check_ignore_index(ignore_index)
+    _check_chunk_rows(chunk_rows)
+    impl = get_backend(backend, device)
+    support = parse_support(support, top_k, top_p, min_p, (*leading, vocab), device)
+    n = math.prod(leading)
+    h = hidden.reshape(n, hidden.shape[-1])
+    rows = None if mask is None else mask.reshape(-1).nonzero().squeeze(1)  # (M,) counted
+    tok = tokens.reshape(-1).long()
+    if mask is not None:
+        tok = tok.masked_fill(~mask.reshape(-1), ignore_index)
+    if check:
+        v.check_token_range(tok.reshape(leading), vocab, ignore_index)
+    tok = tok.masked_fill(tok == ignore_index, IGNORE)
+    m = n if rows is None else rows.shape[0]
+    chunk = (int(chunk_rows) if chunk_rows is not None
+             else default_chunk_rows(m, vocab, device, weight.shape[1], weight.dtype))
+    dtype = v.compute_dtype(hidden, weight)
+    lp, ent = hidden.new_zeros(n, dtype=dtype), hidden.new_zeros(n, dtype=dtype)
+    want = Want.LOGP | (Want.ENTROPY if entropy else 0)
+    with torch.no_grad():
+        for r0 in range(0, m, chunk):
+            r1 = min(m, r0 + chunk)
+            sel = slice(r0, r1) if rows is None else rows[r0:r1]
+            z = _logits(h[sel], weight, bias, scale, cap)  # (R, V)
+            keep, tau, sampler = _chunk_support(support, z, rows, r0, r1)
+            out, _ = impl.forward_op(z, None, tok[sel], None, keep, tau, temperature, IGNORE,
+                                     want, False, 0, 0, *sampler)
+            lp[sel], ent[sel] = out[:, LOGPROBS], out[:, ENTROPY]
+            del z, keep, out
+    if check:
+        _check_nan([lp, ent] if entropy else [lp], {"hidden": hidden},
+                   {k: t for k, t in (("weight", weight), ("bias", bias)) if t is not None})
+        if support[0] != "none":
+            outside = torch.isneginf(lp) & (tok != IGNORE)
+            if bool(outside.any()):
+                raise contract.outside_support_error(outside.reshape(leading), tokens)
+    return TokenStats(None, lp.reshape(leading), None,
+                      ent.reshape(leading) if entropy else None)
 
 
 # ------------------------------------------------------------------------------ fused loss
@@ -1062,7 +1377,7 @@ def linear_policy_loss(
     )
     m = hp.shape[0] if rows is None else rows.shape[0]
     chunk = (int(chunk_rows) if chunk_rows is not None
-             else default_chunk_rows(m, checked.vocab, device))
+             else _plan_rows(m, checked.vocab, policy_weight, ref_weight))
     grad_on = torch.is_grad_enabled()
     need = tuple(grad_on and t is not None and t.requires_grad
                  for t in (policy_hidden, policy_weight, policy_bias))

@@ -68,7 +68,7 @@ class Recording(GRPOTrainer):
         return out
 
 
-def train(tmp_path, kl_estimator: str, steps: int = STEPS, **config) -> Recording:
+def train(tmp_path, kl_estimator: str, steps: int = STEPS, before=None, **config) -> Recording:
     config = {"loss_type": "dapo", **config}
     policy = reference_and_policy(tmp_path / "ref")
     dataset = datasets.Dataset.from_dict({"prompt": PROMPTS})
@@ -84,6 +84,8 @@ def train(tmp_path, kl_estimator: str, steps: int = STEPS, **config) -> Recordin
         kl_estimator=kl_estimator,
     )
     trainer.records = []
+    if before is not None:
+        before(trainer)
     trainer.train()
     return trainer
 
@@ -97,6 +99,9 @@ RUN_SPECS = {
     "trl": ("trl", {}),
     "trl-plain": ("trl", {"use_bias_correction_kl": False}),
     "exact-accumulate2": ("exact", {"gradient_accumulation_steps": 2}),
+    # two optimizer steps per generation batch, each taken twice: off-policy ratios, the
+    # reference's states cached at generation and reused by four loss calls
+    "exact-iterations2": ("exact", {"num_iterations": 2, "steps_per_generation": 2}),
 }
 
 
@@ -197,15 +202,18 @@ def test_step_gradient_is_the_documented_objectives(name, tmp_path_factory):
     for record in trainer.records:
         inputs = record["inputs"]
         policy, _, _, lp, ref_lp, kl, mask = independent(record, ref_dir)
-        # TRL's GRPO policy loss, loss_type="dapo", on-policy (ratio 1 in value: no clipping),
-        # one process: −Σ A·ratio over completion tokens / the generation batch's token count
-        # (× accumulation steps / steps per generation, which are equal here)
-        ratio = torch.exp(lp - lp.detach())
+        # TRL's GRPO policy loss, loss_type="dapo", one process: the clipped surrogate
+        # −min(A·ratio, A·clip(ratio, 0.8, 1.2)) summed over completion tokens / the generation
+        # batch's token count × accumulation steps / steps per generation; on-policy the ratio
+        # is π/sg(π) (1 in value), off-policy π/π_old
+        old = inputs.get("old_per_token_logps")
+        ratio = torch.exp(lp - (lp.detach() if old is None else old))
         advantages = inputs["advantages"].reshape(-1, 1)
         accumulation = trainer.args.gradient_accumulation_steps
         tokens = inputs["num_items_in_batch"].clamp(min=1.0) * accumulation
         tokens = tokens / trainer.args.steps_per_generation
-        policy_loss = -torch.where(mask, advantages * ratio, torch.zeros(())).sum() / tokens
+        surrogate = torch.min(advantages * ratio, advantages * ratio.clamp(0.8, 1.2))
+        policy_loss = -torch.where(mask, surrogate, torch.zeros(())).sum() / tokens
         kl_term = kl_objective(name, lp, ref_lp, kl, mask, ratio, tokens, accumulation)
         (policy_loss + BETA * kl_term).backward()
         expected = {n: p.grad for n, p in policy.named_parameters() if p.grad is not None}
@@ -289,3 +297,89 @@ def test_a_peft_reference_adapter_is_refused(tmp_path):
     with pytest.raises(ValueError, match='adapter named "ref"'):
         GRPOTrainer(model, share_of_a, args=args, train_dataset=dataset,
                     processing_class=make_tokenizer(), kl_estimator="exact")  # fmt: skip
+
+
+def count_reference_rows(trainer) -> list:
+    """Counts the rows every forward of the reference runs on (a list, appended per call)."""
+    rows: list[int] = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        rows.append(int(ids.shape[0]))
+
+    trainer.ref_model.register_forward_pre_hook(hook, with_kwargs=True)
+    return rows
+
+
+@pytest.mark.parametrize("config", [{}, {"num_iterations": 2, "steps_per_generation": 2}],
+                         ids=["default", "iterations2"])
+def test_the_reference_runs_once_per_completion(tmp_path, config):
+    # TRL runs its reference once per generation batch (its log-probs reused by every
+    # iteration and step on those rows); "exact" runs it there and only there: its last
+    # hidden states are kept with the batch, so the reference forwards as often as TRL's own
+    counts, generated = {}, {}
+    for name in ("trl", "exact"):
+        seen = {}
+
+        def before(trainer, seen=seen):
+            seen["rows"] = count_reference_rows(trainer)
+            seen["generated"] = []
+            score = trainer._generate_and_score_completions
+
+            def counted(inputs):
+                out = score(inputs)
+                seen["generated"].append(int(out["completion_ids"].shape[0]))
+                if name == "exact":
+                    assert out["ref_hidden_states"].shape[:2] == out["completion_ids"].shape
+                return out
+
+            trainer._generate_and_score_completions = counted
+
+        trainer = train(tmp_path / name, name, steps=4, before=before, **config)
+        counts[name], generated[name] = sum(seen["rows"]), sum(seen["generated"])
+        assert len(trainer.records) == 4 * trainer.args.gradient_accumulation_steps
+    assert generated["exact"] == generated["trl"] > 0
+    assert counts["exact"] == counts["trl"] == generated["trl"]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"loss_type": "dapo", "num_iterations": 2, "steps_per_generation": 2},
+        {"loss_type": "grpo"},
+        {"loss_type": "bnpo", "gradient_accumulation_steps": 2},
+        {"loss_type": "dr_grpo"},
+    ],
+    ids=["dapo-iterations2", "grpo", "bnpo-accumulate2", "dr_grpo"],
+)
+def test_gradient_formed_in_the_forward_is_the_recomputed_one(tmp_path, monkeypatch, config):
+    # for these loss types the trainer hands the fused head the plan of TRL's per-token
+    # gradients: the head forms the gradient in its forward, and every backward finds the
+    # gradients it receives equal to the plan (so it hands over rather than recomputes); the
+    # steps' gradients equal those of the recomputing path (the plan switched off)
+    import klpenalty.linear as lin
+
+    handed = []
+    matches = lin._Held.matches
+    monkeypatch.setattr(lin._Held, "matches",
+                        lambda self, *a: handed.append(matches(self, *a)) or handed[-1])
+    fused = train(tmp_path / "fused", "exact", steps=2, **config).records
+    assert handed and all(handed) and len(handed) == len(fused)
+    monkeypatch.setattr(GRPOTrainer, "_loss_plan", lambda self, inputs: None)
+    recomputed = train(tmp_path / "recomputed", "exact", steps=2, **config).records
+    assert len(handed) == len(fused)  # no plan, no handover
+    rel = GRAD_REL_TOL[torch.float32]
+    for a, b in zip(fused, recomputed):
+        scale = max(float(g.abs().max()) for g in b["grads"].values())
+        assert a["grads"].keys() == b["grads"].keys()
+        for param, g in b["grads"].items():
+            torch.testing.assert_close(a["grads"][param], g, rtol=rel, atol=rel * scale)
+
+
+def test_loss_types_the_plan_does_not_know_recompute(tmp_path, monkeypatch):
+    import klpenalty.linear as lin
+
+    handed = []
+    monkeypatch.setattr(lin._Held, "matches", lambda self, *a: handed.append(a) or True)
+    trainer = train(tmp_path / "luspo", "exact", steps=1, loss_type="luspo")
+    assert trainer.records and not handed

@@ -647,7 +647,9 @@ def vocab_parallel_linear_kl(
         entropy: also return H(π).
         group: the process group the vocabulary is split over; None = the default group.
         ignore_index: negative int (as in linear_kl).
-        chunk_rows: ≥ 1 rows per chunk, the same on every rank; None picks R from V.
+        chunk_rows: ≥ 1 rows per chunk, the same on every rank; None:
+            :func:`klpenalty.linear.default_chunk_rows` of the whole V and the hidden sizes
+            (the same R on every rank).
         {backend}
         check: raise for token ids outside [0, V) and for NaN in a counted position (as in
             linear_kl). Invalid arguments on any rank raise on every rank (one all-gather of

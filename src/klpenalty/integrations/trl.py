@@ -53,6 +53,21 @@ k3 averaged over completion tokens, as TRL logs it; with ``"exact"`` also ``kl_e
 exact KL averaged the same way, ``kl_seq/exact``, the exact KL per completion (Σ_t KL_t,
 averaged over completions) and ``kl_seq/k3``, TRL's k3 estimate of the same per-completion KL.
 
+**What "exact" costs.** The reference runs once per generation batch, where TRL runs its
+own reference log-prob pass: that pass (:func:`klpenalty.hf.reference_states`) gives TRL its
+``ref_per_token_logps`` (and so its logged k3) and leaves the reference's last hidden states
+at the completion positions in the batch (``"ref_hidden_states"``, (B, L, H_r), shuffled and
+split with the rest), which every loss call of every iteration and step on those rows reuses
+with the reference's head: the reference's body never runs in the loss. The policy runs once
+per loss call (its log-probs, entropies and the KL come from one fused head). For the loss
+types whose per-token gradient is known from the forward's values (``dapo``, ``grpo``,
+``bnpo``, ``dr_grpo`` with per-token importance ratios, no two-sided clip ``delta``, no
+entropy or off-policy masks, no entropy bonus, no vLLM importance weights) the head forms the
+gradient of TRL's loss plus the exact term in its forward (``expected_grads`` of
+:func:`klpenalty.linear.linear_kl`: 4 head GEMMs for the policy and 1 for the reference per
+loss call) and the backward checks that the gradients it receives are the planned ones
+(otherwise, and for the other loss types, it recomputes the logits: correct either way).
+
 **Where "exact" runs.** The trainer hands :func:`klpenalty.hf.causal_lm_kl` the policy as
 accelerate holds it (DistributedDataParallel under ``torchrun`` / ``accelerate launch``, even
 with one process; a DeepSpeed engine under ZeRO-3) and TRL's reference as TRL prepared it, so
@@ -82,9 +97,9 @@ import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
 from .. import _validation as v
-from ..hf import causal_lm_kl
+from ..hf import ReferenceStates, causal_lm_kl, reference_states
 from ..rlhf.estimators import sampled_kl
-from ..rlhf.gradients import k3_ratio_loss
+from ..rlhf.gradients import k3_ratio_loss, next_token_kl
 from ._common import exact_kl_term
 
 __all__ = ["GRPOTrainer", "KL_ESTIMATORS"]
@@ -106,12 +121,111 @@ _MULTIMODAL_ARGS = (
 )
 
 
+# the generation batch's key holding the reference's last hidden states at the positions that
+# score the completion tokens, (B, L, H_r): split and shuffled with the rest of the batch
+REF_HIDDEN = "ref_hidden_states"
+
+
 @dataclass
 class _Capture:
-    """What the loss's log-prob pass leaves for the KL term, (B, L) each."""
+    """What the loss's log-prob pass leaves for the KL term, (B, L) each, and what it is given:
+    the reference's cached hidden states (B, L, H_r) of the micro-batch, or None."""
 
     logprobs: torch.Tensor | None = None
     kl: torch.Tensor | None = None
+    ref_hidden: torch.Tensor | None = None
+    plan: "_LossPlan | None" = None
+
+
+# TRL's loss types whose gradient with respect to each token's log-prob is a function of that
+# token's values: the clipped surrogate, reduced per token, per sequence or by a constant
+_PLANNED_LOSSES = ("dapo", "grpo", "bnpo", "dr_grpo")
+
+
+class _LossPlan:
+    """The upstream gradients TRL's loss (its KL term off) plus the exact KL term will give the
+    outputs of :func:`klpenalty.hf.causal_lm_kl`, row by row from the forward's values, for
+    :func:`klpenalty.linear.linear_kl`'s ``expected_grads``.
+
+    Per completion token (b, j) with mask m, advantage A, ratio r = exp(log π − log π_old) (1
+    on-policy) and TRL's reduction weight c (the loss's ∂/∂(per-token loss)):
+    ∂/∂log π = −c·A·r where the unclipped branch of −min(r·A, clip(r)·A) is the one taken
+    (or r lies inside the clip range), else 0; plus κ·m·r·R_t, R_t = Σ_{u>t} m_u·KL_u the KL
+    still to go (the rows after (b, j) are visited first); ∂/∂KL = κ·m, κ = β / (B·accumulation)
+    (the exact term's mean over completions). ``rows`` index (B, T - 1) row-major; the
+    completion is its last L columns.
+    """
+
+    def __init__(self, trainer, inputs, beta: float, accumulation: float, t: int):
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        self.mask = mask.bool()
+        m = mask.to(torch.float32)
+        b, self.length = m.shape
+        self.width, self.offset = t - 1, t - 1 - self.length
+        adv = inputs["advantages"]
+        self.adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, self.length)
+        self.old = inputs.get("old_per_token_logps")
+        kind = trainer.loss_type
+        if kind == "dapo":
+            tokens = inputs["num_items_in_batch"].clamp(min=1.0) / trainer.accelerator.num_processes
+            weight = m / (tokens * accumulation / trainer.args.steps_per_generation)
+        elif kind == "grpo":
+            weight = m / m.sum(-1, keepdim=True).clamp(min=1.0) / b / accumulation
+        elif kind == "bnpo":
+            weight = m / m.sum().clamp(min=1.0) / accumulation
+        else:  # dr_grpo
+            weight = m / (b * trainer.max_completion_length) / accumulation
+        self.weight = weight
+        self.kl_weight = m * (beta / accumulation / b)
+        self.low, self.high = 1 - trainer.epsilon_low, 1 + trainer.epsilon_high
+        self.seen = torch.zeros_like(m)  # (B, L): the KL of the rows visited so far
+
+    def __call__(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        b, j = rows // self.width, rows % self.width - self.offset
+        kl, lp = out[:, 0].to(self.seen.dtype), out[:, 1].to(self.seen.dtype)
+        self.seen[b, j] = kl
+        mask = self.mask[b, j]
+        zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+        ratio = torch.ones_like(lp) if self.old is None else torch.exp(lp - self.old[b, j])
+        adv = self.adv[b, j].to(lp.dtype)
+        taken = (ratio * adv < ratio.clamp(self.low, self.high) * adv) \
+            | ((ratio >= self.low) & (ratio <= self.high))
+        policy = torch.where(taken, -adv * ratio, zero) * self.weight[b, j]
+        to_go = next_token_kl(self.seen, self.mask).flip(-1).cumsum(-1).flip(-1)[b, j]
+        w = torch.exp(torch.where(mask, lp - (lp if self.old is None else self.old[b, j]), zero))
+        grads = out.new_zeros(out.shape)
+        grads[:, 0] = self.kl_weight[b, j]
+        grads[:, 1] = policy + torch.where(mask, self.kl_weight[b, j] * w * to_go, zero)
+        return grads
+
+
+def _adapters_disabled(model: torch.nn.Module) -> bool:
+    """Whether a PEFT model's LoRA layers are disabled now (TRL's reference pass of a PEFT
+    policy runs inside ``disable_adapter()``)."""
+    for m in model.modules():
+        if hasattr(m, "lora_A") and hasattr(m, "disable_adapters"):
+            return bool(m.disable_adapters)
+    return False
+
+
+def _text_only(compute_aux_loss: bool, multimodal: dict) -> None:
+    used = [k for k in _MULTIMODAL_ARGS if multimodal.get(k) is not None]
+    if compute_aux_loss or used:
+        raise NotImplementedError(
+            'kl_estimator="exact" supports text-only models without an MoE auxiliary loss; '
+            f"got {used or ['compute_aux_loss=True']}"
+        )
+
+
+def _scoring(input_ids: torch.Tensor, logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(response mask (B, T): the last L = ``logits_to_keep`` tokens, position ids (B, T):
+    0..T-1, as TRL's own log-prob pass numbers them (so its old and ref log-probs))."""
+    b, t = input_ids.shape
+    response = torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
+    response[:, t - logits_to_keep :] = True
+    return response, torch.arange(t, device=input_ids.device).expand(b, t)
 
 
 class GRPOTrainer(_TRLGRPOTrainer):
@@ -130,6 +244,11 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def __init__(self, *args, kl_estimator: str = "exact", **kwargs) -> None:
         self.kl_estimator = v.check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
         self._kl_capture: _Capture | None = None
+        # the reference pass of the generation batch being scored: its hidden states (B_i,
+        # L, H_r) per scoring chunk, and its head (weight, bias, scale, softcap), reused by
+        # every loss call on the batch's rows
+        self._ref_pending: list[torch.Tensor] | None = None
+        self._ref_head: tuple | None = None
         super().__init__(*args, **kwargs)
         exact = self.kl_estimator == "exact" and self.beta != 0.0
         if exact and self.ref_model is None and "ref" in getattr(self.model, "peft_config", {}):
@@ -169,6 +288,9 @@ class GRPOTrainer(_TRLGRPOTrainer):
         ``attention_mask`` are (B, T); L = ``logits_to_keep``.
         """
         capture = self._kl_capture
+        if capture is None and self._ref_pending is not None and self._is_reference(model):
+            return self._reference_pass(model, input_ids, attention_mask, logits_to_keep,
+                                        batch_size, compute_aux_loss, multimodal)
         if capture is None or self.kl_estimator != "exact":
             out = super()._get_per_token_logps_and_entropies(
                 model,
@@ -183,37 +305,82 @@ class GRPOTrainer(_TRLGRPOTrainer):
             if capture is not None:
                 capture.logprobs = out[0]
             return out
-        used = [k for k in _MULTIMODAL_ARGS if multimodal.get(k) is not None]
-        if compute_aux_loss or used:
-            raise NotImplementedError(
-                'kl_estimator="exact" supports text-only models without an MoE auxiliary loss; '
-                f"got {used or ['compute_aux_loss=True']}"
-            )
+        _text_only(compute_aux_loss, multimodal)
         b, t = input_ids.shape
-        response = torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
-        response[:, t - logits_to_keep :] = True
-        # positions 0..T-1, as TRL's own log-prob pass (and so its old and ref log-probs) has them
-        positions = torch.arange(t, device=input_ids.device).expand(b, t)
+        response, positions = _scoring(input_ids, logits_to_keep)
+        reference = self.ref_model  # None: the PEFT policy with its adapters disabled
+        if capture.ref_hidden is not None:  # the generation batch's reference pass, cached
+            weight, bias, scale, softcap = self._ref_head
+            hidden = capture.ref_hidden.new_zeros(b, t, capture.ref_hidden.shape[-1])
+            hidden[:, t - 1 - logits_to_keep : t - 1] = capture.ref_hidden
+            reference = ReferenceStates(hidden, weight, bias, scale, softcap,
+                                        hidden.new_zeros(b, t - 1))
         stats = causal_lm_kl(
             model,  # as wrapped: its own forward runs (DDP's reducer, ZeRO-3's gathers)
-            self.ref_model,  # None: the PEFT policy with its adapters disabled
+            reference,
             input_ids,
             attention_mask,
             response_mask=response,
             temperature=self.temperature,
             entropy=compute_entropy,
             position_ids=positions,
+            expected_grads=capture.plan,
         )
         keep = slice(t - 1 - logits_to_keep, t - 1)  # entry j scores token j + 1
         capture.logprobs, capture.kl = stats.logprobs[:, keep], stats.kl[:, keep]
         entropies = stats.entropy[:, keep] if compute_entropy else None
         return capture.logprobs, entropies, None
 
+    def _is_reference(self, model) -> bool:
+        """Whether TRL's log-prob pass on ``model`` is its reference pass: the reference model,
+        or a PEFT policy with its adapters disabled."""
+        if self.ref_model is not None:
+            return model is self.ref_model
+        return _adapters_disabled(self.accelerator.unwrap_model(model))
+
+    def _reference_pass(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                        compute_aux_loss, multimodal):
+        """TRL's reference log-prob pass with ``"exact"``: one forward of the reference per
+        generation batch (as TRL's), whose log-probs TRL keeps as ``ref_per_token_logps`` and
+        whose last hidden states and head the loss reuses (:func:`klpenalty.hf.reference_states`)."""
+        _text_only(compute_aux_loss, multimodal)
+        batch_size = batch_size or input_ids.size(0)
+        keep = slice(input_ids.size(1) - 1 - logits_to_keep, input_ids.size(1) - 1)
+        logps = []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            response, positions = _scoring(ids, logits_to_keep)
+            states = reference_states(
+                model, ids, mask, response_mask=response, position_ids=positions,
+                temperature=self.temperature,
+            )
+            self._ref_pending.append(states.hidden[:, keep])  # (B_i, L, H_r)
+            self._ref_head = (states.weight, states.bias, states.scale, states.softcap)
+            logps.append(states.logprobs[:, keep])
+        return torch.cat(logps), None, None
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's generation and scoring; with ``"exact"`` (β > 0) the reference pass also
+        leaves the reference's last hidden states in the batch (``"ref_hidden_states"``, (B, L,
+        H_r)) for the loss calls of every iteration and step on these rows."""
+        if self.kl_estimator != "exact" or self.beta == 0.0:
+            return super()._generate_and_score_completions(inputs)
+        self._ref_pending = []
+        try:
+            output = super()._generate_and_score_completions(inputs)
+            pending = self._ref_pending
+        finally:
+            self._ref_pending = None
+        if pending:
+            output[REF_HIDDEN] = torch.cat(pending)
+        return output
+
     def _compute_loss(self, model, inputs):
         """TRL's policy loss (its KL term off) plus this trainer's KL term, and the metrics."""
         if self.kl_estimator == "trl" or self.beta == 0.0:
             return super()._compute_loss(model, inputs)
-        capture = self._kl_capture = _Capture()
+        capture = self._kl_capture = _Capture(ref_hidden=inputs.get(REF_HIDDEN),
+                                              plan=self._loss_plan(inputs))
         beta, self.beta = self.beta, 0.0  # TRL's policy loss, without its KL term
         try:
             loss = super()._compute_loss(model, inputs)
@@ -237,6 +404,30 @@ class GRPOTrainer(_TRLGRPOTrainer):
             loss = loss + beta * per_sequence.mean() / accumulation
         self._log_kl(mode, capture, logprobs.detach(), ref, mask)
         return loss
+
+    def _loss_plan(self, inputs) -> _LossPlan | None:
+        """The plan of the loss's per-token gradients (the fused head forms the gradient in its
+        forward), where TRL's loss is one whose per-token gradient the plan knows: the loss
+        types of ``_PLANNED_LOSSES``, per-token importance ratios, no two-sided clip, no
+        entropy or off-policy masks, no entropy bonus, no vLLM importance weights, no MoE
+        auxiliary loss. Elsewhere None: the head recomputes its logits in the backward."""
+        if self.kl_estimator != "exact" or not (self.model.training and torch.is_grad_enabled()):
+            return None
+        args = self.args
+        plain = (
+            self.loss_type in _PLANNED_LOSSES
+            and self.importance_sampling_level == "token"
+            and getattr(args, "delta", None) is None
+            and self.off_policy_mask_threshold is None
+            and self.top_entropy_quantile >= 1.0
+            and not getattr(self, "_entropy_bonus_enabled", True)
+            and not self.aux_loss_enabled
+            and not (self.use_vllm and self.vllm_importance_sampling_correction)
+        )
+        if not plain:
+            return None
+        t = inputs["prompt_ids"].shape[1] + inputs["completion_ids"].shape[1]
+        return _LossPlan(self, inputs, self.beta, self.current_gradient_accumulation_steps, t)
 
     def _reduce_like_trl(self, per_token, mask, inputs, accumulation):
         """Σ over tokens normalised as TRL normalises its per-token loss for ``loss_type``."""

@@ -648,3 +648,58 @@ def test_reference_states_bad_arguments_raise():
         causal_lm_kl(policy, states, ids[:2], attention[:2])
     with pytest.raises(TypeError, match="disable_adapters must be a bool"):
         hf.reference_states(ref, ids, attention, disable_adapters=1)
+
+
+# ------------------------------------------------------------------------ causal_lm_logprobs
+def greedy_response(model, ids, attention, response):
+    """``ids`` with each response token replaced, left to right, by the model's most likely
+    next token (so it lies on any sampler's support)."""
+    ids = ids.clone()
+    with torch.no_grad():
+        for t in range(1, ids.shape[1]):
+            z = plain_logits(model, ids, attention, generate_position_ids(attention))
+            ids[:, t] = torch.where(response[:, t], z[:, t - 1].argmax(-1), ids[:, t])
+    return ids
+
+
+@pytest.mark.parametrize("sampler", [{}, {"top_p": 0.8}, {"top_k": 5, "min_p": 0.05}])
+def test_causal_lm_logprobs_are_causal_lm_kls_without_gradients(sampler):
+    """The no-grad pass gives the log-probs and entropies of causal_lm_kl (of π̃ on the
+    sampler's support), and builds no graph."""
+    policy, ref = model_pair("llama")
+    ids, attention, response = batch(left_padding=True)
+    counted = scored_positions(ids, attention, response_mask=response)
+    opts = dict(response_mask=response, temperature=0.7, entropy=True, **sampler)
+    ids = greedy_response(policy, ids, attention, response)  # the tokens lie on the support
+    got = hf.causal_lm_logprobs(policy, ids, attention, **opts)
+    want = causal_lm_kl(policy, ref, ids, attention, **opts)
+    assert got.kl is None and got.ref_logprobs is None and not got.logprobs.requires_grad
+    for a, b in ((got.logprobs, want.logprobs), (got.entropy, want.entropy)):
+        torch.testing.assert_close(a[counted], b[counted].detach(), **tol(torch.float32))
+        assert torch.all(a[~counted] == 0)
+    if sampler:  # truncated: π̃(token) > π(token)
+        full = hf.causal_lm_logprobs(policy, ids, attention, response_mask=response,
+                                     temperature=0.7)
+        assert bool((got.logprobs[counted] > full.logprobs[counted]).any())
+
+
+def test_causal_lm_logprobs_take_the_kept_sets_as_ids_and_offsets():
+    """A support given as (ids, offsets) over the B·(T − 1) positions (empty where not
+    scored) gives the values of the sampler rule that made it."""
+    policy, _ = model_pair("llama")
+    ids, attention, response = batch(left_padding=False)
+    counted = scored_positions(ids, attention, response_mask=response)
+    ids = greedy_response(policy, ids, attention, response)
+    with torch.no_grad():
+        z = plain_logits(policy, ids, attention, generate_position_ids(attention))
+        keep = z.argsort(-1, descending=True).argsort(-1) < 6  # the 6 most likely
+    keep &= counted.unsqueeze(-1)
+    rows = keep.reshape(-1, keep.shape[-1])
+    kept = rows.nonzero()[:, 1]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), rows.sum(-1).cumsum(0)])
+    got = hf.causal_lm_logprobs(policy, ids, attention, response_mask=response,
+                                support=(kept, offsets))
+    want = hf.causal_lm_logprobs(policy, ids, attention, response_mask=response, top_k=6)
+    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="support offsets"):
+        hf.causal_lm_logprobs(policy, ids, attention, support=(kept, offsets[:-1]))

@@ -35,6 +35,7 @@ __all__ = [
     "causal_lm_kl",
     "reference_states",
     "ReferenceStates",
+    "causal_lm_logprobs",
     "scored_positions",
     "generate_position_ids",
     "SUPPORTED_ARCHITECTURES",
@@ -547,14 +548,85 @@ def reference_states(
         TypeError / ValueError: as :func:`causal_lm_kl`, and ``disable_adapters`` with a model
             that is not a ``PeftModel``.
     """
-    ref = _model_parts("ref_model", ref_model)
+    ref, refh, stats = _no_grad_pass(
+        "ref_model", ref_model, input_ids, attention_mask, labels, response_mask, position_ids,
+        temperature, disable_adapters, chunk_rows, backend, check,
+    )
+    return ReferenceStates(refh.hidden, refh.weight, refh.bias, ref.scale, ref.softcap,
+                           stats.logprobs)
+
+
+def causal_lm_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor] = None,
+    *,
+    labels: Optional[torch.Tensor] = None,
+    response_mask: Optional[torch.Tensor] = None,
+    position_ids: Optional[torch.Tensor] = None,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    support=None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
+    disable_adapters: bool = False,
+    chunk_rows: Optional[int] = None,
+    backend: str = "auto",
+    check: bool = True,
+    return_support: bool = False,
+):
+    """One no-grad forward of a causal LM: its token log-probs log π(token) (and H(π)), of the
+    policy that really sampled when given its support, without its (B, T, V) logits.
+
+    The values a trainer records at generation (the old log-probs of PPO and GRPO's
+    importance ratios), aligned, counted and held as :func:`causal_lm_kl`'s, which gives the
+    same values with gradients. The model runs as in :func:`causal_lm_kl` (plain, DDP, FSDP1,
+    FSDP2, ZeRO-3, PEFT; ``disable_adapters=True``: a ``PeftModel``'s base model).
+
+    Args:
+        model: a causal LM of a supported architecture, plain or wrapped.
+        input_ids, attention_mask, labels, response_mask, position_ids, temperature, entropy,
+            support, top_k, top_p, min_p, chunk_rows, backend, check: as in
+            :func:`causal_lm_kl` (π renormalised on the support).
+        disable_adapters: run a ``PeftModel`` with its adapters disabled.
+        return_support: also return the kept sets at this forward's logits as ``(ids,
+            offsets)`` over the B·(T - 1) positions (empty where not counted): the support
+            of the policy that sampled, to replay as ``support=`` in every later pass on
+            these rows (a PPO epoch, a GRPO iteration), whatever the weights are then.
+
+    Returns:
+        :class:`klpenalty.TokenStats` with ``logprobs`` (B, T - 1) (and ``entropy`` when asked),
+        float32 (float64 for a float64 model), 0 where not counted; ``kl`` and
+        ``ref_logprobs`` None. Not differentiable. With ``return_support``, the pair
+        ``(stats, (ids, offsets))``.
+
+    Raises:
+        TypeError / ValueError: as :func:`causal_lm_kl`, and ``disable_adapters`` with a model
+            that is not a ``PeftModel``.
+    """
+    return _no_grad_pass(
+        "model", model, input_ids, attention_mask, labels, response_mask, position_ids,
+        temperature, disable_adapters, chunk_rows, backend, check, entropy,
+        support, top_k, top_p, min_p, return_support,
+    )[2]
+
+
+def _no_grad_pass(name, model, input_ids, attention_mask, labels, response_mask, position_ids,
+                  temperature, disable_adapters, chunk_rows, backend, check, entropy=False,
+                  support=None, top_k=None, top_p=None, min_p=None, return_support=False):
+    """The model run once under no_grad with its head captured (:func:`_reference_head`), and
+    its head's token log-probs (and entropy) on the scored positions: (parts, head, stats)."""
+    parts = _model_parts(name, model)
     if not isinstance(disable_adapters, bool):
         raise TypeError(f"disable_adapters must be a bool, got {type(disable_adapters).__name__}")
-    if disable_adapters and ref.peft is None:
+    if disable_adapters and parts.peft is None:
         raise ValueError(
             "disable_adapters=True needs a PeftModel, got "
-            f"{type(ref_model).__name__} ({type(ref.lm).__name__} inside)"
+            f"{type(model).__name__} ({type(parts.lm).__name__} inside)"
         )
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
     counted, real = _scored(input_ids, attention_mask, labels, response_mask, position_ids)
     B, T = input_ids.shape
     if position_ids is None and real is not None:
@@ -562,18 +634,22 @@ def reference_states(
     temperature = v.check_temperature(temperature)
     get_backend(backend, input_ids.device)
     tokens = (input_ids if labels is None else labels)[:, 1:]  # (B, T - 1)
-    if check and ref.vocab is not None:
-        name, ids = ("input_ids", input_ids) if labels is None else ("labels", labels)
-        _check_scored_range(name, ids, counted, ref.vocab)
+    if parts.vocab is not None:
+        parse_support(support, top_k, top_p, min_p, (B, T - 1, parts.vocab), input_ids.device)
+        if check:
+            arg, ids = ("input_ids", input_ids) if labels is None else ("labels", labels)
+            _check_scored_range(arg, ids, counted, parts.vocab)
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                   use_cache=False)
-    refh = _reference_head(ref, "ref_model", kwargs, (B, T), disable_adapters, frozen=True)
-    lp = linear_logprobs(
-        refh.hidden[:, :-1], refh.weight, tokens.masked_fill(~counted, IGNORE_INDEX),
-        bias=refh.bias, logit_scale=ref.scale, softcap=ref.softcap, mask=counted,
-        temperature=temperature, chunk_rows=chunk_rows, backend=backend, check=check,
-    ).logprobs
-    return ReferenceStates(refh.hidden, refh.weight, refh.bias, ref.scale, ref.softcap, lp)
+    head = _reference_head(parts, name, kwargs, (B, T), disable_adapters, frozen=True)
+    stats = linear_logprobs(
+        head.hidden[:, :-1], head.weight, tokens.masked_fill(~counted, IGNORE_INDEX),
+        bias=head.bias, logit_scale=parts.scale, softcap=parts.softcap, mask=counted,
+        temperature=temperature, entropy=entropy, support=support, top_k=top_k, top_p=top_p,
+        min_p=min_p, chunk_rows=chunk_rows, backend=backend, check=check,
+        return_support=return_support,
+    )
+    return parts, head, stats
 
 
 def _check_states(states: ReferenceStates, batch: tuple[int, int], device) -> None:

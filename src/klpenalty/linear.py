@@ -982,7 +982,8 @@ def linear_logprobs(
     chunk_rows: Optional[int] = None,
     backend: str = "auto",
     check: bool = True,
-) -> TokenStats:
+    return_support: bool = False,
+):
     """log π(token) (and H(π)) of one LM head from its hidden states, as values: the no-grad
     pass of a frozen model (a reference's log-probs, the log-probs of the policy that sampled).
 
@@ -998,12 +999,17 @@ def linear_logprobs(
         mask: optional (...) bool, True = counts (False rows are never multiplied and give 0).
         logit_scale, softcap, temperature, entropy, support, top_k, top_p, min_p,
             ignore_index, chunk_rows, backend, check: as in :func:`linear_kl`.
+        return_support: also return the kept sets of the support at these logits, as
+            ``(ids, offsets)`` over the N rows (empty where a row does not count; every token
+            without a support): the sets to replay as ``support=`` in later passes on the same
+            rows, whatever the weights are then.
 
     Returns:
         :class:`klpenalty.TokenStats` with ``logprobs`` (and ``entropy`` when asked), (...)
         float32 (float64 for float64 inputs), 0 where not counted; ``kl`` and ``ref_logprobs``
         None. Not differentiable (computed under ``torch.no_grad()``): for gradients use
-        :func:`linear_kl` or :func:`linear_policy_loss`.
+        :func:`linear_kl` or :func:`linear_policy_loss`. With ``return_support``, the pair
+        ``(stats, (ids, offsets))``, int64 ids.
 
     Raises:
         TypeError / ValueError: as :func:`linear_kl` for the one head.
@@ -1025,6 +1031,8 @@ def linear_logprobs(
     cap = None if softcap is None else _check_positive("softcap", softcap)
     ignore_index = v.check_ignore_index(ignore_index)
     _check_chunk_rows(chunk_rows)
+    if not isinstance(return_support, bool):
+        raise TypeError(f"return_support must be a bool, got {type(return_support).__name__}")
     impl = get_backend(backend, device)
     support = parse_support(support, top_k, top_p, min_p, (*leading, vocab), device)
     n = math.prod(leading)
@@ -1042,16 +1050,24 @@ def linear_logprobs(
     dtype = v.compute_dtype(hidden, weight)
     lp, ent = hidden.new_zeros(n, dtype=dtype), hidden.new_zeros(n, dtype=dtype)
     want = Want.LOGP | (Want.ENTROPY if entropy else 0)
+    counts, kept_ids = hidden.new_zeros(n, dtype=torch.long), []
     with torch.no_grad():
         for r0 in range(0, m, chunk):
             r1 = min(m, r0 + chunk)
             sel = slice(r0, r1) if rows is None else rows[r0:r1]
             z = _logits(h[sel], weight, bias, scale, cap)  # (R, V)
             keep, tau, sampler = _chunk_support(support, z, rows, r0, r1)
-            out, _ = impl.forward_op(z, None, tok[sel], None, keep, tau, temperature, IGNORE,
-                                     want, False, 0, 0, *sampler)
+            out, st = impl.forward_op(z, None, tok[sel], None, keep, tau, temperature, IGNORE,
+                                      want, False, 0, 0, *sampler)
             lp[sel], ent[sel] = out[:, LOGPROBS], out[:, ENTROPY]
-            del z, keep, out
+            if return_support:  # the op's support: keep ∧ z ≥ its threshold (ST_TAU)
+                tau_used = st[:, contract.ST_TAU].unsqueeze(1)  # float32 (float64)
+                kept = (z if z.dtype == tau_used.dtype else z.to(tau_used.dtype)) >= tau_used
+                if keep is not None:
+                    kept &= keep
+                counts[sel] = kept.sum(1)
+                kept_ids.append(kept.nonzero()[:, 1])
+            del z, keep, out, st
     if check:
         _check_nan([lp, ent] if entropy else [lp], {"hidden": hidden},
                    {k: t for k, t in (("weight", weight), ("bias", bias)) if t is not None})
@@ -1059,8 +1075,12 @@ def linear_logprobs(
             outside = torch.isneginf(lp) & (tok != IGNORE)
             if bool(outside.any()):
                 raise contract.outside_support_error(outside.reshape(leading), tokens)
-    return TokenStats(None, lp.reshape(leading), None,
-                      ent.reshape(leading) if entropy else None)
+    stats = TokenStats(None, lp.reshape(leading), None, ent.reshape(leading) if entropy else None)
+    if not return_support:
+        return stats
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    ids = torch.cat(kept_ids) if kept_ids else counts.new_zeros(0)
+    return stats, (ids, offsets)
 
 
 # ------------------------------------------------------------------------------ fused loss

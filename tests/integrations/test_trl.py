@@ -18,6 +18,7 @@ the step's gradient equals the gradient of the documented objective (TRL's polic
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -30,7 +31,7 @@ import datasets
 import transformers
 import trl
 
-from klpenalty.integrations.trl import GRPOTrainer
+from klpenalty.integrations.trl import SUPPORT_IDS, GRPOTrainer
 
 from .trl_setup import PROMPTS, llama_config, make_tokenizer, reference_and_policy, share_of_a
 
@@ -102,6 +103,10 @@ RUN_SPECS = {
     # two optimizer steps per generation batch, each taken twice: off-policy ratios, the
     # reference's states cached at generation and reused by four loss calls
     "exact-iterations2": ("exact", {"num_iterations": 2, "steps_per_generation": 2}),
+    # sampled with top-k and top-p: the old log-probs, the loss's log-probs and the KL are
+    # those of π̃ (π renormalised on the sampler's kept set)
+    "exact-top-k-top-p": ("exact", {"top_k": 5, "top_p": 0.9, "num_iterations": 2,
+                                    "steps_per_generation": 2}),
 }
 
 
@@ -118,8 +123,11 @@ def exact_run(tmp_path_factory):
     return run_of("exact", tmp_path_factory)
 
 
-def independent(record, ref_dir):
-    """Plain-PyTorch per-completion quantities on the recorded batch and weights."""
+def independent(record, ref_dir, args=None, sampled_by=None):
+    """Plain-PyTorch per-completion quantities on the recorded batch and weights; with the
+    trainer's ``args`` sampling with top-k / top-p, the policy's are those of π̃: π
+    renormalised on the kept sets that transformers' own warpers (what generate sampled from)
+    give at the weights that sampled the batch (the record ``sampled_by``, else this one)."""
     inputs = record["inputs"]
     policy = transformers.LlamaForCausalLM(llama_config())
     policy.load_state_dict(record["weights"])
@@ -135,10 +143,26 @@ def independent(record, ref_dir):
         y = ref(input_ids=ids, attention_mask=attention, position_ids=positions).logits[:, keep]
     mask = inputs["completion_mask"].bool()
     tokens = inputs["completion_ids"].unsqueeze(-1)
-    lp = torch.log_softmax(x, -1).gather(-1, tokens).squeeze(-1)
-    ref_lp = torch.log_softmax(y, -1).gather(-1, tokens).squeeze(-1)
-    pa, qa = torch.log_softmax(x, -1), torch.log_softmax(y, -1)
-    kl = (pa.exp() * (pa - qa)).sum(-1)
+    kept = torch.ones_like(x, dtype=torch.bool)
+    if args is not None and (args.top_k or args.top_p < 1.0):
+        sampler = policy
+        if sampled_by is not None:
+            sampler = transformers.LlamaForCausalLM(llama_config())
+            sampler.load_state_dict(sampled_by["weights"])
+        with torch.no_grad():
+            z = sampler(input_ids=ids, attention_mask=attention, position_ids=positions).logits
+        scores = z[:, keep].reshape(-1, x.shape[-1])
+        if args.top_k:
+            scores = transformers.TopKLogitsWarper(args.top_k)(None, scores)
+        if args.top_p < 1.0:
+            scores = transformers.TopPLogitsWarper(args.top_p)(None, scores)
+        kept = torch.isfinite(scores).reshape(x.shape)
+    pa = torch.log_softmax(x.masked_fill(~kept, float("-inf")), -1)
+    qa = torch.log_softmax(y, -1)
+    lp = pa.gather(-1, tokens).squeeze(-1)
+    ref_lp = qa.gather(-1, tokens).squeeze(-1)
+    safe = torch.where(kept, pa, torch.zeros(()))  # off the kept set: no NaN in the backward
+    kl = torch.where(kept, safe.exp() * (safe - qa), torch.zeros(())).sum(-1)
     return policy, x, y, lp, ref_lp, kl, mask
 
 
@@ -199,9 +223,11 @@ def kl_objective(name, lp, ref_lp, kl, mask, ratio, tokens, accumulation):
 def test_step_gradient_is_the_documented_objectives(name, tmp_path_factory):
     trainer = run_of(name, tmp_path_factory)
     ref_dir = trainer.model.config._name_or_path
-    for record in trainer.records:
+    every = trainer.args.steps_per_generation * trainer.num_iterations  # loss calls per batch
+    for i, record in enumerate(trainer.records):
         inputs = record["inputs"]
-        policy, _, _, lp, ref_lp, kl, mask = independent(record, ref_dir)
+        policy, _, _, lp, ref_lp, kl, mask = independent(
+            record, ref_dir, trainer.args, sampled_by=trainer.records[i - i % every])
         # TRL's GRPO policy loss, loss_type="dapo", one process: the clipped surrogate
         # −min(A·ratio, A·clip(ratio, 0.8, 1.2)) summed over completion tokens / the generation
         # batch's token count × accumulation steps / steps per generation; on-policy the ratio
@@ -383,3 +409,59 @@ def test_loss_types_the_plan_does_not_know_recompute(tmp_path, monkeypatch):
     monkeypatch.setattr(lin._Held, "matches", lambda self, *a: handed.append(a) or True)
     trainer = train(tmp_path / "luspo", "exact", steps=1, loss_type="luspo")
     assert trainer.records and not handed
+
+
+def test_old_logprobs_are_those_of_the_truncated_policy(tmp_path_factory):
+    # the first loss call of each generation batch runs on the weights that sampled it: the
+    # old log-probs TRL keeps then equal log π̃ of the sampled tokens, not log π
+    # the sampler's kept sets are held in the batch: every later loss call on its rows scores
+    # π on those sets, whatever the weights are then (the ratio to π_old stays finite)
+    trainer = run_of("exact-top-k-top-p", tmp_path_factory)
+    ref_dir = trainer.model.config._name_or_path
+    args = trainer.args
+    for record in trainer.records[::4]:  # 2 steps per generation × 2 iterations
+        inputs = record["inputs"]
+        old = inputs["old_per_token_logps"]
+        _, x, _, lp, _, _, mask = independent(record, ref_dir, args)
+        torch.testing.assert_close(old[mask], lp.detach()[mask], **tol(torch.float32))
+        full = torch.log_softmax(x.detach(), -1).gather(
+            -1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+        assert bool((old[mask] > full[mask] + 1e-3).any())  # the sampler cut some mass
+        scores = transformers.TopKLogitsWarper(args.top_k)(None, x.detach().reshape(-1, x.shape[-1]))
+        scores = transformers.TopPLogitsWarper(args.top_p)(None, scores).reshape(x.shape)
+        sets = inputs[SUPPORT_IDS]  # (B, L, K), -1 after a set's end: column V, dropped
+        v = x.shape[-1]
+        held = torch.zeros(*x.shape[:-1], v + 1, dtype=torch.bool)
+        held.scatter_(-1, torch.where(sets >= 0, sets, v), True)
+        assert torch.equal(held[..., :v][mask], torch.isfinite(scores)[mask])
+
+
+
+def _bench_sampler_ratio():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "bench_sampler_ratio.py"
+    spec = importlib.util.spec_from_file_location("bench_sampler_ratio", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.filterwarnings("ignore:You are using 'rollout_func'")
+def test_importance_ratio_to_the_sampler_is_one_with_its_kept_sets(tmp_path):
+    # a rollout that samples with top-k and top-p and returns its log-probs and kept sets:
+    # TRL's old log-probs (over the whole vocabulary) give the ratio S < 1 on every cut
+    # position; the kept sets replayed, or rebuilt from the config's settings, give 1
+    bench = _bench_sampler_ratio()
+    runs = {variant: bench.measure(500, 4.0, 20, 0.9, variant, 4, 8, str(tmp_path))
+            for variant in bench.VARIANTS}
+    # two float32 log-probs of one token (the sampler's log_softmax, the trainer's), each
+    # within the table's bound; |log π̃| ≤ log 20 on a kept set of at most 20 tokens
+    bound = tol(torch.float32)
+    close = 2 * (bound["atol"] + bound["rtol"] * math.log(20))
+    for variant in ("replayed", "rule"):
+        assert runs[variant]["ratio_min"] == pytest.approx(1.0, abs=close), variant
+        assert runs[variant]["ratio_max"] == pytest.approx(1.0, abs=close), variant
+    assert runs["untruncated"]["ratio_max"] < 1.0 - 1e-3
+    assert all(r["tokens"] == 4 * 8 for r in runs.values())

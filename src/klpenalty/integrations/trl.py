@@ -97,7 +97,7 @@ import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
 from .. import _validation as v
-from ..hf import ReferenceStates, causal_lm_kl, reference_states
+from ..hf import ReferenceStates, causal_lm_kl, causal_lm_logprobs, reference_states
 from ..rlhf.estimators import sampled_kl
 from ..rlhf.gradients import k3_ratio_loss, next_token_kl
 from ._common import exact_kl_term
@@ -124,6 +124,11 @@ _MULTIMODAL_ARGS = (
 # the generation batch's key holding the reference's last hidden states at the positions that
 # score the completion tokens, (B, L, H_r): split and shuffled with the rest of the batch
 REF_HIDDEN = "ref_hidden_states"
+# a rollout_func's extra field: per completion, the kept sets of the engine's sampler at its
+# completion tokens, (token_ids, offsets) in CSR form (vLLM's ``SamplingMask``)
+SAMPLING_MASK = "sampling_mask"
+# the generation batch's key holding those kept sets, (B, L, K) int64, -1 after a set's end
+SUPPORT_IDS = "sampler_support_ids"
 
 
 @dataclass
@@ -135,6 +140,7 @@ class _Capture:
     kl: torch.Tensor | None = None
     ref_hidden: torch.Tensor | None = None
     plan: "_LossPlan | None" = None
+    support_ids: torch.Tensor | None = None
 
 
 # TRL's loss types whose gradient with respect to each token's log-prob is a function of that
@@ -228,6 +234,75 @@ def _scoring(input_ids: torch.Tensor, logits_to_keep: int) -> tuple[torch.Tensor
     return response, torch.arange(t, device=input_ids.device).expand(b, t)
 
 
+def _kept_sets(mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """One completion's kept sets as (token_ids, offsets): from a pair, a mapping or an object
+    with ``token_ids`` and ``offsets`` (vLLM's ``SamplingMask``)."""
+    if isinstance(mask, dict):
+        ids, offsets = mask.get("token_ids"), mask.get("offsets")
+    elif isinstance(mask, (tuple, list)) and len(mask) == 2:
+        ids, offsets = mask
+    else:
+        ids, offsets = getattr(mask, "token_ids", None), getattr(mask, "offsets", None)
+    if ids is None or offsets is None:
+        raise TypeError(
+            f"a rollout_func's {SAMPLING_MASK!r} must hold, per completion, (token_ids, offsets) "
+            f"(a pair, a dict or vLLM's SamplingMask), got {type(mask).__name__}"
+        )
+    return torch.as_tensor(ids, dtype=torch.long).reshape(-1), \
+        torch.as_tensor(offsets, dtype=torch.long).reshape(-1)
+
+
+def _padded(ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Kept sets in CSR form over n rows as (n, K) int64 padded with -1 (K the largest set)."""
+    counts = offsets[1:] - offsets[:-1]
+    n, k = counts.numel(), int(counts.max()) if counts.numel() else 0
+    out = torch.full((n, max(k, 1)), -1, dtype=torch.long, device=ids.device)
+    row = torch.repeat_interleave(torch.arange(n, device=ids.device), counts)
+    out[row, torch.arange(ids.numel(), device=ids.device) - offsets[row]] = ids.long()
+    return out
+
+
+def _padded_kept_sets(masks, lengths: list[int], width: int, device) -> torch.Tensor:
+    """The engine's kept sets of B completions, (B, L, K) int64 padded with -1 (K the largest
+    set): one row per completion token, split and shuffled with the rest of TRL's batch."""
+    sets = [_kept_sets(m) for m in masks]
+    if len(sets) != len(lengths):
+        raise ValueError(
+            f"a rollout_func's {SAMPLING_MASK!r} must have one entry per completion: got "
+            f"{len(sets)} for {len(lengths)} completions"
+        )
+    for i, ((ids, offsets), n) in enumerate(zip(sets, lengths)):
+        if offsets.numel() < n + 1 or offsets[0] != 0 or offsets[-1] != ids.numel() \
+                or bool((offsets[1:] < offsets[:-1]).any()):
+            raise ValueError(
+                f"{SAMPLING_MASK!r} of completion {i}: offsets (L_i + 1,) must run from 0 to "
+                f"len(token_ids) = {ids.numel()}, non-decreasing, over its {n} tokens; got "
+                f"{offsets.numel()} offsets"
+            )
+    # one CSR over the B·L completion positions (empty sets after a completion's end)
+    counts = torch.zeros(len(sets), width, dtype=torch.long)
+    for i, ((_, offsets), n) in enumerate(zip(sets, lengths)):
+        counts[i, :n] = offsets[1 : n + 1] - offsets[:n]
+    ids = torch.cat([ids[: offsets[n]] for (ids, offsets), n in zip(sets, lengths)])
+    offsets = torch.cat([counts.new_zeros(1), counts.reshape(-1).cumsum(0)])
+    return _padded(ids, offsets).reshape(len(sets), width, -1).to(device)
+
+
+def _support_of(padded: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, offsets) over the B·(T − 1) positions of :func:`klpenalty.hf.causal_lm_kl` from
+    (B, L, K) padded kept sets at the last L positions (empty sets elsewhere)."""
+    b, length, _ = padded.shape
+    if length > t - 1:
+        raise ValueError(
+            f"the kept sets of {length} completion tokens do not fit a batch of {t} tokens"
+        )
+    valid = padded >= 0
+    counts = padded.new_zeros(b, t - 1)
+    counts[:, t - 1 - length :] = valid.sum(-1)
+    offsets = torch.cat([counts.new_zeros(1), counts.reshape(-1).cumsum(0)])
+    return padded[valid], offsets
+
+
 class GRPOTrainer(_TRLGRPOTrainer):
     """``trl.GRPOTrainer`` whose KL term is ``kl_estimator`` (see the module docstring).
 
@@ -235,14 +310,25 @@ class GRPOTrainer(_TRLGRPOTrainer):
         *args, **kwargs: those of ``trl.GRPOTrainer`` (model, reward_funcs, args=GRPOConfig,
             train_dataset, processing_class, ...), unchanged.
         kl_estimator: ``"exact"`` (default), ``"k3_ratio"`` or ``"trl"``.
+        sampler_support: with ``"exact"``, score the policy that really sampled: π̃, π
+            renormalised on the sampler's kept set (a rollout_func's ``"sampling_mask"``, else
+            the config's ``top_k`` / ``top_p`` / ``min_p``), in the old log-probs, the loss's
+            log-probs and the KL (default True; False: TRL's untruncated π).
 
     Raises:
         ValueError: an unknown ``kl_estimator``, or ``"exact"`` with β > 0 and a PEFT policy
             whose reference is an adapter named ``"ref"`` (as TRL makes it for a ``PeftModel``).
     """
 
-    def __init__(self, *args, kl_estimator: str = "exact", **kwargs) -> None:
+    def __init__(self, *args, kl_estimator: str = "exact", sampler_support: bool = True,
+                 **kwargs) -> None:
         self.kl_estimator = v.check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+        if not isinstance(sampler_support, bool):
+            raise TypeError(f"sampler_support must be a bool, got {type(sampler_support).__name__}")
+        self.sampler_support = sampler_support
+        # the engine's kept sets of the generation batch being scored, (B, L, K), or None
+        self._sampling_pending: torch.Tensor | None = None
+        self._scoring_batch = False
         self._kl_capture: _Capture | None = None
         # the reference pass of the generation batch being scored: its hidden states (B_i,
         # L, H_r) per scoring chunk, and its head (weight, bias, scale, softcap), reused by
@@ -291,6 +377,10 @@ class GRPOTrainer(_TRLGRPOTrainer):
         if capture is None and self._ref_pending is not None and self._is_reference(model):
             return self._reference_pass(model, input_ids, attention_mask, logits_to_keep,
                                         batch_size, compute_aux_loss, multimodal)
+        if capture is None and self._scoring_batch and self._truncated():
+            return self._old_logprobs_pass(model, input_ids, attention_mask, logits_to_keep,
+                                           batch_size, compute_entropy, compute_aux_loss,
+                                           multimodal)
         if capture is None or self.kl_estimator != "exact":
             out = super()._get_per_token_logps_and_entropies(
                 model,
@@ -325,6 +415,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
             entropy=compute_entropy,
             position_ids=positions,
             expected_grads=capture.plan,
+            **self._support_args(capture.support_ids, t, logits_to_keep),
         )
         keep = slice(t - 1 - logits_to_keep, t - 1)  # entry j scores token j + 1
         capture.logprobs, capture.kl = stats.logprobs[:, keep], stats.kl[:, keep]
@@ -337,6 +428,78 @@ class GRPOTrainer(_TRLGRPOTrainer):
         if self.ref_model is not None:
             return model is self.ref_model
         return _adapters_disabled(self.accelerator.unwrap_model(model))
+
+    def _sampler(self) -> dict:
+        """The generation's truncating settings as ``top_k`` / ``top_p`` / ``min_p`` keywords
+        (those that cut; empty when none does), read where TRL's generation reads them."""
+        args = self.args
+        extra = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
+        config = getattr(self, "generation_config", None)
+        if config is not None and not self.use_vllm:  # transformers' generate: its config
+            k, p, m = config.top_k, config.top_p, config.min_p
+        else:
+            k, p, m = (extra.get(n, getattr(self, n)) for n in ("top_k", "top_p", "min_p"))
+        out = {}
+        if k is not None and k > 0:
+            out["top_k"] = int(k)
+        if p is not None and p < 1.0:
+            out["top_p"] = float(p)
+        if m is not None and m > 0.0:
+            out["min_p"] = float(m)
+        return out
+
+    def _truncated(self) -> bool:
+        """Whether the policy's log-prob passes score π̃ rather than π."""
+        return (self.kl_estimator == "exact" and self.beta != 0.0 and self.sampler_support
+                and (self._sampling_pending is not None or bool(self._sampler())))
+
+    def _support_args(self, support_ids: torch.Tensor | None, t: int, length: int) -> dict:
+        """causal_lm_kl's / causal_lm_logprobs' support keywords for a (B, T) batch whose last
+        ``length`` tokens are the completions: the engine's kept sets where the rollout gave
+        them, else the sampler's settings."""
+        if self.kl_estimator != "exact" or not self.sampler_support:  # (β is 0 in the loss)
+            return {}
+        if support_ids is not None:
+            if support_ids.shape[1] != length:
+                raise ValueError(
+                    f"the rollout's kept sets cover {support_ids.shape[1]} completion tokens per "
+                    f"row, the batch scores {length}"
+                )
+            return {"support": _support_of(support_ids, t)}
+        return self._sampler()
+
+    def _old_logprobs_pass(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
+                           compute_entropy, compute_aux_loss, multimodal):
+        """TRL's no-grad log-prob pass of the policy at generation (its old log-probs) with
+        ``"exact"`` and a truncating sampler: log π̃, as the loss will score it."""
+        _text_only(compute_aux_loss, multimodal)
+        batch_size = batch_size or input_ids.size(0)
+        keep = slice(input_ids.size(1) - 1 - logits_to_keep, input_ids.size(1) - 1)
+        logps, entropies, made = [], [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            ids, mask = input_ids[rows], attention_mask[rows]
+            response, positions = _scoring(ids, logits_to_keep)
+            replayed = self._sampling_pending is not None
+            kept = self._sampling_pending[rows] if replayed else None
+            stats = causal_lm_logprobs(
+                model, ids, mask, response_mask=response, position_ids=positions,
+                temperature=self.temperature, entropy=compute_entropy,
+                return_support=not replayed,
+                **self._support_args(kept, ids.size(1), logits_to_keep),
+            )
+            if not replayed:  # the sampler's kept sets, held for every later loss call
+                stats, sets = stats
+                b, t = ids.shape
+                made.append(_padded(*sets).reshape(b, t - 1, -1)[:, keep])
+            logps.append(stats.logprobs[:, keep])
+            if compute_entropy:
+                entropies.append(stats.entropy[:, keep])
+        if made:  # the rule's kept sets, padded alike
+            k = max(m.shape[-1] for m in made)
+            self._sampling_pending = torch.cat(
+                [torch.nn.functional.pad(m, (0, k - m.shape[-1]), value=-1) for m in made])
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
 
     def _reference_pass(self, model, input_ids, attention_mask, logits_to_keep, batch_size,
                         compute_aux_loss, multimodal):
@@ -365,22 +528,44 @@ class GRPOTrainer(_TRLGRPOTrainer):
         H_r)) for the loss calls of every iteration and step on these rows."""
         if self.kl_estimator != "exact" or self.beta == 0.0:
             return super()._generate_and_score_completions(inputs)
+        rollout = self.rollout_func
+        if rollout is not None and self.sampler_support:
+            self.rollout_func = self._replaying(rollout)
         self._ref_pending = []
+        self._scoring_batch = True
         try:
             output = super()._generate_and_score_completions(inputs)
-            pending = self._ref_pending
+            pending, kept = self._ref_pending, self._sampling_pending
         finally:
-            self._ref_pending = None
+            self._ref_pending, self._sampling_pending = None, None
+            self._scoring_batch, self.rollout_func = False, rollout
         if pending:
             output[REF_HIDDEN] = torch.cat(pending)
+        if kept is not None:
+            output[SUPPORT_IDS] = kept
         return output
+
+    def _replaying(self, rollout):
+        """``rollout`` whose output's ``"sampling_mask"`` (when given) becomes the kept sets of
+        the batch being scored, before TRL's old log-prob pass runs."""
+        def replayed(prompts, trainer):
+            output = rollout(prompts, trainer)
+            masks = output.get(SAMPLING_MASK) if isinstance(output, dict) else None
+            if masks is not None:
+                lengths = [len(c) for c in output["completion_ids"]]
+                self._sampling_pending = _padded_kept_sets(
+                    masks, lengths, max(lengths, default=0), self.accelerator.device)
+            return output
+
+        return replayed
 
     def _compute_loss(self, model, inputs):
         """TRL's policy loss (its KL term off) plus this trainer's KL term, and the metrics."""
         if self.kl_estimator == "trl" or self.beta == 0.0:
             return super()._compute_loss(model, inputs)
         capture = self._kl_capture = _Capture(ref_hidden=inputs.get(REF_HIDDEN),
-                                              plan=self._loss_plan(inputs))
+                                              plan=self._loss_plan(inputs),
+                                              support_ids=inputs.get(SUPPORT_IDS))
         beta, self.beta = self.beta, 0.0  # TRL's policy loss, without its KL term
         try:
             loss = super()._compute_loss(model, inputs)

@@ -131,14 +131,30 @@ def finite_or_zero(m: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(m, nan=0.0, posinf=0.0, neginf=0.0)
 
 
+# Row stride of a workspace tile: the columns rounded up to a multiple of this. ATen's CPU
+# elementwise loops run vectors over a contiguous range and finish its last (< 2 vectors)
+# elements with the scalar function, whose exp2 differs from the vector one in the last bit.
+# A contiguous (r, c) tile is one range, so which entries of a row took the scalar path would
+# depend on r and on the row's place in the tile (the batch around it). A row stride that is a
+# multiple of 64 elements either leaves no remainder (c a multiple of 64: every entry takes
+# the vector path) or makes each row its own range (the same remainder in every row).
+ROW_STRIDE_MULTIPLE = 64
+
+
+def _row_stride(cols: int) -> int:
+    return -(-cols // ROW_STRIDE_MULTIPLE) * ROW_STRIDE_MULTIPLE
+
+
 class Workspace:
-    """Reusable flat buffers of ``rows*cols`` elements, viewed as contiguous (r, c) tiles.
+    """Reusable flat buffers, viewed as (r, c) tiles with a row stride of c rounded up to
+    :data:`ROW_STRIDE_MULTIPLE` elements (contiguous when c is a multiple of it), so that a
+    row's elementwise results do not depend on the other rows of its tile.
 
     A tile loop allocates its temporaries once and reuses them for every tile.
     """
 
     def __init__(self, rows: int, cols: int, dtype: torch.dtype, device: torch.device):
-        self.size = rows * cols
+        self.size = rows * _row_stride(cols)
         self.dtype = dtype
         self.device = device
         self._bufs: dict[str, torch.Tensor] = {}
@@ -148,7 +164,8 @@ class Workspace:
         if buf is None:
             buf = torch.empty(self.size, dtype=self.dtype, device=self.device)
             self._bufs[name] = buf
-        return buf[: r * c].view(r, c)
+        stride = _row_stride(c)
+        return buf[: r * stride].view(r, stride)[:, :c]
 
 
 def _shifted(out: torch.Tensor, t: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:

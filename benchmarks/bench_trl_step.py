@@ -48,7 +48,8 @@ Per round, by timers wrapped around the trainer's methods on the instance:
   sampling (``_generate``), per round.
 
 Medians over rounds; ``x trl``: each column's median over the ``trl`` row's. Peak RSS:
-``ru_maxrss`` of a fresh subprocess per variant (``--child``) that builds the same trainer
+``VmHWM`` (``/proc/self/status``; ``ru_maxrss`` where that is missing) of a fresh subprocess
+per variant (``--child``) that builds the same trainer
 and runs the warm-up round and one round (``--no-rss`` skips them). Writes
 ``benchmarks/results/bench_trl_step.{csv,md}`` (``_iterations2`` appended with
 ``--iterations2``).
@@ -434,9 +435,21 @@ def child(args) -> int:
     args.rounds = 1
     with tempfile.TemporaryDirectory() as work:
         run_variants(args, [args.child], args.ref_dir, work)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-    print(json.dumps({"variant": args.child, "peak_rss_mib": round(rss)}), flush=True)
+    print(json.dumps({"variant": args.child, "peak_rss_mib": round(peak_rss_mib())}), flush=True)
     return 0
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS: VmHWM of /proc/self/status (its own memory map's high-water
+    mark: ru_maxrss would carry over the parent's RSS at fork), else ru_maxrss."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def peak_rss(args, variant: str, ref_dir: str, argv: list[str]) -> float | str:

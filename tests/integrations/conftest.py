@@ -14,6 +14,7 @@ import os
 
 NEEDS_EXTRAS = [
     "test_trl.py",
+    "test_bench_trl_step.py",
     "test_trl_torchrun.py",
     "trl_setup.py",
     "trl_torchrun_worker.py",

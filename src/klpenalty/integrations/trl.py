@@ -78,6 +78,22 @@ reference log-probs are, computed in the same :func:`~klpenalty.hf.causal_lm_kl`
 the base model and ``peft_config=``; see the limits).
 Gradient checkpointing works (TRL's default for ``use_reentrant``).
 
+**The policy that sampled.** When the generation truncates (``top_k`` / ``top_p`` /
+``min_p`` in ``GRPOConfig`` or its ``generation_kwargs``), TRL scores the sampled tokens with
+the untruncated π, so its importance ratio to the sampler is the kept mass S < 1 on every cut
+position. With ``"exact"`` (β > 0, ``sampler_support=True``, the default) the trainer scores
+π̃, π renormalised on the sampler's kept set, everywhere: the old log-probs, the loss's
+log-probs and ratios, and the exact KL(π̃‖ρ) (ρ is never truncated). The kept sets are data of
+the generation batch, like its tokens: a ``rollout_func`` may return them per completion as
+the extra field ``"sampling_mask"`` ((token_ids, offsets) over the completion's tokens, as
+vLLM's ``SamplingMask``), else the old log-prob pass builds them with klpenalty's sampler rule
+(temperature, then top-k, top-p, min-p, ties kept, as transformers' warpers). They are held in
+the batch (``"sampler_support_ids"``, (B, L, K)) and every loss call of every iteration and
+step on those rows scores π on the same sets, whatever the weights are then. On-policy without
+old log-probs the loss applies the rule to its own logits (the weights that sampled). A
+repetition penalty is not replayed by the rule (return the kept sets).
+``benchmarks/bench_sampler_ratio.py`` measures the ratio both ways.
+
 **Limits of "exact".** Text-only models of the architectures :func:`klpenalty.hf.causal_lm_kl`
 supports, no MoE auxiliary loss, no PEFT adapter named ``"ref"``: TRL's reference when the
 model has one, and TRL adds one (a copy of the adapter) when it is given a ``PeftModel`` with

@@ -30,7 +30,6 @@ import argparse
 import csv
 import math
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -39,6 +38,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_chunk_plan import machine  # noqa: E402  (the benchmarks' machine name)
+from bench_trl_step import make_tokenizer  # noqa: E402  (a word per id, built here)
 VARIANTS = ("untruncated", "replayed", "rule")
 SAMPLERS = ("50:1.0", "0:0.8", "1024:0.8")  # top_k:top_p (0: no top-k)
 
@@ -82,20 +84,6 @@ def sampling_rollout(top_k: int = 0, top_p: float = 1.0, min_p: float | None = N
     return rollout
 
 
-def word_tokenizer(vocab: int):
-    """A word-level tokenizer over ``vocab`` words: <pad>, <eos>, <unk>, w3, w4, ..."""
-    import tokenizers
-    import transformers
-
-    words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(3, vocab)]
-    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
-    tok = tokenizers.Tokenizer(model)
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    tok.decoder = tokenizers.decoders.WordPiece()
-    return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-
-
 def measure(vocab: int, logit_std: float, top_k: int, top_p: float, variant: str,
             completions: int, tokens: int, workdir: str, seed: int = 0) -> dict:
     """One generation batch of ``variant``: the ratio exp(old − sampling) and the kept mass."""
@@ -119,7 +107,7 @@ def measure(vocab: int, logit_std: float, top_k: int, top_p: float, variant: str
             w[1] -= 2 * logit_std * w[1] / w[1].norm()  # EOS rare: full-length completions
         model.save_pretrained(ref_dir)
     policy = transformers.LlamaForCausalLM.from_pretrained(ref_dir)
-    tok = word_tokenizer(vocab)
+    tok = make_tokenizer(vocab)
     prompts = [" ".join(f"w{3 + (7 * i + j) % (vocab - 3)}" for j in range(4))
                for i in range(completions // 2)]
     seen = {}
@@ -150,17 +138,6 @@ def measure(vocab: int, logit_std: float, top_k: int, top_p: float, variant: str
     ratio = log_ratio.double().exp()
     return {"ratio_mean": ratio.mean().item(), "ratio_min": ratio.min().item(),
             "ratio_max": ratio.max().item(), "tokens": int(mask.sum())}
-
-
-def machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main(argv=None) -> list[dict]:

@@ -44,8 +44,10 @@ Per round, by timers wrapped around the trainer's methods on the instance:
 - ``optim``: from the end of ``training_step`` to ``on_step_end`` (clip, step, zero_grad);
 - forwards, by forward hooks on the models' top modules and their ``.model`` bodies (a call
   of either body is one forward): ``ref fwd/gen batch``, reference forwards per generation
-  batch (and ``ref rows``, their batch rows); ``policy fwd``, the policy's forwards outside
-  sampling (``_generate``), per round.
+  batch (TRL runs its reference pass in chunks of ``per_device_train_batch_size`` rows, so 2
+  with ``--iterations2``); ``ref rows/completion``, the reference's batch rows per completion of
+  the generation batch (1: every completion through the reference once); ``policy fwd``, the
+  policy's forwards outside sampling (``_generate``), per round.
 
 Medians over rounds; ``x trl``: each column's median over the ``trl`` row's. Peak RSS:
 ``VmHWM`` (``/proc/self/status``; ``ru_maxrss`` where that is missing) of a fresh subprocess
@@ -76,7 +78,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 VARIANTS = ("beta0", "trl", "exact")
 KNOWN = ("beta0", "trl", "k3_ratio", "exact")
 PHASES = ("step", "generation", "ref_pass", "old_logps", "loss_fwd", "backward", "optim")
-COUNTS = ("ref_fwd_per_gen", "ref_rows", "policy_fwd", "policy_rows")
+COUNTS = ("ref_fwd_per_gen", "ref_per_completion", "policy_fwd", "policy_rows")
 QUICK = {"vocab": 64, "hidden": 16, "intermediate": 32, "heads": 2, "kv_heads": 1,
          "layers": 1, "rounds": 1, "tokens": 8, "completions": 4}
 SPECIALS = ("<pad>", "<eos>", "<unk>")
@@ -173,8 +175,9 @@ def even_share(completions, **kwargs):
 class Probe:
     """Timers on one trainer's methods and forward counters on its models, per round."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, gen_rows: int):
         self.trainer = trainer
+        self.gen_rows = gen_rows  # completions per generation batch
         self.cur = self._zero()
         self.rounds: list[dict] = []
         self.in_generation = self.in_sampling = False
@@ -301,6 +304,7 @@ class Probe:
         c["step"] = time.perf_counter() - self.t0
         c["generation"] = c["gen_total"] - c["ref_pass"] - c["old_logps"]
         c["ref_fwd_per_gen"] = c["ref_fwd"] / max(c["gen_calls"], 1)
+        c["ref_per_completion"] = c["ref_rows"] / (max(c["gen_calls"], 1) * self.gen_rows)
         self.rounds.append(c)
         return c
 
@@ -398,7 +402,7 @@ def run_variants(args, variants, ref_dir: str, work: str) -> dict:
     turns, threads, probes = Turns(), {}, {}
     for v in variants:
         trainer, spr = build_trainer(args, v, ref_dir, os.path.join(work, v))
-        probe = probes[v] = Probe(trainer)
+        probe = probes[v] = Probe(trainer, args.completions * (2 if args.iterations2 else 1))
         trainer.add_callback(callback(turns, v, probe, spr))
 
         def target(trainer=trainer, v=v):
@@ -495,14 +499,14 @@ def cell(row: dict, key: str, unit: str = "") -> str:
 
 def table(rows: list[dict]) -> str:
     heads = ["variant", "step", "generation", "ref pass", "old logps", "loss fwd", "backward",
-             "optim", "ref fwd/gen batch", "ref rows", "policy fwd", "peak RSS (MiB)"]
+             "optim", "ref fwd/gen batch", "ref rows/completion", "policy fwd", "peak RSS (MiB)"]
     lines = ["| " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(heads) - 1)]
     for r in rows:
         rss = r["peak_rss_mib"]
         if r.get("peak_rss_x_trl", "") != "":
             rss = f"{rss} ({r['peak_rss_x_trl']}×)"
         cells = [r["variant"], *(cell(r, k) for k in PHASES), str(r["ref_fwd_per_gen"]),
-                 str(r["ref_rows"]), str(r["policy_fwd"]), str(rss)]
+                 str(r["ref_per_completion"]), str(r["policy_fwd"]), str(rss)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

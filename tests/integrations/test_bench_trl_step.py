@@ -4,7 +4,8 @@ Needs the ``trl`` extra (collected by ``make test-integrations`` only; see conft
 the script's ``main`` with ``--quick`` (vocabulary 64, hidden 16, one layer, one round, and a
 peak-RSS subprocess per variant) and reads the CSV and the markdown table it writes: every
 variant and column is there, the timings are positive, the forward counts are integers, and
-the ``exact`` variant runs the reference once per generation batch, as ``trl`` does.
+the ``exact`` variant runs the reference once per generation batch and once per completion,
+as ``trl`` does.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWa
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_trl_step.py"
 COLUMNS = ["variant", "step", "generation", "ref pass", "old logps", "loss fwd", "backward",
-           "optim", "ref fwd/gen batch", "ref rows", "policy fwd", "peak RSS (MiB)"]
+           "optim", "ref fwd/gen batch", "ref rows/completion", "policy fwd", "peak RSS (MiB)"]
 
 
 def load_script():
@@ -50,7 +51,7 @@ def test_quick_run_writes_every_variant_and_column(tmp_path):
     for r in rows.values():
         for phase in ("step", "generation", "loss_fwd", "backward", "optim"):
             assert float(r[f"{phase}_s"]) > 0, (r["variant"], phase)
-        for count in ("ref_fwd_per_gen", "ref_rows", "policy_fwd", "policy_rows"):
+        for count in ("ref_fwd_per_gen", "ref_per_completion", "policy_fwd", "policy_rows"):
             assert r[count].isdigit(), (r["variant"], count, r[count])
         assert float(r["peak_rss_mib"]) > 0
         assert float(r["step_s"]) >= float(r["loss_fwd_s"]) + float(r["backward_s"])
@@ -58,6 +59,6 @@ def test_quick_run_writes_every_variant_and_column(tmp_path):
     assert int(rows["beta0"]["ref_fwd_per_gen"]) == 0
     assert int(rows["trl"]["ref_fwd_per_gen"]) == 1
     assert int(rows["exact"]["ref_fwd_per_gen"]) == int(rows["trl"]["ref_fwd_per_gen"])
-    assert int(rows["exact"]["ref_rows"]) == int(rows["trl"]["ref_rows"]) >= 1
+    assert int(rows["exact"]["ref_per_completion"]) == int(rows["trl"]["ref_per_completion"]) == 1
     assert int(rows["exact"]["policy_fwd"]) == int(rows["trl"]["policy_fwd"]) >= 1
     assert float(rows["trl"]["step_x_trl"]) == 1.0

@@ -53,8 +53,8 @@ Medians over rounds; ``x trl``: each column's median over the ``trl`` row's. Pea
 ``VmHWM`` (``/proc/self/status``; ``ru_maxrss`` where that is missing) of a fresh subprocess
 per variant (``--child``) that builds the same trainer
 and runs the warm-up round and one round (``--no-rss`` skips them). Writes
-``benchmarks/results/bench_trl_step.{csv,md}`` (``_iterations2`` appended with
-``--iterations2``).
+``benchmarks/results/bench_trl_step.{csv,md}`` (``_layers<n>`` appended with ``--layers`` other
+than 2, ``_iterations2`` with ``--iterations2``).
 """
 
 from __future__ import annotations
@@ -534,7 +534,8 @@ def parse(argv=None):
     p.add_argument("--verbose", action="store_true", help="print every round")
     p.add_argument("--out", default=None,
                    help="output path without extension (default benchmarks/results/"
-                        "bench_trl_step, _iterations2 appended with --iterations2)")
+                        "bench_trl_step, _layers<n> appended with --layers other than 2, _iterations2 with "
+                        "--iterations2)")
     p.add_argument("--child", choices=list(KNOWN), help=argparse.SUPPRESS)
     p.add_argument("--ref-dir", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -545,7 +546,8 @@ def parse(argv=None):
             if k not in given:
                 setattr(args, k, v)
     if args.out is None:
-        name = "bench_trl_step" + ("_iterations2" if args.iterations2 else "")
+        name = ("bench_trl_step" + (f"_layers{args.layers}" if args.layers != 2 else "")
+                + ("_iterations2" if args.iterations2 else ""))
         args.out = os.path.join(HERE, "results", name)
     return args
 

@@ -612,7 +612,8 @@ def main(argv=None) -> int:
             f"{args.rounds} interleaved rounds after 1 warm-up, (ratio to `trl`). loadavg "
             f"(1/5/15 min) {meta['loadavg_start']} at the start, {meta['loadavg_end_timed']} "
             f"after the timed rounds, {meta['loadavg_end']} at the end; {t_timed:.0f} s "
-            f"timed part, {wall:.0f} s in all. Peak RSS: one fresh process per variant.\n\n"
+            f"timed part, {wall:.0f} s in all. Peak RSS: "
+            f"{'not measured (--no-rss)' if args.no_rss else 'one fresh process per variant'}.\n\n"
         )
         f.write(table(rows))
     print(table(rows))

@@ -25,6 +25,8 @@ The modules, by concern:
 
 from __future__ import annotations
 
+# the public functions, and re-exported for klpenalty.linear.<name>: the chunk plan's constants
+# and default_chunk_rows, the adapter protocol, PLAN_RTOL, REDUCTIONS
 from ._heads import (
     ACCEL_CHUNK_MULTIPLE,
     ACCEL_MAX_CHUNK_ROWS,

@@ -32,7 +32,9 @@ from klpenalty import (
     token_logprobs,
 )
 from klpenalty import linear
+from klpenalty.linear import _heads as heads
 from klpenalty.linear import default_chunk_rows
+from klpenalty.linear import kl as kl_module
 from klpenalty.ops.reference import (
     entropy_reference,
     full_kl_reference,
@@ -249,8 +251,6 @@ def test_gradient_from_each_output_alone(output):
 def test_reference_logits_are_recomputed_only_when_a_gradient_needs_them(monkeypatch, kl_in_loss):
     """A frozen reference and no KL gradient (the KL detached into the reward, log-probs in the
     loss): the backward multiplies the policy's head only; with the KL in the loss, both."""
-    import klpenalty.linear as lin
-
     leading = (7,)
     t = make_heads(leading, dtype=torch.float64, seed=8)
     for k in ("hp", "wp", "bp"):
@@ -258,8 +258,8 @@ def test_reference_logits_are_recomputed_only_when_a_gradient_needs_them(monkeyp
     tokens = make_tokens(leading, 37, seed=2)
     got = call(t, tokens=tokens, entropy=True, temperature=0.9, chunk_rows=3)
     calls = []
-    original = lin._logits
-    monkeypatch.setattr(lin, "_logits", lambda h, w, *a: calls.append(w) or original(h, w, *a))
+    original = kl_module._logits
+    monkeypatch.setattr(kl_module, "_logits", lambda h, w, *a: calls.append(w) or original(h, w, *a))
     loss = got.logprobs.sum() - 0.1 * got.entropy.sum() + (got.kl.sum() if kl_in_loss else 0)
     grads = torch.autograd.grad(loss, [t["hp"], t["wp"], t["bp"]])
     ref_calls = sum(w is t["wr"] for w in calls)
@@ -335,11 +335,11 @@ def test_chunk_size_invariance(monkeypatch):
         u = {k: x.detach().clone().requires_grad_() for k, x in t.items()}
         with monkeypatch.context() as m:
             if chunk == "plan":
-                m.setattr(linear, "CPU_MIN_CHUNK_BYTES", 3 * 37 * 4 * 5)  # R = 5 rows
-                m.setattr(linear, "CPU_MIN_CHUNK_ROWS", 1)
-                m.setattr(linear, "CPU_CHUNK_MULTIPLE", 1)
-                m.setattr(linear, "CHUNK_BUDGET_HEADS", 0.0)
-                m.setattr(linear, "_LinearKL", counting_chunks(-(-int(mask.sum()) // 5)))
+                m.setattr(heads, "CPU_MIN_CHUNK_BYTES", 3 * 37 * 4 * 5)  # R = 5 rows
+                m.setattr(heads, "CPU_MIN_CHUNK_ROWS", 1)
+                m.setattr(heads, "CPU_CHUNK_MULTIPLE", 1)
+                m.setattr(heads, "CHUNK_BUDGET_HEADS", 0.0)
+                m.setattr(kl_module, "_LinearKL", counting_chunks(-(-int(mask.sum()) // 5)))
                 chunk = None
             got = call(u, tokens=tokens, mask=mask, entropy=True, softcap=5.0, chunk_rows=chunk)
             grads = upstream(got, seed=12)
@@ -356,13 +356,13 @@ def test_chunk_size_invariance(monkeypatch):
 def counting_chunks(expected_chunks):
     """A _LinearKL whose forward checks that the plan it got makes ``expected_chunks`` chunks
     of the counted rows (the mask's), of sizes that differ by at most one row."""
-    base = linear._LinearKL
+    base = kl_module._LinearKL
 
     class Counting(base):
         @staticmethod
         def forward(ctx, hp, wp, bp, hr, wr, br, tokens, rows, opts):
             m = hp.shape[0] if rows is None else rows.shape[0]
-            sizes = _chunks(m, opts[6])
+            sizes = _chunks(m, opts.chunk)
             assert len(sizes) == expected_chunks and max(sizes) - min(sizes) <= 1, sizes
             return base.forward(ctx, hp, wp, bp, hr, wr, br, tokens, rows, opts)
 
@@ -376,7 +376,7 @@ def _chunks(n, rows):
 
 def test_default_chunk_rows_values(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(linear, "_host_memory", lambda: 64 << 30)
+    monkeypatch.setattr(heads, "_host_memory", lambda: 64 << 30)
     big = 1 << 20
     # one head's bytes of three (R, V) float32 buffers: R ≈ H/3 rows whatever V, a multiple
     # of 16; bf16 heads: half
@@ -391,12 +391,12 @@ def test_default_chunk_rows_values(monkeypatch):
     assert default_chunk_rows(4096, 32000, cpu, 64) == 128
     assert default_chunk_rows(4096, 1 << 24, cpu) == 16
     # the cap: 1/8 of the physical memory (here 1 GiB -> 128 MiB)
-    monkeypatch.setattr(linear, "_host_memory", lambda: 1 << 30)
+    monkeypatch.setattr(heads, "_host_memory", lambda: 1 << 30)
     assert default_chunk_rows(big, 151936, cpu, 4096) == (128 << 20) // (3 * 151936 * 4) // 16 * 16
     # an explicit budget replaces the rule's (no floor, no cap)
     assert default_chunk_rows(big, 32000, cpu, 512, budget=3 * 32000 * 4 * 100) == 96
     # clipped to N, balanced chunks: 300 rows at R = 288 are two chunks of 150 -> 160 rows
-    monkeypatch.setattr(linear, "_host_memory", lambda: 64 << 30)
+    monkeypatch.setattr(heads, "_host_memory", lambda: 64 << 30)
     assert default_chunk_rows(300, 151936, cpu, 896) == 160
     assert default_chunk_rows(288, 151936, cpu, 896) == 288
     assert default_chunk_rows(10, 32000, cpu, 896) == 10 and default_chunk_rows(0, 5, cpu) == 1
@@ -407,7 +407,7 @@ def test_default_chunk_rows_properties(monkeypatch, device):
     """Multiples, the budget bound, balanced chunks and the clip to N, over a grid of shapes."""
     dev = torch.device(device)
     memory = 8 << 30
-    monkeypatch.setattr(linear, "_physical_memory", lambda d: memory)
+    monkeypatch.setattr(heads, "_physical_memory", lambda d: memory)
     cpu = device == "cpu"
     multiple = 16 if cpu else 128
     low, high = (16, None) if cpu else (1024, 2048)
@@ -464,7 +464,7 @@ def test_default_plan_reads_both_heads(monkeypatch):
         seen.append((n, vocab, hidden, dtype))
         return real(n, vocab, device, hidden, dtype, budget)
 
-    monkeypatch.setattr(linear, "default_chunk_rows", spy)
+    monkeypatch.setattr(heads, "default_chunk_rows", spy)
     t = make_heads((2, 3), h_p=12, h_r=9, dtype=torch.float32)
     call(t)
     t64 = dict(t, wr=t["wr"].double(), hr=t["hr"].double(), br=t["br"].double())
@@ -813,8 +813,6 @@ def test_expected_grads_form_the_gradient_in_the_forward(monkeypatch, backend):
     """With the plan of the loss's upstream gradients, the backward multiplies no head (the
     gradients were formed in the forward: 2 GEMMs per chunk in all) and the gradients equal
     the recomputing path's; the rows are visited from the last chunk to the first."""
-    import klpenalty.linear as lin
-
     leading = (4, 6)
     t = make_heads(leading, dtype=torch.float32, seed=11)
     for k in ("hp", "wp", "bp"):
@@ -830,8 +828,8 @@ def test_expected_grads_form_the_gradient_in_the_forward(monkeypatch, backend):
     want = torch.autograd.grad(loss(plain), [t["hp"], t["wp"], t["bp"]])
 
     calls = []
-    original = lin._logits
-    monkeypatch.setattr(lin, "_logits", lambda h, w, *a: calls.append(w) or original(h, w, *a))
+    original = kl_module._logits
+    monkeypatch.setattr(kl_module, "_logits", lambda h, w, *a: calls.append(w) or original(h, w, *a))
     plan, loss, order = _sequence_loss_plan(coef_kl, coef_lp, 6)
     got = call(t, expected_grads=plan, **opts)
     forward_calls = len(calls)
@@ -849,8 +847,6 @@ def test_expected_grads_form_the_gradient_in_the_forward(monkeypatch, backend):
 def test_expected_grads_that_do_not_arrive_are_recomputed(monkeypatch):
     """A plan that differs from the gradients the backward receives (another loss) is not
     used: the backward recomputes, and the gradient is the received loss's."""
-    import klpenalty.linear as lin
-
     leading = (3, 5)
     t = make_heads(leading, dtype=torch.float32, seed=12)
     for k in ("hp", "wp"):
@@ -867,8 +863,8 @@ def test_expected_grads_that_do_not_arrive_are_recomputed(monkeypatch):
         return grads
 
     calls = []
-    original = lin._logits
-    monkeypatch.setattr(lin, "_logits", lambda h, w, *a: calls.append(w) or original(h, w, *a))
+    original = kl_module._logits
+    monkeypatch.setattr(kl_module, "_logits", lambda h, w, *a: calls.append(w) or original(h, w, *a))
     got = call(t, expected_grads=plan, **opts)
     grads = torch.autograd.grad((coef * got.kl.reshape(-1)).sum(), [t["hp"], t["wp"]])
     assert len(calls) == 2 * 4 + 2 * 4  # the forward's, then the recomputing backward's

@@ -191,14 +191,14 @@ def test_on_policy_and_kl_only_against_linear_kl():
 
 def test_gradient_formed_in_the_forward_no_recompute(monkeypatch):
     """Two LM-head matmuls per chunk in the forward (both models), none in the backward."""
-    import klpenalty.linear as lin
+    from klpenalty.linear import policy_loss
 
     t, batch = make_batch(torch.float32, seed=11)
     for k in POLICY:
         t[k].requires_grad_()
     calls = []
-    original = lin._logits
-    monkeypatch.setattr(lin, "_logits", lambda h, w, *a: calls.append(w) or original(h, w, *a))
+    original = policy_loss._logits
+    monkeypatch.setattr(policy_loss, "_logits", lambda h, w, *a: calls.append(w) or original(h, w, *a))
     out = fused(t, batch, beta=0.1, chunk_rows=2)
     counted = int((batch["mask"] & (batch["tokens"] != -100)).sum())
     assert len(calls) == 2 * -(-counted // 2)

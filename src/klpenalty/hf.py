@@ -612,6 +612,40 @@ def causal_lm_logprobs(
     )[2]
 
 
+class _Batch(NamedTuple):
+    """A validated (B, T) batch (:func:`_batch`)."""
+
+    counted: torch.Tensor  # (B, T - 1) bool, the scored positions
+    tokens: torch.Tensor  # (B, T - 1), the tokens scored (input_ids or labels, shifted)
+    kwargs: dict  # the models' forward arguments
+    temperature: float
+
+
+def _batch(input_ids, attention_mask, labels, response_mask, position_ids, temperature, entropy,
+           backend, vocab, support, top_k, top_p, min_p, check) -> _Batch:
+    """The batch arguments of :func:`causal_lm_kl` and the no-grad passes, checked before any
+    model runs: the (B, T) tensors (:func:`_scored`), the position ids (``generate``'s from the
+    attention mask where not given), temperature, ``entropy``, the backend, and with the LM
+    head's vocabulary ``vocab`` (None: unknown) the support and the scored tokens' range."""
+    counted, real = _scored(input_ids, attention_mask, labels, response_mask, position_ids)
+    B, T = input_ids.shape
+    if position_ids is None and real is not None:
+        position_ids = generate_position_ids(real)
+    temperature = v.check_temperature(temperature)
+    if not isinstance(entropy, bool):
+        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
+    get_backend(backend, input_ids.device)  # an unknown backend fails before the models run
+    tokens = (input_ids if labels is None else labels)[:, 1:]  # (B, T - 1)
+    if vocab is not None:
+        parse_support(support, top_k, top_p, min_p, (B, T - 1, vocab), input_ids.device)
+        if check:  # names the caller's argument (linear_kl's check would say "tokens")
+            name, ids = ("input_ids", input_ids) if labels is None else ("labels", labels)
+            _check_scored_range(name, ids, counted, vocab)
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False)
+    return _Batch(counted, tokens, kwargs, temperature)
+
+
 def _no_grad_pass(name, model, input_ids, attention_mask, labels, response_mask, position_ids,
                   temperature, disable_adapters, chunk_rows, backend, check, entropy=False,
                   support=None, top_k=None, top_p=None, min_p=None, return_support=False):
@@ -625,27 +659,14 @@ def _no_grad_pass(name, model, input_ids, attention_mask, labels, response_mask,
             "disable_adapters=True needs a PeftModel, got "
             f"{type(model).__name__} ({type(parts.lm).__name__} inside)"
         )
-    if not isinstance(entropy, bool):
-        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
-    counted, real = _scored(input_ids, attention_mask, labels, response_mask, position_ids)
-    B, T = input_ids.shape
-    if position_ids is None and real is not None:
-        position_ids = generate_position_ids(real)
-    temperature = v.check_temperature(temperature)
-    get_backend(backend, input_ids.device)
-    tokens = (input_ids if labels is None else labels)[:, 1:]  # (B, T - 1)
-    if parts.vocab is not None:
-        parse_support(support, top_k, top_p, min_p, (B, T - 1, parts.vocab), input_ids.device)
-        if check:
-            arg, ids = ("input_ids", input_ids) if labels is None else ("labels", labels)
-            _check_scored_range(arg, ids, counted, parts.vocab)
-    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False)
-    head = _reference_head(parts, name, kwargs, (B, T), disable_adapters, frozen=True)
+    batch = _batch(input_ids, attention_mask, labels, response_mask, position_ids, temperature,
+                   entropy, backend, parts.vocab, support, top_k, top_p, min_p, check)
+    head = _reference_head(parts, name, batch.kwargs, tuple(input_ids.shape), disable_adapters,
+                           frozen=True)
     stats = linear_logprobs(
-        head.hidden[:, :-1], head.weight, tokens.masked_fill(~counted, IGNORE_INDEX),
-        bias=head.bias, logit_scale=parts.scale, softcap=parts.softcap, mask=counted,
-        temperature=temperature, entropy=entropy, support=support, top_k=top_k, top_p=top_p,
+        head.hidden[:, :-1], head.weight, batch.tokens.masked_fill(~batch.counted, IGNORE_INDEX),
+        bias=head.bias, logit_scale=parts.scale, softcap=parts.softcap, mask=batch.counted,
+        temperature=batch.temperature, entropy=entropy, support=support, top_k=top_k, top_p=top_p,
         min_p=min_p, chunk_rows=chunk_rows, backend=backend, check=check,
         return_support=return_support,
     )
@@ -792,17 +813,38 @@ def causal_lm_kl(
             position, a sampled token outside the support.
     """
     policy = _model_parts("policy_model", policy_model)
-    disabled = ref_model is None
+    ref, states = _check_pair(policy, ref_model, input_ids)
+    batch = _batch(input_ids, attention_mask, labels, response_mask, position_ids, temperature,
+                   entropy, backend, policy.vocab, support, top_k, top_p, min_p, check)
+    if states is not None:
+        refh = _RefHead(states.hidden, states.weight, states.bias)
+    else:
+        name = "ref_model" if ref_model is not None else "policy_model (adapters disabled)"
+        refh = _reference_head(ref, name, batch.kwargs, tuple(input_ids.shape),
+                               ref_model is None)
+    return _policy_head(
+        policy, ref, refh, batch, entropy=entropy, support=support, top_k=top_k, top_p=top_p,
+        min_p=min_p, chunk_rows=chunk_rows, backend=backend, check=check,
+        expected_grads=expected_grads,
+    )
+
+
+def _check_pair(policy: _Parts, ref_model,
+                input_ids) -> tuple[_Parts, Optional[ReferenceStates]]:
+    """The reference's parts for :func:`causal_lm_kl` (``ref_model``: a model, None = the
+    policy with its adapters disabled, or :class:`ReferenceStates` of the batch ``input_ids``,
+    returned too), checked against the policy's: the same vocabulary, no soft-cap on the
+    policy alone."""
     states = ref_model if isinstance(ref_model, ReferenceStates) else None
     if states is not None:
         _check_states(states, tuple(input_ids.shape), input_ids.device)
         ref = policy._replace(vocab=states.weight.shape[0], scale=states.scale,
                               softcap=states.softcap, model_type="ReferenceStates")
-    elif disabled:
+    elif ref_model is None:
         if policy.peft is None:
             raise ValueError(
                 "ref_model=None means the policy with its adapters disabled, which needs a "
-                f"PeftModel policy; policy_model is {type(policy_model).__name__}"
+                f"PeftModel policy; policy_model is {type(policy.outer).__name__}"
                 f" ({type(policy.lm).__name__} inside): pass the reference model"
             )
         ref = policy
@@ -820,87 +862,66 @@ def causal_lm_kl(
             f"({ref.model_type}) does not: linear_kl cannot yet leave the reference uncapped "
             "while capping the policy"
         )
+    return ref, states
 
-    counted, real = _scored(input_ids, attention_mask, labels, response_mask, position_ids)
-    B, T = input_ids.shape
-    if position_ids is None and real is not None:
-        position_ids = generate_position_ids(real)
-    temperature = v.check_temperature(temperature)
-    if not isinstance(entropy, bool):
-        raise TypeError(f"entropy must be a bool, got {type(entropy).__name__}")
-    get_backend(backend, input_ids.device)  # an unknown backend fails before the models run
-    tokens = (input_ids if labels is None else labels)[:, 1:]  # (B, T - 1)
-    vocab = policy.vocab
-    if vocab is not None:
-        parse_support(support, top_k, top_p, min_p, (B, T - 1, vocab), input_ids.device)
-        if check:  # names the caller's argument (linear_kl's check would say "tokens")
-            name, ids = ("input_ids", input_ids) if labels is None else ("labels", labels)
-            _check_scored_range(name, ids, counted, vocab)
 
-    kwargs = dict(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-        use_cache=False,
-    )
-    if states is not None:
-        refh = _RefHead(states.hidden, states.weight, states.bias)
-    else:
-        refh = _reference_head(ref, "ref_model" if not disabled else "policy_model (adapters "
-                               "disabled)", kwargs, (B, T), disabled)
+def _policy_head(policy: _Parts, ref: _Parts, refh: _RefHead, batch: _Batch,
+                 **options) -> TokenStats:
+    """Run the policy through its own (wrapped) forward with its LM head replaced by
+    :func:`klpenalty.linear.linear_kl` on what the head receives and the reference's captured
+    head ``refh``, its per-token columns (B, T - 1, OUT_COLS) returned as the head's output
+    (so the wrappers' hooks see them); ``options`` are linear_kl's (entropy, support, ...,
+    expected_grads). Mirrors :func:`_reference_head`."""
+    shape = tuple(batch.kwargs["input_ids"].shape)  # (B, T)
     if refh.weight.shape[0] != policy.vocab and policy.vocab is not None:
         raise ValueError(
             "policy_model and ref_model must have the same vocabulary size V: policy_model "
             f"LM head out_features={policy.vocab}, ref_model LM head {v.describe(refh.weight)}"
         )
     made: list[torch.Tensor] = []
+    computed: list[bool] = []  # per column: computed (else None in the result)
 
     def forward_of(module):
         def fused(hidden, *args, **kw):
             if made:
                 raise RuntimeError("policy_model's forward called its LM head more than once")
             weight, bias = _head_weight(module)
-            _check_head_input("policy_model", hidden, (B, T), weight)
+            _check_head_input("policy_model", hidden, shape, weight)
             stats = linear_kl(
                 hidden[:, :-1],  # (B, T - 1, H_p): position t predicts token t + 1
                 weight,
                 refh.hidden[:, :-1],  # (B, T - 1, H_r)
                 refh.weight,
-                tokens=tokens,
-                mask=counted,  # rows not counted never reach the heads
-                temperature=temperature,
+                tokens=batch.tokens,
+                mask=batch.counted,  # rows not counted never reach the heads
+                temperature=batch.temperature,
                 policy_bias=bias,
                 ref_bias=refh.bias,
                 logit_scale=policy.scale,
                 softcap=policy.softcap,
                 ref_logit_scale=ref.scale,
                 ref_softcap=ref.softcap,
-                entropy=entropy,
-                support=support,
-                top_k=top_k,
-                top_p=top_p,
-                min_p=min_p,
                 ignore_index=IGNORE_INDEX,
-                chunk_rows=chunk_rows,
-                backend=backend,
-                check=check,
-                expected_grads=expected_grads,
+                **options,
             )
-            ent = stats.entropy if entropy else torch.zeros_like(stats.kl)
-            made.append(torch.stack([stats.kl, stats.logprobs, stats.ref_logprobs, ent], -1))
-            return made[0]  # (B, T - 1, 4): the head's output, through the model's forward
+            computed.extend(f is not None for f in stats)
+            zero = torch.zeros_like(stats.kl)
+            made.append(torch.stack([zero if f is None else f for f in stats], -1))
+            return made[0]  # (B, T - 1, OUT_COLS): the head's output, through the model's forward
 
         return fused
 
     with _head_forward(policy, forward_of):
-        out = policy.outer(**kwargs)
+        out = policy.outer(**batch.kwargs)
     if not made:
         raise RuntimeError("policy_model's forward did not call its LM head")
     packed = out.logits if hasattr(out, "logits") else out[0]
     if not (isinstance(packed, torch.Tensor) and packed.shape == made[0].shape
             and torch.equal(packed.detach(), made[0].detach())):
         raise RuntimeError(
-            f"policy_model's forward ({type(policy_model).__name__}) changed its LM head's "
+            f"policy_model's forward ({type(policy.outer).__name__}) changed its LM head's "
             "output before returning it (a logit transform klpenalty.hf does not switch off "
             f"for model_type {policy.model_type!r})"
         )
-    kl, lp, rlp, ent = (packed[..., k].contiguous() for k in range(4))
-    return TokenStats(kl, lp, rlp, ent if entropy else None)
+    return TokenStats(*(packed[..., col].contiguous() if on else None
+                        for col, on in enumerate(computed)))

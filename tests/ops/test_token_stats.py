@@ -197,9 +197,11 @@ def test_accelerator_linear_kl_chunks_never_sync_without_checks(monkeypatch):
     the backward, whatever the number of chunks (three here, each a forward and a backward op
     call: no tensor built from host data per chunk)."""
     from klpenalty import linear
+    from klpenalty.linear import chunks, kl
 
     monkeypatch.setattr(streaming, "_host_checks", lambda device: False)
-    monkeypatch.setattr(linear, "_host_checks", lambda device: False)
+    monkeypatch.setattr(chunks, "host_checks", lambda device: False)
+    monkeypatch.setattr(kl, "host_checks", lambda device: False)
     gen = torch.Generator().manual_seed(5)
     hp, hr = torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)
     wp, wr = torch.randn(40, 8, generator=gen), torch.randn(40, 8, generator=gen)

@@ -23,7 +23,8 @@ from torch.autograd.function import once_differentiable
 
 from .. import _validation as v
 from ..functional import TokenStats
-from ..linear import IGNORE, LocalChunks, _chunk_backward, _linear_kl, _want
+from ..linear.chunks import IGNORE, NO_SAMPLER, ChunkAdapter, chunk_backward
+from ..linear.kl import run_linear_kl
 from ..ops import contract, engine
 from ..ops.dispatch import get_backend as _op_backend  # the op backend (not c10d's)
 from ..ops.contract import Want
@@ -41,6 +42,9 @@ __all__ = [
 
 # the local ignore value handed to the backend ops (never a column index)
 _IGNORED = -1
+
+# the fields of engine.StatsState merged by MAX (every other field is a sum)
+_MAXIMA = ("m_x", "m_y")
 
 
 class _RankReduce(RowReduce):
@@ -150,11 +154,13 @@ def _raise_if_nan(out, want: int, sums: dict[str, torch.Tensor], caller: str) ->
 
 
 def _merged_stats(x, y, tokens, owned, mask, keep, tau, opts):
-    """The whole vocabulary's out (N, 4) and stats (N, k) from this rank's (N, V_r) slices.
+    """The whole vocabulary's out (N, OUT_COLS) and stats (N, k) from this rank's (N, V_r)
+    slices.
 
     The backend's state op on the slice, an all-reduce MAX of the maxima, an all-reduce SUM of
-    the rescaled states and the owned token terms, the engine's finalize (the module
-    docstring). ``opts`` as :class:`_VocabParallelTokenStats`'s. Returns (out, stats, has_y).
+    the rescaled states' sums and of the owned tokens' logits, the engine's finalize and the
+    contract's columns (:func:`.contract.finish_columns`; the module docstring). ``opts`` as
+    :class:`_VocabParallelTokenStats`'s. Returns (out, stats, has_y).
     """
     temperature, want, backend, group, check, caller, names = opts
     has_y = y is not None and bool(want & (Want.KL | Want.REF_LOGP))
@@ -165,54 +171,36 @@ def _merged_stats(x, y, tokens, owned, mask, keep, tau, opts):
     _all_reduce(maxes, dist.ReduceOp.MAX, group)  # (N, 1 or 2)
     m_x, m_y = maxes[:, 0], (maxes[:, 1] if has_y else None)
     mine = engine.stats_rescale(local, m_x, m_y, temperature)
-    cols = [f for f in (mine.s_x, mine.s_y, mine.a, mine.b) if f is not None]
-    logp, ref_logp = bool(want & Want.LOGP), bool(want & Want.REF_LOGP)
-    tok = ignored = None
-    if logp or ref_logp:  # the token's tempered logit against the global max, on its owner
+    # the sums of the state (every field but the maxima), then the token's logit on its owner
+    summed = [k for k, f in mine._asdict().items() if f is not None and k not in _MAXIMA]
+    logits_t, ignored = {}, None
+    if tokens is not None and want & (Want.LOGP | Want.REF_LOGP):
         tok, ignored = contract.safe_tokens(tokens, _IGNORED)
-        zero = m_x.new_zeros(())
-        if logp:
-            x_t = contract.token_logits(x, tok, keep, tau, m_x.dtype)
-            cols.append(torch.where(owned, (x_t - engine.finite_or_zero(m_x)) / temperature,
-                                    zero))
-        if ref_logp:
-            y_t = y.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(m_x.dtype)
-            cols.append(torch.where(owned, (y_t - engine.finite_or_zero(m_y)) / temperature,
-                                    zero))
-    sums = torch.stack(cols, -1)  # (N, k)
+        if want & Want.LOGP:
+            logits_t[Want.LOGP] = contract.token_logits(x, tok, keep, tau, m_x.dtype)
+        if want & Want.REF_LOGP:
+            logits_t[Want.REF_LOGP] = y.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(m_x.dtype)
+    zero = m_x.new_zeros(())
+    sums = torch.stack([getattr(mine, k) for k in summed]
+                       + [torch.where(owned, t, zero) for t in logits_t.values()], -1)  # (N, k)
     _all_reduce(sums, dist.ReduceOp.SUM, group)
-    it = iter(sums.unbind(-1))
-    s_x = next(it)
-    s_y = next(it) if has_y else None
-    a = next(it) if mine.a is not None else None
-    b = next(it) if mine.b is not None else None
-    merged = engine.StatsState(m_x, s_x, b, m_y, s_y, a)
+    parts = sums.unbind(-1)
+    merged = mine._replace(**dict(zip(summed, parts)))
+    logits_t = dict(zip(logits_t, parts[len(summed):]))
     kl, h, stats = engine.stats_finalize(merged, careful)
-    stats[:, contract.ST_TAU] = -math.inf if tau is None else tau.reshape(-1)
-    out = stats.new_zeros(stats.shape[0], contract.OUT_COLS)
-    if kl is not None:
-        out[:, contract.OUT_KL] = kl
-    if h is not None:
-        out[:, contract.OUT_ENTROPY] = h
-    for flag, col, st_col, s in (
-        (logp, contract.OUT_LOGP, contract.ST_LOGP, s_x),
-        (ref_logp, contract.OUT_REF_LOGP, contract.ST_REF_LOGP, s_y),
-    ):
-        if flag:
-            lp = (next(it) - torch.log(s)).masked_fill(s == 0, math.nan)
-            out[:, col] = stats[:, st_col] = lp.masked_fill(ignored, 0.0)
-    if mask is not None:
-        out.masked_fill_(~mask.unsqueeze(-1), 0.0)
+    out = contract.finish_columns(merged, kl, h, stats, logits_t, ignored, temperature,
+                                  None if tau is None else tau.reshape(-1), mask)
     if check:
-        named = {names[0].removesuffix("_shard"): s_x}
+        named = {names[0].removesuffix("_shard"): merged.s_x}
         if has_y:
-            named[names[1].removesuffix("_shard")] = s_y
+            named[names[1].removesuffix("_shard")] = merged.s_y
         _raise_if_nan(out, want, named, caller)
     return out, stats, has_y
 
 
 class _VocabParallelTokenStats(torch.autograd.Function):
-    """out (N, 4) of the whole vocabulary from (N, V_r) slices; see the module docstring."""
+    """out (N, OUT_COLS) of the whole vocabulary from (N, V_r) slices; see the module
+    docstring."""
 
     @staticmethod
     def forward(ctx, x, y, tokens, owned, mask, keep, tau, opts):
@@ -225,7 +213,7 @@ class _VocabParallelTokenStats(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out, _grad_stats):  # grad_out: (N, 4)
+    def backward(ctx, grad_out, _grad_stats):  # grad_out: (N, OUT_COLS)
         x, y, tokens, owned, stats, mask, keep, tau = ctx.saved_tensors
         temperature, want, backend, *_ = ctx.opts
         need_x = ctx.needs_input_grad[0]
@@ -256,7 +244,8 @@ def _token_stats(
     backend: str,
     check: bool,
 ) -> torch.Tensor:
-    """The one validation, configuration check and call of the public functions: (..., 4)."""
+    """The one validation, configuration check and call of the public functions:
+    (..., OUT_COLS)."""
     world, _ = _group_info(group, caller)
     names = ("policy_logits_shard", "ref_logits_shard") if y_shard is not None else (
         "logits_shard", "")
@@ -522,7 +511,7 @@ def vocab_parallel_token_stats(
     Equal to :func:`klpenalty.token_stats` on the gathered logits, on every rank: the KL with
     ``ref_logits_shard``, the log-probs with ``tokens`` (the reference's with both), the
     entropy with ``entropy=True``. Communication per call: an all-reduce MAX of the maxima
-    (N, 1 or 2), then one all-reduce SUM of (s_x[, s_y][, a][, b][, x_t][, y_t]) (N, k): 20
+    (N, 1 or 2), then one all-reduce SUM of (s_x[, b][, s_y][, a][, x_t][, y_t]) (N, k): 20
     bytes per position for the KL, 4 more for each of the entropy, the log-prob and the
     reference log-prob (float32 math). Arguments as :func:`vocab_parallel_full_kl` and
     :func:`vocab_parallel_token_logprobs` (``vocab_start`` is required with tokens).
@@ -562,15 +551,15 @@ for _fn in (vocab_parallel_full_kl, vocab_parallel_token_logprobs):
     )
 
 
-class _VocabParallelChunks(LocalChunks):
-    """The chunk adapter of :func:`klpenalty.linear.linear_kl`'s chunked Function for a
-    vocabulary slice: the chunk's (R, V_r) logits go through :func:`_merged_stats` (state op,
-    all-reduce merge, finalize), the backward through the backend's backward op with the
-    global stats and ``owned``; the hidden states' gradient is all-reduced (SUM)."""
+class _VocabParallelChunks(ChunkAdapter):
+    """The :class:`klpenalty.linear.chunks.ChunkAdapter` of a vocabulary slice, for
+    :func:`klpenalty.linear.linear_kl`'s chunked Function: the chunk's (R, V_r) logits go
+    through :func:`_merged_stats` (state op, all-reduce merge, finalize), the backward through
+    the backend's backward op with the global stats and ``owned``; the hidden states' gradient
+    is all-reduced (SUM)."""
 
     def __init__(self, impl, group, vocab_start: int, width: int):
-        super().__init__(impl)
-        self.group, self.vocab_start, self.width = group, vocab_start, width
+        self.impl, self.group, self.vocab_start, self.width = impl, group, vocab_start, width
 
     def _local(self, tokens):
         """Global ids (R,) (or ``IGNORE``) → (local ids with :data:`_IGNORED`, owned (R,))."""
@@ -581,19 +570,19 @@ class _VocabParallelChunks(LocalChunks):
         owned = (local >= 0) & (local < self.width) & ~ignored
         return torch.where(owned, local, torch.where(ignored, _IGNORED, 0)), owned
 
-    def forward(self, zp, zr, tokens, temperature, want_entropy, keep=None, tau=None,
-                sampler=None):
+    def forward(self, zp, zr, tokens, temperature, want, keep=None, tau=None,
+                sampler=NO_SAMPLER):
         # keep, tau, sampler: always unused (vocab_parallel_linear_kl takes no support)
         tok, owned = self._local(tokens)
-        opts = (temperature, _want(tokens, want_entropy), self.impl, self.group, False, "", ())
+        opts = (temperature, int(want), self.impl, self.group, False, "", ())
         out, stats, _ = _merged_stats(zp, zr, tok, owned, None, None, None, opts)
         return out, stats
 
     def backward(self, grad_out, zp, zr, tokens, stats, temperature, need_p, need_r,
                  keep=None, tau=None):
         tok, owned = self._local(tokens)
-        return _chunk_backward(grad_out, zp, zr, tok, None, stats, temperature, need_p, need_r,
-                               self.impl, owned=owned, ignore=_IGNORED)
+        return chunk_backward(grad_out, zp, zr, tok, None, stats, temperature, need_p, need_r,
+                              self.impl, owned=owned, ignore=_IGNORED)
 
     def hidden_grad(self, grad):
         _all_reduce(grad, dist.ReduceOp.SUM, self.group)
@@ -700,7 +689,7 @@ def vocab_parallel_linear_kl(
                 )
         return _VocabParallelChunks(impl, group, start, width), at
 
-    return _linear_kl(
+    return run_linear_kl(
         policy_hidden, policy_weight_shard, ref_hidden, ref_weight_shard, tokens=tokens,
         mask=mask, temperature=temperature, policy_bias=None, ref_bias=None, logit_scale=1.0,
         softcap=None, ref_logit_scale=None, ref_softcap=None, entropy=entropy,

@@ -57,6 +57,7 @@ __all__ = [
     "kept_logits",
     "token_upstream",
     "finish",
+    "finish_columns",
     "check_finished",
     "outside_support_error",
     "sampler_cuts",
@@ -267,33 +268,58 @@ def finish(
         state: the merged :class:`.engine.StatsState` (N,); kl, h, stats: its finalize.
     """
     leading, vocab = x.shape[:-1], x.shape[-1]
-    n = xf.shape[0]
-    out = stats.new_zeros(n, OUT_COLS)
+    range_bad = ignored = None
+    logits_t = {}
+    if tokens is not None and want & (Want.LOGP | Want.REF_LOGP):
+        tok, ignored = safe_tokens(tokens.reshape(-1), ignore_index)  # (N,)
+        if check:  # gather safely; the range error is raised below, with the other checks
+            range_bad = (tok < 0) | (tok >= vocab)
+            tok = tok.masked_fill(range_bad, 0)
+        if want & Want.LOGP:
+            logits_t[Want.LOGP] = token_logits(xf, tok, keep_rows, tau_rows, stats.dtype)
+        if want & Want.REF_LOGP:
+            y_t = yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+            logits_t[Want.REF_LOGP] = y_t.to(stats.dtype)
+    out = finish_columns(state, kl, h, stats, logits_t, ignored, temperature, tau_rows, mask)
+    if check:  # one host read for all the checks
+        check_finished(out, x, y, tokens, keep, tau, want, ignore_index, range_bad)
+    return out.reshape(*leading, OUT_COLS), stats.reshape(*leading, STATS_COLS)
+
+
+def finish_columns(
+    state,
+    kl: Tensor | None,
+    h: Tensor | None,
+    stats: Tensor,
+    logits_t: dict,
+    ignored: Tensor | None,
+    temperature: float,
+    tau_rows: Tensor | None,
+    mask: Tensor | None,
+) -> Tensor:
+    """out (N, 4) of a merged row state (:class:`.engine.StatsState`) and its finalize
+    (``kl``, ``h``, ``stats`` (N, 10)), shared by :func:`finish` and the vocabulary-parallel
+    merge: the KL and entropy columns; each token log-prob from the token's logit
+    (``logits_t``: Want.LOGP -> x_t (N,), Want.REF_LOGP -> y_t, the columns wanted) against the
+    state's shift and sum (:func:`token_logp`), 0 at ``ignored`` tokens, also written into its
+    stats column; the threshold used ``tau_rows`` (N,) (None: −inf) into ``ST_TAU``; rows
+    where ``mask`` (N,) is False zeroed."""
+    out = stats.new_zeros(stats.shape[0], OUT_COLS)
     stats[:, ST_TAU] = -float("inf") if tau_rows is None else tau_rows
     if kl is not None:
         out[:, OUT_KL] = kl
     if h is not None:
         out[:, OUT_ENTROPY] = h
-    range_bad = None
-    logp, ref_logp = bool(want & Want.LOGP), bool(want & Want.REF_LOGP)
-    if tokens is not None and (logp or ref_logp):
-        tok, ignored = safe_tokens(tokens.reshape(-1), ignore_index)  # (N,)
-        if check:  # gather safely; the range error is raised below, with the other checks
-            range_bad = (tok < 0) | (tok >= vocab)
-            tok = tok.masked_fill(range_bad, 0)
-        if logp:
-            x_t = token_logits(xf, tok, keep_rows, tau_rows, stats.dtype)
-            lp = token_logp(x_t, state.m_x, state.s_x, temperature).masked_fill(ignored, 0.0)
-            out[:, OUT_LOGP] = stats[:, ST_LOGP] = lp
-        if ref_logp:
-            y_t = yf.gather(-1, tok.unsqueeze(-1)).squeeze(-1).to(stats.dtype)
-            lq = token_logp(y_t, state.m_y, state.s_y, temperature).masked_fill(ignored, 0.0)
-            out[:, OUT_REF_LOGP] = stats[:, ST_REF_LOGP] = lq
+    for bit, col, st_col, m, s in (
+        (Want.LOGP, OUT_LOGP, ST_LOGP, state.m_x, state.s_x),
+        (Want.REF_LOGP, OUT_REF_LOGP, ST_REF_LOGP, state.m_y, state.s_y),
+    ):
+        if bit in logits_t:
+            lp = token_logp(logits_t[bit], m, s, temperature).masked_fill(ignored, 0.0)
+            out[:, col] = stats[:, st_col] = lp
     if mask is not None:
         out.masked_fill_(~mask.reshape(-1, 1), 0.0)
-    if check:  # one host read for all the checks
-        check_finished(out, x, y, tokens, keep, tau, want, ignore_index, range_bad)
-    return out.reshape(*leading, OUT_COLS), stats.reshape(*leading, STATS_COLS)
+    return out
 
 
 def check_finished(

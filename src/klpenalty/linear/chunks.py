@@ -1,0 +1,185 @@
+"""The chunk adapter: how one chunk of (R, V) logits of both models becomes the token_stats
+op's per-row columns, and their upstream gradients ∂/∂z.
+
+:class:`ChunkAdapter` is the protocol the chunked Functions of :mod:`klpenalty.linear` call;
+:class:`LocalChunks` holds the whole vocabulary (one ``<backend>_token_stats`` call forward,
+one ``<backend>_token_stats_backward`` call backward: :func:`chunk_forward`,
+:func:`chunk_backward`); :mod:`klpenalty.distributed.vocab_parallel` has the one for a
+vocabulary slice.
+
+Shape letters: R rows of one chunk, V the vocabulary (of this process), H a hidden size.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+import torch
+from torch import Tensor
+
+from ..ops.contract import Want
+
+__all__ = [
+    "IGNORE",
+    "NO_SAMPLER",
+    "ChunkAdapter",
+    "LocalChunks",
+    "chunk_backward",
+    "chunk_forward",
+    "host_checks",
+    "want_bits",
+]
+
+# Token id the adapter reads as "ignored" (linear_kl maps the caller's ignore_index to it after
+# the range check, so the adapter's signature stays free of it).
+IGNORE = -100
+
+# The op's (top_k, top_p, min_p) that cut nothing.
+NO_SAMPLER = (0, 1.0, 0.0)
+
+
+def host_checks(device: torch.device) -> bool:
+    """Whether reading a tensor value on the host is free (CPU: no device synchronisation)."""
+    return device.type == "cpu"
+
+
+def want_bits(tokens: Optional[Tensor], want_entropy: bool) -> Want:
+    """The token_stats ``want`` bits: the KL always, the log-probs with tokens, the entropy."""
+    want = Want.KL
+    if tokens is not None:
+        want |= Want.LOGP | Want.REF_LOGP
+    if want_entropy:
+        want |= Want.ENTROPY
+    return want
+
+
+class ChunkAdapter(Protocol):
+    """What a chunked Function of :mod:`klpenalty.linear` needs of the vocabulary it sees.
+
+    ``tokens`` are the chunk's (R,) ids in [0, V) or :data:`IGNORE` (or None); ``want`` the
+    token_stats op's bits (:func:`want_bits`); ``keep``, ``tau``, ``sampler`` the op's support
+    arguments (:func:`klpenalty.sampling.support_args`).
+    """
+
+    def forward(self, zp: Tensor, zr: Tensor, tokens: Optional[Tensor], temperature: float,
+                want: int, keep: Optional[Tensor] = None, tau: Optional[Tensor] = None,
+                sampler: tuple = NO_SAMPLER) -> tuple[Tensor, Tensor]:
+        """(out (R, OUT_COLS), stats (R, k)) of the chunk's logits, as :func:`chunk_forward`."""
+        ...
+
+    def backward(self, grad_out: Tensor, zp: Tensor, zr: Optional[Tensor],
+                 tokens: Optional[Tensor], stats: Tensor, temperature: float, need_p: bool,
+                 need_r: bool, keep: Optional[Tensor] = None,
+                 tau: Optional[Tensor] = None) -> tuple[Optional[Tensor], Optional[Tensor]]:
+        """(dzp, dzr) of Σ grad_out·out, as :func:`chunk_backward`."""
+        ...
+
+    def hidden_grad(self, grad: Tensor) -> Tensor:
+        """The returned gradient of a hidden state from this process's (N, H) part."""
+        ...
+
+
+def chunk_forward(
+    zp: Tensor,
+    zr: Tensor,
+    tokens: Optional[Tensor],
+    mask: Optional[Tensor],
+    temperature: float,
+    want: int,
+    impl,
+    keep: Optional[Tensor] = None,
+    tau: Optional[Tensor] = None,
+    sampler: tuple = NO_SAMPLER,
+) -> tuple[Tensor, Tensor]:
+    """The per-row statistics of one chunk of logits: one ``<backend>_token_stats`` call.
+
+    Args:
+        zp, zr: (R, V) policy and reference logits (after scale and soft-cap), any float dtype.
+        tokens: (R,) int64 ids in [0, V) or :data:`IGNORE`, or None (no log-probs).
+        mask: (R,) bool or None (False rows give 0).
+        temperature: > 0.
+        want: the columns to compute (:func:`want_bits`).
+        impl: the :class:`klpenalty.ops.dispatch.Backend` (:func:`~klpenalty.ops.dispatch.get_backend`).
+        keep, tau, sampler: the op's support arguments (:func:`klpenalty.sampling.support_args`).
+
+    Returns:
+        ``out`` (R, OUT_COLS) in the compute dtype, the op's columns (0 where not in
+        ``want``), and ``stats`` (R, k): what :func:`chunk_backward` needs, opaque to the
+        caller (the op's (R, 10) statistics, the threshold used in ``ST_TAU``).
+    """
+    return impl.forward_op(
+        zp, zr, tokens, mask, keep, tau, temperature, IGNORE, want, False, 0, 0, *sampler
+    )
+
+
+def chunk_backward(
+    grad_out: Tensor,
+    zp: Tensor,
+    zr: Optional[Tensor],
+    tokens: Optional[Tensor],
+    mask: Optional[Tensor],
+    stats: Tensor,
+    temperature: float,
+    need_p: bool,
+    need_r: bool,
+    impl,
+    owned: Optional[Tensor] = None,
+    ignore: int = IGNORE,
+    keep: Optional[Tensor] = None,
+    tau: Optional[Tensor] = None,
+) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """∂/∂zp and ∂/∂zr of Σ grad_out·out for one chunk: one ``<backend>_token_stats_backward``
+    call.
+
+    Args:
+        grad_out: (R, OUT_COLS) upstream gradients of the columns of ``out`` (0 where unused,
+            and in the columns that were not computed).
+        zp, zr, tokens, mask, temperature, impl: as given to :func:`chunk_forward`; ``zr``
+            None when no gradient needs the reference (then ``need_r`` is False).
+        stats: (R, k) from :func:`chunk_forward`.
+        need_p, need_r: which gradients to compute.
+        owned, ignore: (R,) bool, the token lies in this slice of the vocabulary (None = the
+            whole vocabulary is here), and the ignored id of ``tokens``.
+
+    Returns:
+        (dzp, dzr): (R, V) in the logits' dtypes, or None where not needed.
+    """
+    want = want_bits(tokens, True)  # a column not computed carries a zero gradient
+    if zr is None:  # no gradient needs the reference (see linear.kl._LinearKL.backward)
+        want &= ~(Want.KL | Want.REF_LOGP)
+    if host_checks(zp.device):  # on CPU, drop the terms whose upstream gradient is all zero
+        live = grad_out.ne(0).any(0).tolist()
+        for col, bit in enumerate(Want):
+            if not live[col]:
+                want &= ~bit
+    if not want:
+        return (
+            torch.zeros_like(zp) if need_p else None,
+            torch.zeros_like(zr) if need_r else None,
+        )
+    gx, gy = impl.backward_op(
+        grad_out, zp, zr, tokens, owned, stats, mask, keep, tau, temperature, ignore, want,
+        need_p, need_r, 0, 0,
+    )
+    return (gx if need_p else None), (gy if need_r else None)
+
+
+class LocalChunks(ChunkAdapter):
+    """The :class:`ChunkAdapter` of the whole vocabulary: :func:`chunk_forward`,
+    :func:`chunk_backward` on the backend ``impl``."""
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    def forward(self, zp, zr, tokens, temperature, want, keep=None, tau=None,
+                sampler=NO_SAMPLER):
+        return chunk_forward(zp, zr, tokens, None, temperature, want, self.impl, keep, tau,
+                             sampler)
+
+    def backward(self, grad_out, zp, zr, tokens, stats, temperature, need_p, need_r,
+                 keep=None, tau=None):
+        return chunk_backward(grad_out, zp, zr, tokens, None, stats, temperature, need_p,
+                              need_r, self.impl, keep=keep, tau=tau)
+
+    def hidden_grad(self, grad: Tensor) -> Tensor:
+        return grad

@@ -25,6 +25,9 @@ __all__ = [
     "check_ignore_index",
     "check_token_range",
     "check_temperature",
+    "check_top_k",
+    "check_top_p",
+    "check_min_p",
     "check_want",
     "check_beta",
     "check_choice",
@@ -294,3 +297,28 @@ def check_logprob_values(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> 
                 f"{name} ({describe(t)}) hold{'' if name == both else 's'} {what} at "
                 f"{flat.shape[0]} position(s), the first at index {first}"
             )
+
+
+def check_top_k(top_k: object) -> int:
+    """An int ≥ 1."""
+    if isinstance(top_k, bool) or not isinstance(top_k, Integral):
+        raise TypeError(f"top_k must be an int >= 1, got {type(top_k).__name__}")
+    if top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    return int(top_k)
+
+
+def check_top_p(top_p: object) -> float:
+    """A real number in (0, 1]."""
+    p = as_real("top_p", top_p)
+    if not (0.0 < p <= 1.0):  # also rejects NaN
+        raise ValueError(f"top_p must lie in (0, 1], got {p}")
+    return p
+
+
+def check_min_p(min_p: object) -> float:
+    """A real number in [0, 1]."""
+    p = as_real("min_p", min_p)
+    if not (0.0 <= p <= 1.0):
+        raise ValueError(f"min_p must lie in [0, 1], got {p}")
+    return p

@@ -67,37 +67,12 @@ __all__ = [
     "threshold_rows",
 ]
 
-def check_top_k(top_k: object) -> int:
-    """An int ≥ 1."""
-    if isinstance(top_k, bool) or not isinstance(top_k, Integral):
-        raise TypeError(f"top_k must be an int >= 1, got {type(top_k).__name__}")
-    if top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    return int(top_k)
-
-
-def check_top_p(top_p: object) -> float:
-    """A real number in (0, 1]."""
-    p = v.as_real("top_p", top_p)
-    if not (0.0 < p <= 1.0):  # also rejects NaN
-        raise ValueError(f"top_p must lie in (0, 1], got {p}")
-    return p
-
-
-def check_min_p(min_p: object) -> float:
-    """A real number in [0, 1]."""
-    p = v.as_real("min_p", min_p)
-    if not (0.0 <= p <= 1.0):
-        raise ValueError(f"min_p must lie in [0, 1], got {p}")
-    return p
-
-
 def check_sampler(top_k: object, top_p: object, min_p: object) -> dict:
     """The sampler settings validated (None = not used), as a dict of keyword arguments."""
     return {
-        "top_k": None if top_k is None else check_top_k(top_k),
-        "top_p": None if top_p is None else check_top_p(top_p),
-        "min_p": None if min_p is None else check_min_p(min_p),
+        "top_k": None if top_k is None else v.check_top_k(top_k),
+        "top_p": None if top_p is None else v.check_top_p(top_p),
+        "min_p": None if min_p is None else v.check_min_p(min_p),
     }
 
 

@@ -426,6 +426,19 @@ def sampler_cuts(vocab: int, top_k: int, top_p: float, min_p: float) -> bool:
     return 0 < top_k < vocab or top_p < 1.0 or min_p > 0.0
 
 
+def check_sampler_args(top_k: int, top_p: float, min_p: float, temperature: float) -> None:
+    """The op arguments of the sampler, checked by every backend's forward and threshold ops:
+    top_k ≥ 0 (0: unused), top_p in (0, 1], min_p in [0, 1], temperature > 0 (ValueError /
+    TypeError naming the argument)."""
+    if top_k:
+        v.check_top_k(top_k)
+    elif top_k != 0:
+        raise ValueError(f"top_k must be 0 (unused) or an int >= 1, got {top_k}")
+    v.check_top_p(top_p)
+    v.check_min_p(min_p)
+    v.check_temperature(temperature)
+
+
 def combined_tau(tau: Tensor | None, tau_s: Tensor | None) -> Tensor | None:
     """The threshold of both supports x ≥ tau and x ≥ tau_s (either may be None): their
     maximum, NaN where either is NaN."""

@@ -223,6 +223,7 @@ def token_stats_state_op(x, y, keep, tau, temperature, want, tile_rows, tile_col
 def sampling_threshold_op(x, top_k, top_p, min_p, temperature):
     """τ (...) of the sampler settings (the threshold op of :mod:`.contract`): the portable
     rule of :mod:`.thresholds`, in row chunks."""
+    contract.check_sampler_args(top_k, top_p, min_p, temperature)
     return thresholds.threshold_rows(
         x, top_k if top_k > 0 else None, top_p if top_p < 1.0 else None,
         min_p if min_p > 0.0 else None, temperature, None, thresholds.LOCAL,
@@ -237,6 +238,7 @@ def token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
     (the forward op of :mod:`.contract`): one read of each logit for all the wanted outputs;
     the support (``keep``, ``tau``, the sampler's threshold) applied per tile."""
     v.check_want(want, y is not None, tokens is not None)
+    contract.check_sampler_args(top_k, top_p, min_p, temperature)
     if contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):
         tau = contract.combined_tau(
             tau, sampling_threshold_op(x, top_k, top_p, min_p, temperature)

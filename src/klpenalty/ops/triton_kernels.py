@@ -58,7 +58,6 @@ import torch
 from torch import Tensor
 
 from .. import _validation as v
-from .. import sampling
 from . import contract, streaming
 from .contract import Want
 
@@ -446,18 +445,6 @@ def _threshold(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: f
     return out
 
 
-def check_sampler_args(top_k: int, top_p: float, min_p: float, temperature: float) -> None:
-    """The op arguments of the sampler: top_k ≥ 0 (0: unused), top_p in (0, 1], min_p in
-    [0, 1], temperature > 0 (ValueError / TypeError naming the argument)."""
-    if top_k:
-        sampling.check_top_k(top_k)
-    elif top_k != 0:
-        raise ValueError(f"top_k must be 0 (unused) or an int >= 1, got {top_k}")
-    sampling.check_top_p(top_p)
-    sampling.check_min_p(min_p)
-    v.check_temperature(temperature)
-
-
 contract.define_ops("triton")
 
 
@@ -487,7 +474,7 @@ def _token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
             tile_cols, top_k, top_p, min_p,
         )
     v.check_want(want, y is not None, tokens is not None)
-    check_sampler_args(top_k, top_p, min_p, temperature)
+    contract.check_sampler_args(top_k, top_p, min_p, temperature)
     if contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):  # τ = max(tau, τ_s), (N,)
         tau = _threshold(x, top_k, top_p, min_p, temperature, tau)
     out, stats = _forward(x, y, tokens, mask, keep, tau, temperature, ignore_index, want,
@@ -555,7 +542,7 @@ def _sampling_threshold_op(x, top_k, top_p, min_p, temperature):  # SCHEMAS["sam
     (float64 logits and empty vocabularies: the streaming op)."""
     if _portable(x):
         return streaming.sampling_threshold_op(x, top_k, top_p, min_p, temperature)
-    check_sampler_args(top_k, top_p, min_p, temperature)
+    contract.check_sampler_args(top_k, top_p, min_p, temperature)
     if not contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):
         return torch.full(x.shape[:-1], -math.inf, dtype=torch.float32, device=x.device)
     return _threshold(x, top_k, top_p, min_p, temperature).view(x.shape[:-1])

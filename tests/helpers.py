@@ -59,7 +59,7 @@ def _tiles(x: Tensor, chunk_rows, vocab_chunk, tile_elements) -> tuple[int, int]
         return int(chunk_rows or 0), int(vocab_chunk or 0)
     vocab = x.shape[-1]
     n = x.numel() // vocab if vocab else 0
-    return streaming.tile_shape(n, vocab, tile_elements, chunk_rows, vocab_chunk)
+    return streaming.token_stats.tile_shape(n, vocab, tile_elements, chunk_rows, vocab_chunk)
 
 
 def backend_views(name: str) -> SimpleNamespace:

@@ -14,7 +14,7 @@ from klpenalty.sampling import resolve_support, sampling_threshold, support_from
 
 from .helpers import make_logits
 from klpenalty.bench import alloc_profile
-from klpenalty.ops.thresholds import LOCAL, threshold_rows
+from klpenalty.ops.streaming.threshold import CHUNK_ELEMENTS, LOCAL, threshold_rows
 
 
 # ------------------------------------------------------------------ the float64 reference
@@ -327,4 +327,4 @@ def test_support_is_validated():
             resolve_support(x, support, top_k, top_p, None, 1.0)
     # nothing cut: no support at all (NaN logits are still reported by the op)
     assert resolve_support(x, None, 5, 1.0, 0.0, 1.0) == (None, None)
-    assert sampling.CHUNK_ELEMENTS >= 1 << 16
+    assert CHUNK_ELEMENTS >= 1 << 16

@@ -121,7 +121,7 @@ def _backend_fn(name: str) -> Callable:
 def _streaming_all_threads(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The streaming backend with its CPU tile loop on all of torch's threads (not one)."""
     from .functional import full_kl
-    from .ops import streaming
+    from .ops.streaming import token_stats as streaming
 
     saved = streaming.CPU_TILE_THREADS
     streaming.CPU_TILE_THREADS = 0

@@ -34,7 +34,7 @@ order of the float64 sum decides (each backend documents its own).
 **Where it is computed.** By the backend's ``sampling_threshold`` op (:mod:`klpenalty.ops`):
 inside the native and Triton kernels' pass over a row (the forward given ``top_k``/``top_p``/
 ``min_p`` computes it in the same walk as the KL), or by the portable rule of
-:mod:`klpenalty.ops.thresholds` in row chunks (no full sort: the k-th logit for top-k, a mass
+:mod:`klpenalty.ops.streaming.threshold` in row chunks (no full sort: the k-th logit for top-k, a mass
 histogram and one sorted bucket for top-p). Nothing of size (N, V) is kept.
 """
 
@@ -49,7 +49,7 @@ from torch import Tensor
 from . import _validation as v
 from .ops import dispatch
 from .ops import native as native_backend
-from .ops.thresholds import CHUNK_ELEMENTS, LOCAL, RowReduce, _chunks, threshold_rows
+from .ops.streaming.threshold import _chunks
 
 __all__ = [
     "sampling_threshold",
@@ -61,10 +61,6 @@ __all__ = [
     "rows_of_support",
     "support_args",
     "op_sampler",
-    "CHUNK_ELEMENTS",
-    "RowReduce",
-    "LOCAL",
-    "threshold_rows",
 ]
 
 def check_sampler(top_k: object, top_p: object, min_p: object) -> dict:

@@ -96,12 +96,12 @@ def gather_equal(t: torch.Tensor) -> bool:
 def small_chunks(elements: int = 150):
     """Make the local tile loop use tiles of 150 elements: several rows per tile on narrow
     slices, several vocabulary tiles per row on wide ones (merges within a rank)."""
-    old = streaming.TILE_ELEMENTS
-    streaming.TILE_ELEMENTS = elements
+    old = streaming.token_stats.TILE_ELEMENTS
+    streaming.token_stats.TILE_ELEMENTS = elements
     try:
         yield
     finally:
-        streaming.TILE_ELEMENTS = old
+        streaming.token_stats.TILE_ELEMENTS = old
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -265,7 +265,7 @@ def check_thresholds_on_wide_rows(ctx: Ctx):
     mass summed across ranks, the crossing bucket's logits gathered): the same τ on every rank,
     the single-process kept sets, the float64 reference's."""
     from klpenalty.distributed.vocab_parallel import _RankReduce
-    from klpenalty.ops.thresholds import LOCAL, threshold_rows
+    from klpenalty.ops.streaming.threshold import LOCAL, threshold_rows
 
     from ..test_sampling import ref_kept
 

@@ -234,7 +234,7 @@ def test_accelerator_path_syncs_only_for_the_one_check(monkeypatch, check, expec
     """On accelerators (no free host checks) a call syncs once with check=True, never without,
     whatever the number of tiles; forward and backward (which builds no tensor from host data:
     its column masks come from device ops)."""
-    monkeypatch.setattr(streaming, "_host_checks", lambda device: False)
+    monkeypatch.setattr(streaming.token_stats, "_host_checks", lambda device: False)
     x, y = _pair((6, 40), seed=8)
     x[0, 3] = NINF
     x.requires_grad_()
@@ -266,7 +266,7 @@ def test_cpu_tile_loop_runs_on_one_thread_and_restores_the_setting(monkeypatch):
         seen.append(torch.get_num_threads())
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(streaming, "stats_partial", spy)
+    monkeypatch.setattr(streaming.token_stats, "stats_partial", spy)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

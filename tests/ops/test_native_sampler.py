@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from klpenalty import sampling
+from klpenalty.ops.streaming.threshold import LOCAL, threshold_rows
 from klpenalty.ops import native
 from klpenalty.ops.contract import OUT_COLS, ST_TAU, STATS_COLS, Want
 from klpenalty.ops.reference import token_stats_reference
@@ -38,9 +38,9 @@ def threshold(x, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0):
 
 def python_rule(x, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0):
     """klpenalty.sampling's τ on one process (the Python implementation of the rule)."""
-    return sampling.threshold_rows(
+    return threshold_rows(
         x, top_k or None, top_p if top_p < 1.0 else None, min_p or None, temperature, None,
-        sampling.LOCAL,
+        LOCAL,
     )
 
 

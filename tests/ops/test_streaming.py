@@ -215,7 +215,7 @@ def test_shared_minus_inf_padding_is_ignored_with_finite_gradients(
     ``host_check=False`` runs the sync-free tile path used on accelerators.
     """
     if not host_check:
-        monkeypatch.setattr(streaming, "_host_checks", lambda device: False)
+        monkeypatch.setattr(streaming.token_stats, "_host_checks", lambda device: False)
     x, y = _logits((4, 10), torch.float32, seed=6)
     pad = torch.zeros(10, dtype=torch.bool)
     pad[[2, 7, 9]] = True

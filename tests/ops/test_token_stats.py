@@ -173,7 +173,7 @@ def test_fullgraph_compile_gives_the_same_numbers():
 def test_accelerator_path_syncs_only_once(monkeypatch, check, expected):
     """Without free host checks: one host read for all of check=True's checks, none in the tile
     loops, none in the backward (no host-to-device copy either)."""
-    monkeypatch.setattr(streaming, "_host_checks", lambda device: False)
+    monkeypatch.setattr(streaming.token_stats, "_host_checks", lambda device: False)
     c = token_stats_case(torch.float32)
     x = c["x"].requires_grad_()
     with monkeypatch.context() as patch:
@@ -199,7 +199,7 @@ def test_accelerator_linear_kl_chunks_never_sync_without_checks(monkeypatch):
     from klpenalty import linear
     from klpenalty.linear import chunks, kl
 
-    monkeypatch.setattr(streaming, "_host_checks", lambda device: False)
+    monkeypatch.setattr(streaming.token_stats, "_host_checks", lambda device: False)
     monkeypatch.setattr(chunks, "host_checks", lambda device: False)
     monkeypatch.setattr(kl, "host_checks", lambda device: False)
     gen = torch.Generator().manual_seed(5)

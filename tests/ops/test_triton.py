@@ -578,12 +578,11 @@ SAMPLER_SETTINGS = [
 
 
 def _threshold_rule(x, top_k, top_p, min_p, temperature):
-    """sampling.py's rule on the op's arguments (0 / 1 / 0 = unused)."""
-    from klpenalty import sampling
+    """The portable rule on the op's arguments (0 / 1 / 0 = unused)."""
+    from klpenalty.ops.streaming.threshold import LOCAL, threshold_rows
 
-    return sampling.threshold_rows(x, top_k or None, top_p if top_p < 1.0 else None,
-                                   min_p if min_p > 0.0 else None, temperature, None,
-                                   sampling.LOCAL)
+    return threshold_rows(x, top_k or None, top_p if top_p < 1.0 else None,
+                          min_p if min_p > 0.0 else None, temperature, None, LOCAL)
 
 
 def _same(a, b):

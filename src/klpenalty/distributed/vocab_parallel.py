@@ -28,7 +28,8 @@ from ..linear.kl import run_linear_kl
 from ..ops import contract, engine
 from ..ops.dispatch import get_backend as _op_backend  # the op backend (not c10d's)
 from ..ops.contract import Want
-from ..sampling import RowReduce, check_sampler, threshold_rows
+from ..ops.streaming.threshold import RowReduce, threshold_rows
+from ..sampling import check_sampler
 from ._config import _CHECK_DOC, _TOK_MAX, _TOK_MIN, _VR, _check_vocab_start, _config_check
 from ._group import _all_reduce, _device_of, _group_info
 

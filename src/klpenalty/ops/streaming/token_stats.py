@@ -1,4 +1,4 @@
-"""Portable backend (any device): the engine's tile loop in eager PyTorch ops.
+"""The streaming backend's forward, backward and state ops: the engine's tile loop in ATen ops.
 
 The (N, V) logits are walked in tiles of ``rows × cols`` elements (a few MiB, cache-sized).
 Each tile gives the per-row state of :mod:`.engine`, the states of a row's vocabulary tiles are
@@ -9,9 +9,8 @@ Temporaries are tile-sized buffers reused for every tile: nothing of size (N, V)
 On CPU the tile loop runs on one intra-op thread (see :func:`_cpu_threads`); on accelerators it
 makes no host synchronisation (the careful 0·log 0 arithmetic always runs there).
 
-The backend implements the four ops of :mod:`.contract` (``klpenalty::streaming_token_stats``,
-``_backward``, ``_state`` and ``streaming_sampling_threshold``, the portable rule of
-:mod:`.thresholds`) for every device.
+The ops are ``klpenalty::streaming_token_stats``, ``_backward`` and ``_state`` of
+:mod:`..contract`; the forward computes the sampler's threshold with :mod:`.threshold`.
 """
 
 from __future__ import annotations
@@ -20,11 +19,11 @@ import contextlib
 import torch
 from torch import Tensor
 
-from .. import _validation as v
-from .._validation import compute_dtype
-from . import contract, thresholds
-from .contract import Want
-from .engine import (
+from ... import _validation as v
+from ..._validation import compute_dtype
+from .. import contract
+from ..contract import Want
+from ..engine import (
     Workspace,
     StatsState,
     state_to_tensor,
@@ -34,6 +33,7 @@ from .engine import (
     stats_partial,
     stats_token_grads,
 )
+from . import threshold
 
 __all__ = ["token_stats_state", "support_tile", "tile_shape", "TILE_ELEMENTS"]
 
@@ -187,8 +187,6 @@ def token_stats_state(
     return out, flags
 
 
-contract.define_ops("streaming")
-
 
 def _wants_y(y: Tensor | None, want: int) -> bool:
     """Whether the reference logits are read: the KL or the reference log-probs."""
@@ -220,16 +218,6 @@ def token_stats_state_op(x, y, keep, tau, temperature, want, tile_rows, tile_col
     return state_to_tensor(state), careful
 
 
-def sampling_threshold_op(x, top_k, top_p, min_p, temperature):
-    """τ (...) of the sampler settings (the threshold op of :mod:`.contract`): the portable
-    rule of :mod:`.thresholds`, in row chunks."""
-    contract.check_sampler_args(top_k, top_p, min_p, temperature)
-    return thresholds.threshold_rows(
-        x, top_k if top_k > 0 else None, top_p if top_p < 1.0 else None,
-        min_p if min_p > 0.0 else None, temperature, None, thresholds.LOCAL,
-    )
-
-
 def token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
     x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
     tile_cols, top_k, top_p, min_p,
@@ -241,7 +229,7 @@ def token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
     contract.check_sampler_args(top_k, top_p, min_p, temperature)
     if contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):
         tau = contract.combined_tau(
-            tau, sampling_threshold_op(x, top_k, top_p, min_p, temperature)
+            tau, threshold.sampling_threshold_op(x, top_k, top_p, min_p, temperature)
         )
     xf, yf, keepf, tauf, state, careful = _rows_state(x, y, keep, tau, temperature, want,
                                                       tile_rows, tile_cols)
@@ -314,10 +302,3 @@ def token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backwa
         gx.view(x.shape) if need_x else x.new_empty(0),
         gy.view(y.shape) if need_y else x.new_empty(0),
     )
-
-
-contract.implement(
-    "streaming", "CompositeExplicitAutograd", token_stats=token_stats_op,
-    token_stats_backward=token_stats_backward_op, token_stats_state=token_stats_state_op,
-    sampling_threshold=sampling_threshold_op,
-)

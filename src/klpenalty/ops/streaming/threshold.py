@@ -14,10 +14,11 @@ import math
 import torch
 from torch import Tensor
 
-from .._validation import compute_dtype
-from .engine import finite_or_zero
+from ..._validation import compute_dtype
+from .. import contract
+from ..engine import finite_or_zero
 
-__all__ = ["RowReduce", "LOCAL", "threshold_rows", "CHUNK_ELEMENTS"]
+__all__ = ["RowReduce", "LOCAL", "threshold_rows", "CHUNK_ELEMENTS", "sampling_threshold_op"]
 
 # Elements of one row chunk: a float64 copy of 2**21 elements is 16 MiB (+ the top-k values
 # and int64 indices), a few of a large vocabulary's rows at a time.
@@ -215,3 +216,13 @@ def _bucketed_top_p(
     smallest = reduce.amin(torch.where(scaled > -math.inf, xc, math.inf))
     everything = torch.where(smallest < math.inf, smallest, -math.inf).to(xc.dtype)
     return torch.where(reached, tau, everything)
+
+
+def sampling_threshold_op(x, top_k, top_p, min_p, temperature):
+    """τ (...) of the sampler settings (the threshold op of :mod:`.contract`): the portable
+    rule of :func:`threshold_rows`, in row chunks."""
+    contract.check_sampler_args(top_k, top_p, min_p, temperature)
+    return threshold_rows(
+        x, top_k if top_k > 0 else None, top_p if top_p < 1.0 else None,
+        min_p if min_p > 0.0 else None, temperature, None, LOCAL,
+    )

@@ -1,0 +1,30 @@
+"""Portable backend (any device): the engine's tile loop in eager PyTorch ops.
+
+One module per op of :mod:`..contract`:
+
+- :mod:`.token_stats`: ``streaming_token_stats``, ``_backward`` and ``_state``, the engine's
+  tile loop (tiles of a few MiB; nothing of size (N, V) is allocated);
+- :mod:`.threshold`: ``streaming_sampling_threshold``, the portable sampler rule in row chunks,
+  its row reductions pluggable (:class:`.threshold.RowReduce`; vocabulary parallelism reduces
+  across ranks).
+
+On CPU the tile loop runs on one intra-op thread (:data:`.token_stats.CPU_TILE_THREADS`); on
+accelerators it makes no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from .. import contract
+from . import threshold, token_stats
+
+__all__ = ["threshold", "token_stats"]
+
+contract.define_ops("streaming")
+contract.implement(
+    "streaming",
+    "CompositeExplicitAutograd",
+    token_stats=token_stats.token_stats_op,
+    token_stats_backward=token_stats.token_stats_backward_op,
+    token_stats_state=token_stats.token_stats_state_op,
+    sampling_threshold=threshold.sampling_threshold_op,
+)

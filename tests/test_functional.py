@@ -18,7 +18,7 @@ from klpenalty.ops.reference import (
 )
 
 from .helpers import DTYPES, grad_tol, make_logits, tol
-from .test_sampling import ref_kept
+from klpenalty.ops.reference import kept_set_reference
 
 # Leading dims of rank 1 to 3, a single row; V = 1, V not a power of two, V above the row
 # streaming tile (2**18 elements), so a row is split into vocabulary tiles and merged.
@@ -285,7 +285,7 @@ def _truncated_reference(x, y, tokens, kept, temperature):
 def test_token_stats_with_sampler_settings_matches_truncated_reference(dtype, kw):
     x, y = make_logits((2, 3, 41), dtype, seed=11)
     temperature = kw.get("temperature", 1.0)
-    kept = torch.stack([ref_kept(r, **kw) for r in x.reshape(-1, 41)]).reshape(x.shape)
+    kept = kept_set_reference(x, **kw)
     tokens = x.argmax(-1)  # the largest logit is always kept
     tokens[0, 1] = -100
     x.requires_grad_()

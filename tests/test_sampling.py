@@ -9,38 +9,12 @@ import math
 import pytest
 import torch
 
-from klpenalty import sampling
 from klpenalty.sampling import resolve_support, sampling_threshold, support_from_ids
 
 from .helpers import make_logits
 from klpenalty.bench import alloc_profile
+from klpenalty.ops.reference import kept_set_reference
 from klpenalty.ops.streaming.threshold import CHUNK_ELEMENTS, LOCAL, threshold_rows
-
-
-# ------------------------------------------------------------------ the float64 reference
-def ref_kept(row: torch.Tensor, top_k=None, top_p=None, min_p=None, temperature=1.0):
-    """Kept set (V,) bool of one row, as a sampler does it, step by step in float64: sort,
-    cut, renormalise, sort again. Ties at each boundary are kept."""
-    x = row.double()
-    kept = torch.ones_like(x, dtype=torch.bool)
-    if top_k is not None and top_k < x.numel():
-        kth = x.sort(descending=True).values[top_k - 1]
-        kept &= x >= kth
-    if top_p is not None and top_p < 1.0:
-        probs = torch.softmax(torch.where(kept, x / temperature, -math.inf), -1)
-        order = torch.argsort(x, descending=True)
-        mass, last = 0.0, None
-        for i in order.tolist():
-            if not kept[i]:
-                continue
-            if mass < top_p:
-                last = x[i]
-            mass += probs[i].item()
-        kept &= x >= last
-    if min_p is not None and min_p > 0.0:
-        probs = torch.softmax(torch.where(kept, x / temperature, -math.inf), -1)
-        kept &= probs >= min_p * probs.max()
-    return kept
 
 
 def _kept_by_tau(x, tau):
@@ -75,7 +49,7 @@ def test_thresholds_match_the_reference(dtype, backend):
         assert tau.shape == (3, 4)
         assert tau.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
         got = _kept_by_tau(x, tau).reshape(-1, 50)
-        want = torch.stack([ref_kept(r, **kw) for r in rows])
+        want = kept_set_reference(rows, **kw)
         assert torch.equal(got, want), kw
 
 
@@ -89,7 +63,7 @@ def test_top_p_rows_needing_different_numbers_of_candidates():
     x[2] *= 1.5
     for kw in (dict(top_p=0.9), dict(top_p=0.5, temperature=0.7)):
         got = _kept_by_tau(x, sampling_threshold(x, **kw))
-        want = torch.stack([ref_kept(r, **kw) for r in x])
+        want = kept_set_reference(x, **kw)
         assert torch.equal(got, want), kw
     counts = _kept_by_tau(x, sampling_threshold(x, top_p=0.9)).sum(-1)
     assert counts[0] < 256 < 1024 < counts[1]  # rows that finish in different rounds
@@ -131,7 +105,7 @@ def test_top_p_on_wide_rows_matches_the_reference(dtype, backend):
     for kw in WIDE_SETTINGS:
         tau = sampling_threshold(x, **kw, backend=backend)
         got = _kept_by_tau(x, tau)
-        want = torch.stack([ref_kept(r, **kw) for r in x])
+        want = kept_set_reference(x, **kw)
         bad = (got != want).any(-1).nonzero().flatten().tolist()
         assert not bad, (kw, bad, got.sum(-1).tolist(), want.sum(-1).tolist())
     counts = _kept_by_tau(x, sampling_threshold(x, top_p=0.9, backend=backend)).sum(-1)
@@ -146,7 +120,7 @@ def test_top_p_on_wide_rows_of_nan_and_minus_inf(backend):
     for kw in (dict(top_p=0.9), dict(top_k=1000, top_p=0.9)):
         tau = sampling_threshold(x, **kw, backend=backend)
         assert math.isnan(tau[1].item()) and tau[2].item() == float("-inf"), kw
-        assert torch.equal(_kept_by_tau(x[0], tau[0]), ref_kept(x[0], **kw)), kw
+        assert torch.equal(_kept_by_tau(x[0], tau[0]), kept_set_reference(x[0], **kw)), kw
 
 
 def test_portable_top_p_in_row_chunks():
@@ -157,7 +131,7 @@ def test_portable_top_p_in_row_chunks():
     full = threshold_rows(x, None, 0.9, None, 1.0, None, LOCAL)
     for rows in (1, 2, 4):
         assert torch.equal(threshold_rows(x, None, 0.9, None, 1.0, rows, LOCAL), full)
-    want = torch.stack([ref_kept(r, top_p=0.9) for r in x])
+    want = kept_set_reference(x, top_p=0.9)
     assert torch.equal(_kept_by_tau(x, full), want)
 
 

@@ -41,7 +41,6 @@ histogram and one sorted bucket for top-p). Nothing of size (N, V) is kept.
 from __future__ import annotations
 
 import math
-from numbers import Integral
 
 import torch
 from torch import Tensor

@@ -28,7 +28,7 @@ from klpenalty.demo.rlhf import (
     run_rlhf,
 )
 
-from ..rlhf.test_gradients import (
+from ..rlhf.tabular import (
     TOL_SEQ,
     TREES,
     Tree,

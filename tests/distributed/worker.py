@@ -267,7 +267,7 @@ def check_thresholds_on_wide_rows(ctx: Ctx):
     from klpenalty.distributed.vocab_parallel import _RankReduce
     from klpenalty.ops.streaming.threshold import LOCAL, threshold_rows
 
-    from ..test_sampling import ref_kept
+    from klpenalty.ops.reference import kept_set_reference
 
     g = _generator(41)
     x = torch.randn(5, VOCAB, generator=g) * 0.7  # ~700 of 1001 kept at p = 0.9
@@ -286,7 +286,7 @@ def check_thresholds_on_wide_rows(ctx: Ctx):
                               None, LOCAL)
         assert math.isnan(tau[4].item()) and math.isnan(full[4].item()), kw
         got, one = (x[:4] >= t[:4].unsqueeze(-1) for t in (tau, full))
-        want = torch.stack([ref_kept(r, **kw) for r in x[:4].cpu()]).to(got.device)
+        want = kept_set_reference(x[:4].cpu(), **kw).to(got.device)
         assert torch.equal(got, one) and torch.equal(got, want), kw
         assert int(got.sum(-1).min()) > 256, kw  # past the sorted candidates
 

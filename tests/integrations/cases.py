@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rlhf.test_gradients import OneState
+from ..rlhf.tabular import OneState
 
 __all__ = ["logprob_pairs", "MildState"]
 

@@ -15,7 +15,7 @@ import torch
 from klpenalty import full_kl, k3_ratio_loss
 from klpenalty.integrations._common import _ValueWithGradientOf, exact_kl_term
 
-from ..rlhf.test_gradients import TOL_SEQ, TREES, Tree, assert_differs, assert_equal_grad
+from ..rlhf.tabular import TOL_SEQ, TREES, Tree, assert_differs, assert_equal_grad
 from ..tolerances import tol
 
 

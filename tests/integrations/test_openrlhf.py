@@ -14,7 +14,7 @@ import torch
 
 from klpenalty.integrations.openrlhf import KL_ESTIMATORS, compute_approx_kl
 
-from ..rlhf.test_gradients import TOL_STATE, assert_differs, assert_equal_grad
+from ..rlhf.tabular import TOL_STATE, assert_differs, assert_equal_grad
 from ..tolerances import tol
 from .cases import MildState, logprob_pairs
 from .stack_formulas import OPENRLHF_ESTIMATORS, openrlhf_compute_approx_kl

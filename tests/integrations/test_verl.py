@@ -15,7 +15,7 @@ import torch
 from klpenalty import sampled_kl
 from klpenalty.integrations.verl import KL_PENALTY_TYPES, kl_penalty
 
-from ..rlhf.test_gradients import TOL_STATE, OneState, assert_differs, assert_equal_grad
+from ..rlhf.tabular import TOL_STATE, OneState, assert_differs, assert_equal_grad
 from ..tolerances import tol
 from .cases import MildState, logprob_pairs
 from .stack_formulas import VERL_TYPES, verl_kl_penalty
@@ -68,7 +68,7 @@ def test_overflowing_k3_keeps_a_finite_value_and_gradient():
 
 
 # ---------------------------------------------------------------------------------------------
-# Expected gradients on one state, every token enumerated (tests/rlhf/test_gradients.OneState)
+# Expected gradients on one state, every token enumerated (tests/rlhf/tabular.OneState)
 # ---------------------------------------------------------------------------------------------
 
 

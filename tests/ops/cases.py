@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from klpenalty.ops.contract import WANT_ALL, Want
 from klpenalty.ops.reference import full_kl_reference
 from tests.helpers import grad_tol, make_logits, tol
 
@@ -101,11 +102,11 @@ def check_token_logprobs_and_grads(out, x, tokens, temperature, dtype):
 
 
 # ------------------------------------------------------------------ the one-pass token stats
-# Every valid ``want`` of the token_stats ops (bits KL 1, LOGP 2, REF_LOGP 4, ENTROPY 8) with a
-# reference and tokens given, and those valid without a reference / without tokens.
-ALL_WANTS = list(range(1, 16))
-WANTS_WITHOUT_REF = [2, 8, 10]
-WANTS_WITHOUT_TOKENS = [1, 8, 9]
+# Every valid ``want`` of the token_stats ops (a non-empty set of Want bits) with a reference and
+# tokens given, and those valid without a reference / without tokens.
+ALL_WANTS = [Want(w) for w in range(1, WANT_ALL + 1)]
+WANTS_WITHOUT_REF = [w for w in ALL_WANTS if not w & (Want.KL | Want.REF_LOGP)]
+WANTS_WITHOUT_TOKENS = [w for w in ALL_WANTS if not w & (Want.LOGP | Want.REF_LOGP)]
 
 
 def token_stats_case(dtype: torch.dtype, *, device=None, seed: int = 14):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import klpenalty
-from klpenalty.ops import contract as ag
+from klpenalty.ops import contract
 from klpenalty.ops import dispatch, streaming
 from klpenalty.ops.reference import entropy_reference
 from tests.helpers import DTYPES, grad_tol, make_logits, tol
@@ -136,12 +136,12 @@ def test_stats_match_across_backends(backend):
     x[1, 7] = NINF
     if backend == "native" and not klpenalty.ops.native.available():
         pytest.skip("the native kernel is unavailable")
-    args = (x, None, None, None, None, None, 0.9, -100, ag.Want.ENTROPY, False, 0, 0, 0, 1.0,
+    args = (x, None, None, None, None, None, 0.9, -100, contract.Want.ENTROPY, False, 0, 0, 0, 1.0,
             0.0)
-    cols = [ag.ST_SHIFT_X, ag.ST_LOG_S_X, ag.ST_MEAN_U]
+    cols = [contract.ST_SHIFT_X, contract.ST_LOG_S_X, contract.ST_MEAN_U]
     out, st = getattr(torch.ops.klpenalty, f"{backend}_token_stats")(*args)
     out_s, st_s = torch.ops.klpenalty.streaming_token_stats(*args)
-    h, st, h_s, st_s = out[:, ag.OUT_ENTROPY], st[:, cols], out_s[:, ag.OUT_ENTROPY], st_s[:, cols]
+    h, st, h_s, st_s = out[:, contract.OUT_ENTROPY], st[:, cols], out_s[:, contract.OUT_ENTROPY], st_s[:, cols]
     torch.testing.assert_close(h, h_s, **tol(torch.float32))
     torch.testing.assert_close(st, st_s, **tol(torch.float32))
     torch.testing.assert_close(st[:, 1] - st[:, 2], h, **tol(torch.float32))  # H = log s − E[u]

@@ -18,7 +18,7 @@ from klpenalty.ops.contract import OUT_COLS, ST_TAU, STATS_COLS, Want
 from klpenalty.ops.reference import token_stats_reference
 from tests.helpers import grad_tol, make_logits, tol
 from tests.ops.cases import ref_token_stats_grads
-from tests.test_sampling import ref_kept
+from klpenalty.ops.reference import kept_set_reference
 
 HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: native cannot build")
@@ -51,7 +51,7 @@ def kept_by(x, tau):
 def reference_kept(x, top_k=0, top_p=1.0, min_p=0.0, temperature=1.0):
     rows = x.reshape(-1, x.shape[-1])
     kw = dict(top_k=top_k or None, top_p=top_p, min_p=min_p, temperature=temperature)
-    return torch.stack([ref_kept(r, **kw) for r in rows]).reshape(x.shape)
+    return kept_set_reference(rows, **kw).reshape(x.shape)
 
 
 # top_k, top_p, min_p, temperature

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from klpenalty.ops import contract as ag
+from klpenalty.ops import contract
+from klpenalty.ops.contract import WANT_ALL
 from klpenalty.ops import engine, streaming
 from klpenalty.ops.reference import token_stats_reference
 from tests.helpers import DTYPES, make_logits, tol
@@ -40,7 +41,7 @@ def test_tile_invariance_of_values_and_gradients():
 
     def run(**tiles):
         out = views.streaming.token_stats(
-            x, y, c["tokens"], c["mask"], c["keep"], c["tau"], 0.9, want=15, **tiles
+            x, y, c["tokens"], c["mask"], c["keep"], c["tau"], 0.9, want=WANT_ALL, **tiles
         )
         return (out, *torch.autograd.grad(out, (x, y), g))
 
@@ -62,7 +63,7 @@ def test_without_support_it_is_the_single_output_ops(dtype):
     tokens[0, 1] = -100
     mask = torch.ones(3, 4, dtype=torch.bool)
     mask[2, 3] = False
-    out = views.streaming.token_stats(x, y, tokens, mask, None, None, 0.8, want=15, check=True)
+    out = views.streaming.token_stats(x, y, tokens, mask, None, None, 0.8, want=WANT_ALL, check=True)
     cols = (
         views.streaming.full_kl(x, y, mask, 0.8),
         views.streaming.token_logprobs(x, tokens, 0.8).masked_fill(~mask, 0.0),
@@ -83,16 +84,16 @@ def test_stats_hold_the_contract_columns():
     args = (c["x"], c["y"], c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, -100, 15, True, 0, 0,
             0, 1.0, 0.0)
     out, stats = torch.ops.klpenalty.streaming_token_stats(*args)
-    assert stats.shape == (2, 3, ag.STATS_COLS) and stats.dtype == torch.float64
+    assert stats.shape == (2, 3, contract.STATS_COLS) and stats.dtype == torch.float64
     counted = c["mask"] & (c["tokens"] != -100)
-    torch.testing.assert_close(stats[..., ag.ST_LOGP][counted], out[..., ag.OUT_LOGP][counted])
-    torch.testing.assert_close(stats[..., ag.ST_REF_LOGP][counted], out[..., ag.OUT_REF_LOGP][counted])
+    torch.testing.assert_close(stats[..., contract.ST_LOGP][counted], out[..., contract.OUT_LOGP][counted])
+    torch.testing.assert_close(stats[..., contract.ST_REF_LOGP][counted], out[..., contract.OUT_REF_LOGP][counted])
     # KL = E_π̃[u − w] − log s_x + log s_y and H = log s_x − E_π̃[u] on the counted rows
     m = c["mask"]
-    kl = stats[..., ag.ST_MEAN_D] - stats[..., ag.ST_LOG_S_X] + stats[..., ag.ST_LOG_S_Y]
-    torch.testing.assert_close(kl[m], out[..., ag.OUT_KL][m])
-    h = stats[..., ag.ST_LOG_S_X] - stats[..., ag.ST_MEAN_U]
-    torch.testing.assert_close(h[m].clamp_min(0), out[..., ag.OUT_ENTROPY][m])
+    kl = stats[..., contract.ST_MEAN_D] - stats[..., contract.ST_LOG_S_X] + stats[..., contract.ST_LOG_S_Y]
+    torch.testing.assert_close(kl[m], out[..., contract.OUT_KL][m])
+    h = stats[..., contract.ST_LOG_S_X] - stats[..., contract.ST_MEAN_U]
+    torch.testing.assert_close(h[m].clamp_min(0), out[..., contract.OUT_ENTROPY][m])
 
 
 def test_want_must_match_the_inputs():
@@ -118,10 +119,10 @@ def test_hessian_vector_product_with_a_support():
     g = torch.linspace(-1.0, 1.5, 24, dtype=torch.float64).reshape(2, 3, 4)
     vec = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     xg = x.detach().requires_grad_()
-    out = views.streaming.token_stats(xg, y, tokens, mask, keep, tau, 0.8, want=15)
+    out = views.streaming.token_stats(xg, y, tokens, mask, keep, tau, 0.8, want=WANT_ALL)
     (gx,) = torch.autograd.grad(out, xg, g, create_graph=True)
     (hvp,) = torch.autograd.grad((gx * vec).sum(), xg)
-    kept = torch.isfinite(ag.kept_logits(x, keep, tau))
+    kept = torch.isfinite(contract.kept_logits(x, keep, tau))
     xr = x.detach().requires_grad_()
     yr = torch.where(torch.isfinite(y), y, -1e6)
     ref = token_stats_reference(torch.where(kept, xr, -1e6), yr, tokens, mask, None, None, 0.8,
@@ -142,10 +143,10 @@ def test_token_off_the_support_first_derivative_equals_the_differentiable_one():
     keep[1, 7] = False  # row 1's token is off the support
     g = torch.linspace(-1.0, 1.5, 12, dtype=torch.float64).reshape(3, 4)
     xg, yg = x.detach().requires_grad_(), y.detach().requires_grad_()
-    out = views.streaming.token_stats(xg, yg, tokens, None, keep, None, 0.9, want=15, check=False)
+    out = views.streaming.token_stats(xg, yg, tokens, None, keep, None, 0.9, want=WANT_ALL, check=False)
     assert torch.isneginf(out[1, 1])
     first = torch.autograd.grad(out, (xg, yg), g)
-    out = views.streaming.token_stats(xg, yg, tokens, None, keep, None, 0.9, want=15, check=False)
+    out = views.streaming.token_stats(xg, yg, tokens, None, keep, None, 0.9, want=WANT_ALL, check=False)
     second = torch.autograd.grad(out, (xg, yg), g, create_graph=True)
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b.detach(), rtol=1e-10, atol=1e-12)
@@ -158,7 +159,7 @@ def test_fullgraph_compile_gives_the_same_numbers():
     y = c["y"].contiguous()
 
     def step(x, y, tokens, mask, keep, tau):
-        out = views.streaming.token_stats(x, y, tokens, mask, keep, tau, 0.9, want=15, check=True)
+        out = views.streaming.token_stats(x, y, tokens, mask, keep, tau, 0.9, want=WANT_ALL, check=True)
         return (out * torch.tensor([1.0, -0.5, 0.25, 0.1])).sum()
 
     args = (x, y, c["tokens"], c["mask"], c["keep"], c["tau"])
@@ -179,7 +180,7 @@ def test_accelerator_path_syncs_only_once(monkeypatch, check, expected):
     with monkeypatch.context() as patch:
         counter = _CountSyncs(patch)
         out = views.streaming.token_stats(
-            x, c["y"], c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, want=15, check=check,
+            x, c["y"], c["tokens"], c["mask"], c["keep"], c["tau"], 0.7, want=WANT_ALL, check=check,
             vocab_chunk=8,
         )
         assert counter.syncs == expected
@@ -232,7 +233,7 @@ def test_forward_with_a_support_allocates_nothing_of_size_rows_by_vocab():
     with torch.no_grad():
         peak, largest = alloc_profile(
             lambda: views.streaming.token_stats(
-                x, y, tokens, None, keep, tau, 0.7, want=15, tile_elements=tile
+                x, y, tokens, None, keep, tau, 0.7, want=WANT_ALL, tile_elements=tile
             )
         )
     # a handful of tile buffers (d, e, w, h, the kept tile, bool tiles) + O(N) statistics

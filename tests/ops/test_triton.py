@@ -596,7 +596,7 @@ def test_sampling_threshold_kernel_matches_the_rule_and_the_float64_kept_sets(dt
     """The threshold kernel against sampling.py's rule (the same τ, a logit of the row) and the
     float64 kept sets of tests/test_sampling.py (sort, cut, renormalise), on rows of every
     kind; V = 300: more than one block and not a multiple of one."""
-    from tests.test_sampling import ref_kept
+    from klpenalty.ops.reference import kept_set_reference
 
     x = _sampler_rows(dtype, vocab, seed=vocab)
     op = torch.ops.klpenalty.triton_sampling_threshold
@@ -609,7 +609,7 @@ def test_sampling_threshold_kernel_matches_the_rule_and_the_float64_kept_sets(dt
         assert torch.isnan(tau[7]) == cut  # a NaN row keeps nothing where something is cut
         kw = dict(top_k=top_k or None, top_p=top_p, min_p=min_p, temperature=temperature)
         for r in range(6):  # the float64 kept sets (of the rows with a distribution)
-            assert torch.equal(x[r].float() >= tau[r], ref_kept(x[r], **kw)), (r, kw)
+            assert torch.equal(x[r].float() >= tau[r], kept_set_reference(x[r], **kw)), (r, kw)
 
 
 def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):

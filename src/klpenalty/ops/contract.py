@@ -47,6 +47,7 @@ from .._validation import compute_dtype
 __all__ = [
     "Want",
     "OUT_COLS",
+    "WANT_ALL",
     "STATS_COLS",
     "STATE_COLS",
     "SCHEMAS",
@@ -82,6 +83,7 @@ class Want(IntFlag):
 # out columns (..., 4): the column of Want bit i is i
 OUT_COLS = 4
 OUT_KL, OUT_LOGP, OUT_REF_LOGP, OUT_ENTROPY = range(OUT_COLS)
+WANT_ALL = Want((1 << OUT_COLS) - 1)  # every column
 
 # stats columns (..., 10) in the compute dtype: what the backward reads. Columns a call does
 # not need hold 0; rows masked out hold anything (never read).

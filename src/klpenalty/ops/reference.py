@@ -6,6 +6,8 @@ Every function upcasts its inputs to float64 and returns float64.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 __all__ = [
@@ -15,6 +17,7 @@ __all__ = [
     "kl_penalized_reward_reference",
     "sampled_kl_reference",
     "token_stats_reference",
+    "kept_set_reference",
 ]
 
 
@@ -139,3 +142,42 @@ def token_stats_reference(
             cols[2] = torch.where(ignored, 0.0, token_logprobs_reference(ys, tok, temperature))
     out = torch.stack(cols, dim=-1)
     return out if mask is None else torch.where(mask.unsqueeze(-1), out, 0.0)
+
+
+def kept_set_reference(
+    logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None,
+    min_p: float | None = None, temperature: float = 1.0,
+) -> torch.Tensor:
+    """The kept set of top-k → top-p → min-p sampling, (..., V) bool, as a sampler builds it,
+    step by step in float64 (the rule of :func:`klpenalty.sampling.sampling_threshold`):
+    sort, cut, renormalise, sort again; ties at each boundary are kept.
+
+    Args:
+        logits: (..., V), any float dtype; each row on its own (a Python loop: small rows).
+        top_k, top_p, min_p: the sampler's settings (None: not used).
+        temperature: > 0; the masses of top-p and min-p are those of softmax(x/T).
+    """
+    rows = logits.detach().double().reshape(-1, logits.shape[-1])
+    kept = torch.stack([_kept_row(r, top_k, top_p, min_p, temperature) for r in rows])
+    return kept.reshape(logits.shape)
+
+
+def _kept_row(x: torch.Tensor, top_k, top_p, min_p, temperature: float) -> torch.Tensor:
+    kept = torch.ones_like(x, dtype=torch.bool)
+    if top_k is not None and top_k < x.numel():
+        kth = x.sort(descending=True).values[top_k - 1]
+        kept &= x >= kth
+    if top_p is not None and top_p < 1.0:
+        probs = torch.softmax(torch.where(kept, x / temperature, -math.inf), -1)
+        mass, last = 0.0, None
+        for i in torch.argsort(x, descending=True).tolist():
+            if not kept[i]:
+                continue
+            if mass < top_p:
+                last = x[i]
+            mass += probs[i].item()
+        kept &= x >= last
+    if min_p is not None and min_p > 0.0:
+        probs = torch.softmax(torch.where(kept, x / temperature, -math.inf), -1)
+        kept &= probs >= min_p * probs.max()
+    return kept

@@ -162,7 +162,8 @@ def test_importing_needs_no_transformers(monkeypatch):
     import klpenalty
 
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` now fails
-    monkeypatch.delitem(sys.modules, "klpenalty.hf")
+    for name in [m for m in sys.modules if m == "klpenalty.hf" or m.startswith("klpenalty.hf.")]:
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(klpenalty, "hf", hf)  # restored after the re-import rebinds it
     with pytest.raises(ImportError):
         import transformers  # noqa: F401
@@ -271,13 +272,13 @@ def test_frozen_reference_runs_without_autograd():
 def spy_linear_kl(monkeypatch) -> dict:
     """Record the arguments causal_lm_kl hands to linear_kl (which still runs)."""
     seen = {}
-    real_linear_kl = hf.linear_kl
+    real_linear_kl = hf.kl.linear_kl
 
     def spy(policy_hidden, policy_weight, ref_hidden, ref_weight, **kwargs):
         seen.update(kwargs, policy_hidden=policy_hidden, ref_hidden=ref_hidden)
         return real_linear_kl(policy_hidden, policy_weight, ref_hidden, ref_weight, **kwargs)
 
-    monkeypatch.setattr(hf, "linear_kl", spy)
+    monkeypatch.setattr(hf.kl, "linear_kl", spy)
     return seen
 
 

@@ -24,6 +24,7 @@ import torch
 import klpenalty
 from klpenalty.ops import dispatch, streaming
 from klpenalty.ops import triton as triton_backend
+from klpenalty.ops.contract import Want
 from klpenalty.ops.reference import entropy_reference, full_kl_reference
 from klpenalty.ops.triton import threshold as th
 from klpenalty.ops.triton import token_stats as ts
@@ -505,17 +506,18 @@ def test_split_heuristic():
 
 # --------------------------------------------------------------------------- GPU compilation
 # The specialisations the library launches: the three views, the PPO/GRPO call with and without
-# the entropy, each support form, and the reference's log-prob alone (kl, logp, ref_logp, entropy).
+# the entropy, each support form, and the reference's log-prob alone.
+_ALL = Want.KL | Want.LOGP | Want.REF_LOGP | Want.ENTROPY
 _LOWERED = [
-    # (flags, keep, tau, need_x, need_y)
-    ((True, False, False, False), False, False, True, True),  # full_kl, both gradients
-    ((False, True, False, False), False, False, True, False),  # token_logprobs
-    ((False, False, False, True), False, False, True, False),  # entropy
-    ((True, True, True, True), False, False, True, True),  # every statistic, no support
-    ((True, True, True, True), True, False, True, False),  # support by keep mask
-    ((True, True, True, False), False, True, True, True),  # support by threshold
-    ((True, True, False, True), True, True, True, False),  # both support forms
-    ((False, False, True, False), False, False, False, True),  # log ρ(token) alone
+    # (want, keep, tau, need_x, need_y)
+    (Want.KL, False, False, True, True),  # full_kl, both gradients
+    (Want.LOGP, False, False, True, False),  # token_logprobs
+    (Want.ENTROPY, False, False, True, False),  # entropy
+    (_ALL, False, False, True, True),  # every statistic, no support
+    (_ALL, True, False, True, False),  # support by keep mask
+    (_ALL & ~Want.ENTROPY, False, True, True, True),  # support by threshold
+    (_ALL & ~Want.REF_LOGP, True, True, True, False),  # both support forms
+    (Want.REF_LOGP, False, False, False, True),  # log ρ(token) alone
 ]
 
 
@@ -526,9 +528,9 @@ def test_kernels_compile_for_a_cuda_target():
     catch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     specs = [
-        (ts.forward_constexprs(flags, keep, tau, has_mask=keep),
-         ts.backward_constexprs(flags, nx, ny, keep, tau, has_mask=tau, has_owned=keep))
-        for flags, keep, tau, nx, ny in _LOWERED
+        (ts.forward_constexprs(want, keep, tau, has_mask=keep),
+         ts.backward_constexprs(want, nx, ny, keep, tau, has_mask=tau, has_owned=keep))
+        for want, keep, tau, nx, ny in _LOWERED
     ]
     for name in ("X_STATE", "Y_STATE", "MOMENT_A", "MOMENT_B", "HAS_KEEP", "HAS_TAU", "LOGP",
                  "REF_LOGP", "HAS_MASK"):
@@ -553,12 +555,13 @@ bwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32
        "gy_ptr": "*fp32", "stats_ptr": "*fp32", "g_ptr": "*fp32", "tok_ptr": "*i64", "mask_ptr": "*u8",
        "owned_ptr": "*u8", **rows, "stride_gn": "i64", "stride_gc": "i64", "V": "i32", "inv_t": "fp32",
        "c2": "fp32", "ignore_index": "i32"}}
-cols_f, cols_b = {ts.column_constexprs("stats")!r}, {ts.column_constexprs("grad")!r}
+cols_f, cols_m = {ts.column_constexprs("stats")!r}, {ts.column_constexprs("merge")!r}
+cols_b = {ts.column_constexprs("grad")!r}
 for f, b in {specs!r}:
     m = {{name: on for name, on in f.items() if name != "X_STATE"}}
     for fn, sig, c in [(k.stats_kernel, fwd, {{**f, **cols_f, "BLOCK": 4096}}),
                        (k.stats_kernel, fwd, {{**f, "FINISH": False, **cols_f, "BLOCK": 4096}}),
-                       (k.merge_kernel, merge, {{**m, **cols_f, "SPLITS": 8}}),
+                       (k.merge_kernel, merge, {{**m, **cols_m, "SPLITS": 8}}),
                        (k.grad_kernel, bwd, {{**b, **cols_b, "BLOCK": 1024, "TILES": {ts.GRAD_TILES}}})]:
         s = {{**sig, **{{name: "constexpr" for name in c}}}}
         assert ".entry" in triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=t).asm["ptx"]

@@ -45,6 +45,7 @@ E_π̃[u − w] = +inf only: the backward kernel always uses the guarded arithme
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 
 import torch
@@ -143,55 +144,55 @@ def _warps(block: int) -> int:
     return 8 if block >= 2048 else 4
 
 
-def _wanted(want: int) -> tuple[bool, bool, bool, bool]:
-    """(kl, logp, ref_logp, entropy): the outputs asked for by the ``want`` bits."""
-    return tuple(bool(want & bit) for bit in Want)
+# The outputs (Want bits) that read the policy's distribution, the reference's logits and the
+# sampled token.
+_READS_X = Want.KL | Want.LOGP | Want.ENTROPY
+_READS_Y = Want.KL | Want.REF_LOGP
+_READS_TOKEN = Want.LOGP | Want.REF_LOGP
 
 
-_STATE_NAMES = ("STATE_COLS", "SX_M_X", "SX_S_X", "SX_M_Y", "SX_S_Y", "SX_A", "SX_B")
-_OUT_NAMES = ("OUT_COLS", "OUT_KL", "OUT_LOGP", "OUT_REF_LOGP", "OUT_ENTROPY")
-_STATS_NAMES = ("STATS_COLS", "ST_SHIFT_X", "ST_LOG_S_X", "ST_SHIFT_Y", "ST_LOG_S_Y",
-                "ST_MEAN_D", "ST_MEAN_U", "ST_LOGP", "ST_REF_LOGP")
-
-
+@functools.cache
 def column_constexprs(kernel: str) -> dict[str, int]:
-    """The column layout of :mod:`..contract` as the ``tl.constexpr`` s of a kernel
-    (``"stats"``: :func:`._kernels_stats.stats_kernel` and ``merge_kernel``, the state, out and
-    stats columns; ``"grad"``: the out and stats columns of ``grad_kernel``)."""
-    if kernel == "stats":
-        names = _STATE_NAMES + _OUT_NAMES + _STATS_NAMES + ("ST_CAREFUL", "ST_TAU")
-    else:
-        names = _OUT_NAMES + _STATS_NAMES
-    return {name: getattr(contract, name) for name in names}
+    """The column layouts of :mod:`..contract` as the ``tl.constexpr`` s of a kernel of
+    :mod:`._kernels_stats` (``"stats"``, ``"merge"`` or ``"grad"``): every column constant of
+    :data:`..contract.COLUMNS` that the kernel takes, as a parameter of the same name."""
+    from . import _kernels_stats  # imported already where a kernel runs (imports Triton)
+
+    params = inspect.signature(getattr(_kernels_stats, f"{kernel}_kernel").fn).parameters
+    return {name: column for name, column in contract.COLUMNS.items() if name in params}
 
 
 def forward_constexprs(
-    flags, has_keep: bool, has_tau: bool, finish: bool = True, has_mask: bool = False
+    want: int, has_keep: bool, has_tau: bool, finish: bool = True, has_mask: bool = False
 ) -> dict[str, bool]:
-    """The ``tl.constexpr`` flags of :func:`._kernels_stats.stats_kernel` for the wanted outputs
-    ``flags`` = (kl, logp, ref_logp, entropy) (:func:`_wanted`) and the support; ``finish``:
-    the kernel writes out and stats (one program per row), else partial states."""
-    kl, logp, ref_logp, ent = flags
+    """The ``tl.constexpr`` flags of :func:`._kernels_stats.stats_kernel` for the outputs in
+    ``want`` (:class:`..contract.Want` bits) and the support; ``finish``: the kernel writes out
+    and stats (one program per row), else partial states."""
+    want = Want(want)
     return dict(
-        X_STATE=kl or logp or ent, Y_STATE=kl or ref_logp, MOMENT_A=kl, MOMENT_B=ent,
-        HAS_KEEP=has_keep, HAS_TAU=has_tau, FINISH=finish, LOGP=logp and finish,
-        REF_LOGP=ref_logp and finish, HAS_MASK=has_mask and finish,
+        X_STATE=bool(want & _READS_X), Y_STATE=bool(want & _READS_Y),
+        MOMENT_A=Want.KL in want, MOMENT_B=Want.ENTROPY in want, HAS_KEEP=has_keep,
+        HAS_TAU=has_tau, FINISH=finish, LOGP=Want.LOGP in want and finish,
+        REF_LOGP=Want.REF_LOGP in want and finish, HAS_MASK=has_mask and finish,
     )
 
 
 def backward_constexprs(
-    flags, need_x: bool, need_y: bool, has_keep: bool, has_tau: bool, has_mask: bool = False,
-    has_owned: bool = False,
+    want: int, need_x: bool, need_y: bool, has_keep: bool, has_tau: bool,
+    has_mask: bool = False, has_owned: bool = False,
 ) -> dict[str, bool]:
     """The ``tl.constexpr`` flags of :func:`._kernels_stats.grad_kernel` (as
-    :func:`forward_constexprs`; ``need_x``/``need_y``: the gradients written)."""
-    kl, logp, ref_logp, ent = flags
+    :func:`forward_constexprs`; ``need_x``/``need_y``: the gradients written). The kernel's
+    flags of the wanted outputs are named as their :class:`..contract.Want` bits (KL, LOGP,
+    REF_LOGP, ENTROPY)."""
+    want = Want(want)
+    kl = Want.KL in want
     return dict(
-        KL=kl, LOGP=logp, REF_LOGP=ref_logp, ENTROPY=ent, NEED_X=need_x, NEED_Y=need_y,
-        NEED_P=(need_x and (kl or logp or ent)) or (need_y and kl),
-        NEED_Q=need_y or (need_x and kl), HAS_TOKEN=logp or ref_logp,
+        **{bit.name: bit in want for bit in Want}, NEED_X=need_x, NEED_Y=need_y,
+        NEED_P=(need_x and bool(want & _READS_X)) or (need_y and kl),
+        NEED_Q=need_y or (need_x and kl), HAS_TOKEN=bool(want & _READS_TOKEN),
         HAS_KEEP=has_keep, HAS_TAU=has_tau, HAS_MASK=has_mask,
-        HAS_OWNED=has_owned and (logp or ref_logp),
+        HAS_OWNED=has_owned and bool(want & _READS_TOKEN),
     )
 
 
@@ -203,8 +204,9 @@ def _forward(x, y, tokens, mask, keep, tau, temperature: float, ignore_index: in
     """The forward kernels on (..., V) logits: ``finish`` → (out (N, 4), stats (N, 10)), else
     the merged state (N, 6). One program per row writes them directly; split rows write
     partial states that :func:`._kernels_stats.merge_kernel` merges (and finishes)."""
-    flags = kl, logp, ref_logp, _ = _wanted(want)
-    rows = _host.rows(x, y if kl or ref_logp else None, keep)
+    constexprs = forward_constexprs(want, keep is not None, tau is not None, finish,
+                                    finish and mask is not None)
+    rows = _host.rows(x, y if constexprs["Y_STATE"] else None, keep)
     vocab = x.shape[-1]
     n = x.numel() // vocab
     device = x.device
@@ -216,10 +218,8 @@ def _forward(x, y, tokens, mask, keep, tau, temperature: float, ignore_index: in
     block, cols = split_columns(n, vocab, device, tile_cols)
     splits = max(1, -(-vocab // cols))
     tauf = _host.flat(tau)
-    tok = _host.flat(tokens) if finish and (logp or ref_logp) else None
+    tok = _host.flat(tokens) if constexprs["LOGP"] or constexprs["REF_LOGP"] else None
     maskf = _host.flat(mask, torch.uint8) if finish else None
-    constexprs = forward_constexprs(flags, keep is not None, tau is not None, finish,
-                                    maskf is not None)
     out, stats = outs if finish else (outs[0], outs[0])
     any_ptr = outs[0]
     inv_t = 1.0 / temperature
@@ -246,7 +246,7 @@ def _forward(x, y, tokens, mask, keep, tau, temperature: float, ignore_index: in
     _host.launch(
         kernels.merge_kernel, (n,), device, parts, *pointers, out, stats, *rows.args, vocab,
         splits, inv_t, temperature, ignore_index, **merge_flags,
-        SPLITS=max(2, 1 << (splits - 1).bit_length()), **column_constexprs("stats"),
+        SPLITS=max(2, 1 << (splits - 1).bit_length()), **column_constexprs("merge"),
         num_warps=1,
     )
     return outs
@@ -303,9 +303,8 @@ def token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backwa
             grad, x, y, tokens, owned, stats, mask, keep, tau, temperature, ignore_index, want,
             need_x, need_y, tile_rows, tile_cols,
         )
-    flags = kl, logp, ref_logp, _ = _wanted(want)
     need_y = need_y and y is not None
-    use_y = (kl or ref_logp) and y is not None
+    use_y = bool(want & _READS_Y) and y is not None
     vocab = x.shape[-1]
     n = x.numel() // vocab
     gx = torch.empty((n, vocab), dtype=x.dtype, device=x.device) if need_x else None
@@ -317,7 +316,7 @@ def token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backwa
         rows = _host.rows(x, y if use_y else None, keep)
         st = _host.flat(stats).view(n, contract.STATS_COLS)
         g = grad.reshape(n, contract.OUT_COLS)  # (N, 4), read through its strides
-        tok = _host.flat(tokens) if logp or ref_logp else None
+        tok = _host.flat(tokens) if want & _READS_TOKEN else None
         maskf, ownedf = _host.flat(mask, torch.uint8), _host.flat(owned, torch.uint8)
         tauf = _host.flat(tau)
         block = _host.block(vocab, 1024)
@@ -329,7 +328,7 @@ def token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backwa
             st if tok is None else tok, st if maskf is None else maskf,
             st if ownedf is None else ownedf, *rows.args, g.stride(0), g.stride(1), vocab,
             inv_t, inv_t * 1.4426950408889634, ignore_index,
-            **backward_constexprs(flags, need_x, write_y, keep is not None, tau is not None,
+            **backward_constexprs(want, need_x, write_y, keep is not None, tau is not None,
                                   maskf is not None, ownedf is not None),
             **column_constexprs("grad"), BLOCK=block, TILES=GRAD_TILES,
             num_warps=_warps(block),

@@ -1,6 +1,7 @@
 """The host code that both ops of the Triton backend share (:mod:`.token_stats` and
 :mod:`.threshold`): every launch, on the tensors' device; the rows of the (..., V) inputs as the
-kernels address them; the block width; which inputs the kernels do not take.
+kernels address them; the block width; which inputs the kernels do not take, and the ops that
+take them instead.
 
 **Layouts.** Rows r of a (..., T, V) input are read at (r // T)·stride_b + (r % T)·stride_t
 (:func:`strides`): in place where the dimensions before −2 collapse to one stride and the last
@@ -17,7 +18,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-__all__ = ["launch", "Rows", "strides", "rows", "flat", "block", "portable"]
+from .. import contract
+
+__all__ = ["launch", "Rows", "strides", "rows", "flat", "block", "portable", "portable_op",
+           "PORTABLE"]
+
+# The backend whose ops run the inputs the kernels do not take (:func:`portable`).
+PORTABLE = "streaming"
 
 
 def _on_device(device: torch.device):
@@ -85,7 +92,15 @@ def block(vocab: int, cap: int) -> int:
 
 
 def portable(*tensors: Tensor | None) -> bool:
-    """Whether the inputs go to the streaming ops instead of the kernels: float64 inputs
-    (float64 math) and empty vocabularies."""
+    """Whether the inputs go to the :data:`PORTABLE` backend's ops instead of the kernels:
+    float64 inputs (float64 math) and empty vocabularies."""
     given = [t for t in tensors if t is not None]
     return any(t.dtype == torch.float64 for t in given) or given[0].shape[-1] == 0
+
+
+def portable_op(op: str):
+    """The :data:`PORTABLE` backend's op ``op`` (a key of :data:`..contract.SCHEMAS`), called
+    through the dispatcher: that backend registers it (klpenalty imports every backend), and
+    this package imports nothing of it."""
+    namespace, name = contract.op_name(PORTABLE, op).split("::")
+    return getattr(getattr(torch.ops, namespace), name).default

@@ -5,7 +5,8 @@ sampler's threshold that its forward computes first where the sampler settings c
 order-preserving keys of the logits, float64 masses; docs/triton.md) writes τ, or max(tau, τ)
 where a tau is given, into an (N,) float32 buffer: the threshold op returns it, the forward's
 statistics kernels read it as their tau and write it into the stats column ``ST_TAU``. One
-launch, nothing read back. Float64 logits and empty vocabularies run the streaming op.
+launch, nothing read back. Float64 logits and empty vocabularies run the streaming backend's
+op (:func:`._host.portable_op`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import struct
 import torch
 from torch import Tensor
 
-from .. import contract, streaming
+from .. import contract
 from . import _host, _kernels
 
 __all__ = ["tau_rows", "sampling_threshold_op", "THRESHOLD_BUCKETS", "THRESHOLD_BLOCK",
@@ -73,9 +74,9 @@ def sampling_threshold_op(x, top_k, top_p, min_p, temperature):  # SCHEMAS["samp
     """τ (...) float32 of top-k → top-p → min-p sampling on (..., V) logits (the threshold op
     of :mod:`..contract`, :func:`klpenalty.sampling.sampling_threshold`'s rule): −inf where
     nothing is cut, NaN for a row holding NaN; computed by :func:`tau_rows` (float64 logits and
-    empty vocabularies: the streaming op)."""
+    empty vocabularies: the streaming backend's op)."""
     if _host.portable(x):
-        return streaming.sampling_threshold_op(x, top_k, top_p, min_p, temperature)
+        return _host.portable_op("sampling_threshold")(x, top_k, top_p, min_p, temperature)
     contract.check_sampler_args(top_k, top_p, min_p, temperature)
     if not contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):
         return torch.full(x.shape[:-1], -math.inf, dtype=torch.float32, device=x.device)

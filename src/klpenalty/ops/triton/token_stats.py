@@ -18,7 +18,8 @@ stats (N, 10). Split rows write partial states to an (N, splits, 6) float32 buff
 :func:`._kernels_stats.merge_kernel` merges and finishes, one program per row. The host dispatches
 views and the outputs' allocations only, and reads nothing back (``check=True``: one read).
 The split plan (:func:`plan_splits`) fills the GPU's waves; ``tile_cols`` forces the split.
-Float64 inputs run the streaming op (the kernels compute in float32).
+Float64 inputs and empty vocabularies run the streaming backend's ops, through the
+dispatcher (:func:`._host.portable_op`; the kernels compute in float32).
 
 **The sampler's threshold.** Where top_k / top_p / min_p cut, the forward first launches
 :func:`._kernels_threshold.threshold_kernel` (:func:`.threshold.tau_rows`; one program per row:
@@ -52,7 +53,7 @@ import torch
 from torch import Tensor
 
 from ... import _validation as v
-from .. import contract, streaming
+from .. import contract
 from ..contract import Want
 from . import _host, _kernels
 from .threshold import tau_rows
@@ -256,7 +257,7 @@ def token_stats_state_op(x, y, keep, tau, temperature, want, tile_rows, tile_col
     """The unfinalized state (N, 6) of (..., V) logits over these columns and (N,) careful
     flags (the state op of :mod:`..contract`), from the forward kernels."""
     if _host.portable(x, y):
-        return streaming.token_stats_state_op(
+        return _host.portable_op("token_stats_state")(
             x, y, keep, tau, temperature, want, tile_rows, tile_cols
         )
     (state,) = _forward(x, y, None, None, keep, tau, temperature, -100, want, tile_cols, False)
@@ -273,7 +274,7 @@ def token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
     Where the sampler settings cut, :func:`.threshold.tau_rows` runs first (its τ, max with
     ``tau``, is the support's threshold and the stats column ``ST_TAU``)."""
     if _host.portable(x, y):
-        return streaming.token_stats_op(
+        return _host.portable_op("token_stats")(
             x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
             tile_cols, top_k, top_p, min_p,
         )
@@ -299,7 +300,7 @@ def token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backwa
     upstream gradient's masking (unwanted columns, masked rows, ignored tokens) and the
     token's factors are applied in the kernel."""
     if _host.portable(x, y):
-        return streaming.token_stats_backward_op(
+        return _host.portable_op("token_stats_backward")(
             grad, x, y, tokens, owned, stats, mask, keep, tau, temperature, ignore_index, want,
             need_x, need_y, tile_rows, tile_cols,
         )

@@ -6,9 +6,10 @@ the KL alone, all four statistics (tokens and a mask), and split rows (``vocab_c
 kernels' own launches are run outside the counter (under ``TRITON_INTERPRET=1`` they are
 numpy, with copies of their arguments that are not the op's work).
 
-Runs on CPU tensors in Triton's interpreter (or compiled on CUDA), with any version of the
-package on ``PYTHONPATH`` (it only needs ``triton_kernels._kernels``/``_jit`` and the ops'
-implementations), so the same script measures a tree before and after a change::
+Runs on CPU tensors in Triton's interpreter (or compiled on CUDA), with the package of any tree
+on ``PYTHONPATH`` (it only needs ``klpenalty.ops.triton``'s ``_kernels``/``_jit`` and the
+forward and backward ops of ``klpenalty.ops.triton.token_stats``), so the same script measures a
+tree before and after a change::
 
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/triton_host_ops.py
 """
@@ -24,7 +25,9 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if "--cuda" in sys.argv else "1")
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes  # noqa: E402
 
-from klpenalty.ops import triton_kernels as tk  # noqa: E402
+from klpenalty.ops import triton as backend  # noqa: E402
+from klpenalty.ops.triton.token_stats import token_stats_backward_op as backward_op  # noqa: E402
+from klpenalty.ops.triton.token_stats import token_stats_op as forward_op  # noqa: E402
 
 
 class _Kernel:
@@ -40,7 +43,7 @@ class _Kernel:
 
 
 class _Kernels:
-    """The kernels module with every launch outside the dispatch modes."""
+    """The kernels with every launch outside the dispatch modes."""
 
     def __init__(self, module):
         self.module = module
@@ -69,7 +72,7 @@ def _count(fn, *args):
 
 def main() -> None:
     device = torch.device("cuda" if "--cuda" in sys.argv else "cpu")
-    tk._jit = _Kernels(tk._kernels())
+    backend._jit = _Kernels(backend._kernels())
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 40, generator=gen).to(device)
     y = (x + torch.randn(2, 3, 40, generator=gen).to(device))
@@ -83,13 +86,13 @@ def main() -> None:
         ("all four, tokens + mask", 15, tokens, mask, 0),
         ("KL, split rows", 1, None, None, 16),
     ):
-        (_, stats), fwd = _count(tk._token_stats_op, x, y, tok, msk, None, None, 0.9, -100, want,
-                                 False, 0, chunk)
+        (_, stats), fwd = _count(forward_op, x, y, tok, msk, None, None, 0.9, -100, want,
+                                 False, 0, chunk, 0, 1.0, 0.0)
         grad = torch.linspace(-1, 1, 24, device=device).reshape(2, 3, 4)
-        _, bwd = _count(tk._token_stats_backward_op, grad, x, y, tok, None, stats, msk, None,
+        _, bwd = _count(backward_op, grad, x, y, tok, None, stats, msk, None,
                         None, 0.9, -100, want, True, True, 0, chunk)
         rows.append((name, len(fwd), len(bwd), fwd, bwd))
-    print(f"device {device}, triton interpreted: {tk.interpreted()}")
+    print(f"device {device}, triton interpreted: {backend.interpreted()}")
     print("| call | forward ops | backward ops |\n|---|---:|---:|")
     for name, nf, nb, _, _ in rows:
         print(f"| {name} | {nf} | {nb} |")

@@ -197,7 +197,7 @@ def sass_of(cuobjdump: str, cubin: bytes) -> str:
 
 
 class _Recorder:
-    """Stands in for the kernels module: ``kernel[grid](*args, **kwargs)`` records the launch."""
+    """Stands in for the kernels: ``kernel[grid](*args, **kwargs)`` records the launch."""
 
     def __init__(self, module, log):
         self._module, self._log = module, log
@@ -218,7 +218,7 @@ class _Recorder:
 def record(case: dict) -> list[tuple]:
     """The kernel launches the host code makes for one case (forward, then backward)."""
     import torch
-    from klpenalty.ops import triton_kernels as tk
+    from klpenalty.ops import triton as triton_backend
 
     dt = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[case["dtype"]]
     vocab = case.get("vocab", VOCAB)
@@ -232,8 +232,8 @@ def record(case: dict) -> list[tuple]:
         keep = torch.ones(ROWS, vocab, dtype=torch.bool)
         tau = torch.full((ROWS,), -1.0)
     log: list[tuple] = []
-    saved = tk._kernels()
-    tk._jit = _Recorder(saved, log)
+    saved = triton_backend._kernels()
+    triton_backend._jit = _Recorder(saved, log)
     try:
         ops = torch.ops.klpenalty
         want = case["want"]
@@ -245,7 +245,7 @@ def record(case: dict) -> list[tuple]:
             ops.triton_token_stats_backward(grad, x, y, tokens, None, stats, None, keep, tau,
                                             1.0, -100, want, True, True, 0, 0)
     finally:
-        tk._jit = saved
+        triton_backend._jit = saved
     return log
 
 

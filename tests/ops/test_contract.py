@@ -171,3 +171,14 @@ def test_registry_lists_every_backend_with_its_ops():
         ops = (backend.forward_op, backend.backward_op, backend.state_op)
         for op, schema in zip(ops, contract.SCHEMAS.values()):
             assert str(op._schema) == "klpenalty::" + schema.format(b=name)
+
+
+def test_column_table_holds_each_layout_whole():
+    """contract.COLUMNS: each layout's width and its columns 0 .. width − 1, each once."""
+    layouts = {"OUT_COLS": "OUT_", "STATS_COLS": "ST_", "STATE_COLS": "SX_"}
+    assert {n for n in contract.COLUMNS if n.endswith("_COLS")} == set(layouts)
+    for width, prefix in layouts.items():
+        cols = [c for n, c in contract.COLUMNS.items() if n.startswith(prefix) and n != width]
+        assert sorted(cols) == list(range(getattr(contract, width))), width
+    assert all(getattr(contract, n) == c for n, c in contract.COLUMNS.items())
+    assert contract.COLUMNS["ST_TAU"] == contract.ST_TAU and "Want" not in contract.COLUMNS

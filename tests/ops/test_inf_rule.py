@@ -46,10 +46,10 @@ def backend(request):
         yield name
         return
     pytest.importorskip("triton", reason="Triton is not installed: pip install 'klpenalty[triton]'")
-    from klpenalty.ops import triton_kernels as tk
+    from klpenalty.ops import triton as triton_backend
 
     with triton_interpreter_env():
-        if not CUDA and not tk.interpreted():
+        if not CUDA and not triton_backend.interpreted():
             pytest.fail("Triton was imported before TRITON_INTERPRET=1 was set")
         yield name
 

@@ -23,8 +23,11 @@ import torch
 
 import klpenalty
 from klpenalty.ops import dispatch, streaming
-from klpenalty.ops import triton_kernels as tk
+from klpenalty.ops import triton as triton_backend
+from klpenalty.ops.contract import Want
 from klpenalty.ops.reference import entropy_reference, full_kl_reference
+from klpenalty.ops.triton import threshold as th
+from klpenalty.ops.triton import token_stats as ts
 from tests.helpers import grad_tol, make_logits, tol, triton_interpreter_env
 from tests.helpers import views
 from tests.ops.cases import (
@@ -59,7 +62,7 @@ def _interpreter_on_cpu():
     """Without a GPU: TRITON_INTERPRET=1 while this module's tests run (Triton reads it at run
     time too), and a clear failure if Triton was imported without it by someone else."""
     with triton_interpreter_env():
-        if not CUDA and not tk.interpreted():
+        if not CUDA and not triton_backend.interpreted():
             pytest.fail(
                 "Triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets "
                 "it for its first import): run the tests through pytest from the repository root"
@@ -112,7 +115,7 @@ def test_token_stats_shared_grid(dtype, vocab_chunk, scenario):
     three partial states merged per row). Float64 runs the streaming op."""
     if vocab_chunk == 0:
         n, vocab = token_stats_case(torch.float32)["x"].reshape(-1, 37).shape
-        assert tk.split_columns(n, vocab, DEVICE)[1] >= vocab or CUDA
+        assert ts.split_columns(n, vocab, DEVICE)[1] >= vocab or CUDA
     check_token_stats(_run(vocab_chunk), dtype, device=DEVICE, scenario=scenario)
 
 
@@ -409,22 +412,22 @@ def test_torch_compile_fullgraph_traces_through_the_ops():
 # --------------------------------------------------------------------------- dispatch
 def test_dispatch_forces_triton_and_auto_picks_it_on_cuda():
     assert "triton" in dispatch.available_backends()
-    assert dispatch.get_backend("triton", DEVICE).module is tk
+    assert dispatch.get_backend("triton", DEVICE).module is triton_backend
     x, y = _on(*make_logits((2, 30), torch.float32, seed=8))
     got = klpenalty.full_kl(x, y, backend="triton")
     torch.testing.assert_close(got.double(), full_kl_reference(x, y), **tol(torch.float32))
     if CUDA:
-        assert dispatch.get_backend("auto", DEVICE).module is tk
+        assert dispatch.get_backend("auto", DEVICE).module is triton_backend
         assert "triton" in dispatch.device_backends(DEVICE)
     else:
         assert "triton" not in dispatch.device_backends(DEVICE)
-        assert dispatch.get_backend("auto", DEVICE) is not tk
+        assert dispatch.get_backend("auto", DEVICE) is not triton_backend
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
         dispatch.get_backend("triton", torch.device("meta"))
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(tk._kernels(), "INTERPRETED", False)
+    monkeypatch.setattr(triton_backend._kernels(), "INTERPRETED", False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         dispatch.get_backend("triton", torch.device("cpu"))
     x, y = make_logits((2, 5), torch.float32)
@@ -433,8 +436,8 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
 
 
 def test_auto_on_cuda_without_triton_notes_the_fallback_once(monkeypatch):
-    monkeypatch.setattr(tk, "_error", "ImportError: simulated")
-    monkeypatch.setattr(tk, "_warned", False)
+    monkeypatch.setattr(triton_backend, "_error", "ImportError: simulated")
+    monkeypatch.setattr(triton_backend, "_warned", False)
     cuda = torch.device("cuda")  # no tensor is made: only the choice is tested
     with pytest.warns(RuntimeWarning, match="simulated") as record:
         assert dispatch.get_backend("auto", cuda).module is streaming
@@ -448,10 +451,11 @@ _NO_TRITON_CHILD = """
     import sys
     sys.modules["triton"] = None  # import triton raises ImportError
     import torch, klpenalty
-    from klpenalty.ops import dispatch, triton_kernels
+    from klpenalty.ops import dispatch
+    from klpenalty.ops import triton as triton_backend
     x = torch.randn(2, 9)
     print("KL", klpenalty.full_kl(x, x.flip(-1)).shape)
-    print("AVAILABLE", triton_kernels.available())
+    print("AVAILABLE", triton_backend.available())
     try:
         dispatch.get_backend("triton", torch.device("cpu"))
     except ValueError as exc:
@@ -470,40 +474,63 @@ def test_the_library_works_without_triton():
     assert "ERROR backend 'triton' needs Triton" in done.stdout and "klpenalty[triton]" in done.stdout
 
 
+_LAZY_CHILD = """
+    import sys
+    import klpenalty
+    from klpenalty.ops import triton as triton_backend
+    from klpenalty.ops.triton import _host, threshold, token_stats
+    print("IMPORTED", sorted(m for m in sys.modules if m == "triton" or "_kernels_" in m))
+    print("AVAILABLE", triton_backend.available(), "triton" in sys.modules)
+"""
+
+
+def test_importing_the_backend_imports_no_triton():
+    """klpenalty and the backend's host modules import neither Triton nor the kernel modules;
+    the first availability check imports both."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(_LAZY_CHILD)],
+        capture_output=True, text=True, env=env, timeout=300, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "IMPORTED []" in done.stdout and "AVAILABLE True True" in done.stdout, done.stdout
+
+
 def test_split_heuristic():
     cpu = torch.device("cpu")
-    assert tk.split_columns(64, 1000, cpu) == (1024, 1000)  # enough rows: one program a row
-    block, cols = tk.split_columns(1, 128256, cpu)  # one row: split into up to 4 programs
-    assert block == tk.MAX_BLOCK and -(-128256 // cols) == 4
-    assert tk.split_columns(1, 5000, cpu, vocab_chunk=100) == (128, 128)  # forced
+    assert ts.split_columns(64, 1000, cpu) == (1024, 1000)  # enough rows: one program a row
+    block, cols = ts.split_columns(1, 128256, cpu)  # one row: split into up to 4 programs
+    assert block == ts.MAX_BLOCK and -(-128256 // cols) == 4
+    assert ts.split_columns(1, 5000, cpu, vocab_chunk=100) == (128, 128)  # forced
 
 
 # --------------------------------------------------------------------------- GPU compilation
 # The specialisations the library launches: the three views, the PPO/GRPO call with and without
-# the entropy, each support form, and the reference's log-prob alone (kl, logp, ref_logp, entropy).
+# the entropy, each support form, and the reference's log-prob alone.
+_ALL = Want.KL | Want.LOGP | Want.REF_LOGP | Want.ENTROPY
 _LOWERED = [
-    # (flags, keep, tau, need_x, need_y)
-    ((True, False, False, False), False, False, True, True),  # full_kl, both gradients
-    ((False, True, False, False), False, False, True, False),  # token_logprobs
-    ((False, False, False, True), False, False, True, False),  # entropy
-    ((True, True, True, True), False, False, True, True),  # every statistic, no support
-    ((True, True, True, True), True, False, True, False),  # support by keep mask
-    ((True, True, True, False), False, True, True, True),  # support by threshold
-    ((True, True, False, True), True, True, True, False),  # both support forms
-    ((False, False, True, False), False, False, False, True),  # log ρ(token) alone
+    # (want, keep, tau, need_x, need_y)
+    (Want.KL, False, False, True, True),  # full_kl, both gradients
+    (Want.LOGP, False, False, True, False),  # token_logprobs
+    (Want.ENTROPY, False, False, True, False),  # entropy
+    (_ALL, False, False, True, True),  # every statistic, no support
+    (_ALL, True, False, True, False),  # support by keep mask
+    (_ALL & ~Want.ENTROPY, False, True, True, True),  # support by threshold
+    (_ALL & ~Want.REF_LOGP, True, True, True, False),  # both support forms
+    (Want.REF_LOGP, False, False, False, True),  # log ρ(token) alone
 ]
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_a_cuda_target():
     """Both kernels lower to PTX for sm_90 (no GPU needed), in every constexpr specialisation the
-    library launches (tk.forward_constexprs / backward_constexprs): what the interpreter cannot
+    library launches (ts.forward_constexprs / backward_constexprs): what the interpreter cannot
     catch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     specs = [
-        (tk.forward_constexprs(flags, keep, tau, has_mask=keep),
-         tk.backward_constexprs(flags, nx, ny, keep, tau, has_mask=tau, has_owned=keep))
-        for flags, keep, tau, nx, ny in _LOWERED
+        (ts.forward_constexprs(want, keep, tau, has_mask=keep),
+         ts.backward_constexprs(want, nx, ny, keep, tau, has_mask=tau, has_owned=keep))
+        for want, keep, tau, nx, ny in _LOWERED
     ]
     for name in ("X_STATE", "Y_STATE", "MOMENT_A", "MOMENT_B", "HAS_KEEP", "HAS_TAU", "LOGP",
                  "REF_LOGP", "HAS_MASK"):
@@ -515,7 +542,7 @@ def test_kernels_compile_for_a_cuda_target():
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from klpenalty.ops import _triton_jit as k
+from klpenalty.ops.triton import _kernels_stats as k
 t = GPUTarget("cuda", 90, 32)
 rows = {{"T": "i32", **{{f"stride_{{a}}{{d}}": "i64" for a in "xyk" for d in "bt"}}}}
 ptrs = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32", "tok_ptr": "*i64",
@@ -528,13 +555,14 @@ bwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "keep_ptr": "*u8", "tau_ptr": "*fp32
        "gy_ptr": "*fp32", "stats_ptr": "*fp32", "g_ptr": "*fp32", "tok_ptr": "*i64", "mask_ptr": "*u8",
        "owned_ptr": "*u8", **rows, "stride_gn": "i64", "stride_gc": "i64", "V": "i32", "inv_t": "fp32",
        "c2": "fp32", "ignore_index": "i32"}}
-cols_f, cols_b = {tk.column_constexprs("stats")!r}, {tk.column_constexprs("grad")!r}
+cols_f, cols_m = {ts.column_constexprs("stats")!r}, {ts.column_constexprs("merge")!r}
+cols_b = {ts.column_constexprs("grad")!r}
 for f, b in {specs!r}:
     m = {{name: on for name, on in f.items() if name != "X_STATE"}}
     for fn, sig, c in [(k.stats_kernel, fwd, {{**f, **cols_f, "BLOCK": 4096}}),
                        (k.stats_kernel, fwd, {{**f, "FINISH": False, **cols_f, "BLOCK": 4096}}),
-                       (k.merge_kernel, merge, {{**m, **cols_f, "SPLITS": 8}}),
-                       (k.grad_kernel, bwd, {{**b, **cols_b, "BLOCK": 1024, "TILES": {tk.GRAD_TILES}}})]:
+                       (k.merge_kernel, merge, {{**m, **cols_m, "SPLITS": 8}}),
+                       (k.grad_kernel, bwd, {{**b, **cols_b, "BLOCK": 1024, "TILES": {ts.GRAD_TILES}}})]:
         s = {{**sig, **{{name: "constexpr" for name in c}}}}
         assert ".entry" in triton.compile(ASTSource(fn=fn, signature=s, constexprs=c), target=t).asm["ptx"]
 print("OK", len({specs!r}))
@@ -635,15 +663,15 @@ def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
     before = torch.cumsum(torch.exp(scaled.double().sort(descending=True).values - log_z), 0)
     searches = []  # interpreted: the float64 search runs where the float32 one's check fails
     if not CUDA:
-        from klpenalty.ops import _triton_jit
+        from klpenalty.ops.triton import _kernels_threshold
 
-        bucket_sums = _triton_jit._bucket_sums
+        bucket_sums = _kernels_threshold._bucket_sums
 
         def counted(*args):
             searches.append(args[7])  # MASS: 1 float32, 2 float64
             return bucket_sums(*args)
 
-        monkeypatch.setattr(_triton_jit, "_bucket_sums", counted)
+        monkeypatch.setattr(_kernels_threshold, "_bucket_sums", counted)
     for j in (1, 5, 20):
         p = before[j - 1].item()  # the mass before the (j + 1)-th largest
         assert op(_on(row), 0, p * (1 + 1e-9), 0.0, 0.8).item() == vals[j].item()
@@ -714,7 +742,7 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
         import itertools, triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        from klpenalty.ops import _triton_jit as k
+        from klpenalty.ops.triton import _kernels_threshold as k
         t = GPUTarget("cuda", 90, 32)
         n = 0
         for (dt, shift), (top_k, top_p, min_p, has_tau) in itertools.product(
@@ -725,8 +753,8 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
                    "top_p_bits": "i64", "log_min_p_bits": "i64", "window_bits": "i64",
                    "temperature": "fp32"}}
             c = dict(TOP_K=bool(top_k), TOP_P=bool(top_p), MIN_P=bool(min_p),
-                     HAS_TAU=bool(has_tau), KEY_SHIFT=shift, BLOCK={tk.THRESHOLD_BLOCK},
-                     BT={32 * tk.THRESHOLD_WARPS}, F={tk.THRESHOLD_BUCKETS})
+                     HAS_TAU=bool(has_tau), KEY_SHIFT=shift, BLOCK={th.THRESHOLD_BLOCK},
+                     BT={32 * th.THRESHOLD_WARPS}, F={th.THRESHOLD_BUCKETS})
             s = {{**sig, **{{name: "constexpr" for name in c}}}}
             src = ASTSource(fn=k.threshold_kernel, signature=s, constexprs=c)
             assert ".entry" in triton.compile(src, target=t).asm["ptx"]

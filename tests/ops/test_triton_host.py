@@ -17,8 +17,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from klpenalty.ops import contract, engine
-from klpenalty.ops import triton_kernels as tk
-from klpenalty.ops._triton_jit import _expm1
+from klpenalty.ops import triton as triton_backend
+from klpenalty.ops.triton import _host
+from klpenalty.ops.triton import token_stats as ts
+from klpenalty.ops.triton._kernels_stats import _expm1
 from klpenalty.ops.reference import token_stats_reference
 from tests.helpers import grad_tol, make_logits, tol, triton_interpreter_env
 from tests.ops.cases import ref_token_stats_grads, token_stats_case
@@ -41,19 +43,19 @@ pytestmark = [
 @pytest.fixture(scope="module", autouse=True)
 def _interpreter_on_cpu():
     with triton_interpreter_env():
-        if not CUDA and not tk.interpreted():
+        if not CUDA and not triton_backend.interpreted():
             pytest.fail("Triton was imported before TRITON_INTERPRET=1 was set: run through pytest")
         yield
 
 
 class _Launches:
-    """Replaces :func:`tk._launch`: records (kernel name, device) and runs the launch outside
+    """Replaces :func:`_host.launch`: records (kernel name, device) and runs the launch outside
     the counters (the interpreter's own copies are not the op's host work)."""
 
     def __init__(self, monkeypatch, counter=None):
         self.calls = []
         self.counter = counter
-        original = tk._launch
+        original = _host.launch
 
         def launch(kernel, grid, device, *args, **kwargs):
             self.calls.append((kernel.fn.__name__ if hasattr(kernel, "fn") else str(kernel), device))
@@ -63,7 +65,7 @@ class _Launches:
             if before is not None:
                 self.counter.syncs = before
 
-        monkeypatch.setattr(tk, "_launch", launch)
+        monkeypatch.setattr(_host, "launch", launch)
 
     def names(self):
         return [name for name, _ in self.calls]
@@ -137,30 +139,30 @@ def test_eager_ops_per_call_are_few(monkeypatch):
     in the kernels (stats_kernel, merge_kernel, grad_kernel)."""
     x, y, tokens, mask = _case()
     launches = _Launches(monkeypatch)
-    (out, st), ops = _count(tk._token_stats_op, x, y, None, None, None, None, 1.0, -100, 1,
+    (out, st), ops = _count(ts.token_stats_op, x, y, None, None, None, None, 1.0, -100, 1,
                             False, 0, 0, 0, 1.0, 0.0)
     assert len(ops) <= OP_BOUNDS["kl"], ops
     assert launches.names() == ["stats_kernel"]
-    (out4, st4), ops = _count(tk._token_stats_op, x, y, tokens, mask, None, None, 0.8, -100, 15,
+    (out4, st4), ops = _count(ts.token_stats_op, x, y, tokens, mask, None, None, 0.8, -100, 15,
                               False, 0, 0, 0, 1.0, 0.0)
     assert len(ops) <= OP_BOUNDS["all"], ops
     launches.calls.clear()
-    (out_s, _), ops = _count(tk._token_stats_op, x, y, None, None, None, None, 1.0, -100, 1,
+    (out_s, _), ops = _count(ts.token_stats_op, x, y, None, None, None, None, 1.0, -100, 1,
                              False, 0, 16, 0, 1.0, 0.0)
     assert len(ops) <= OP_BOUNDS["kl-split"], ops
     assert launches.names() == ["stats_kernel", "merge_kernel"]
     torch.testing.assert_close(out_s, out, **tol(torch.float32))
     launches.calls.clear()  # the sampler's threshold: one more launch, its (N,) buffer
-    _, ops = _count(tk._token_stats_op, x, y, None, None, None, None, 1.0, -100, 1, False, 0, 0,
+    _, ops = _count(ts.token_stats_op, x, y, None, None, None, None, 1.0, -100, 1, False, 0, 0,
                     5, 0.9, 0.05)
     assert len(ops) <= OP_BOUNDS["kl-sampler"], ops
     assert launches.names() == ["threshold_kernel", "stats_kernel"]
     grad = torch.ones(2, 3, 4, device=DEVICE).expand(2, 3, 4)  # as autograd hands out.sum()'s
-    (gx, _), ops = _count(tk._token_stats_backward_op, grad, x, y, None, None, st, None, None,
+    (gx, _), ops = _count(ts.token_stats_backward_op, grad, x, y, None, None, st, None, None,
                           None, 1.0, -100, 1, True, False, 0, 0)
     assert len(ops) <= OP_BOUNDS["backward-kl"], ops
     grad = torch.linspace(-1, 1, 24, device=DEVICE).reshape(2, 3, 4)
-    (gx, gy), ops = _count(tk._token_stats_backward_op, grad, x, y, tokens, None, st4, mask,
+    (gx, gy), ops = _count(ts.token_stats_backward_op, grad, x, y, tokens, None, st4, mask,
                            None, None, 0.8, -100, 15, True, True, 0, 0)
     assert len(ops) <= OP_BOUNDS["backward-all"], ops
     wx, wy = ref_token_stats_grads(x, y, tokens, mask, None, None, 0.8, -100, 15, grad)
@@ -182,32 +184,32 @@ def test_the_usual_slice_is_read_in_place(monkeypatch):
         tok = tokens if x.shape[:2] == (2, 4) else tokens.t().contiguous()
         gg = g if x.shape[:2] == (2, 4) else g.transpose(0, 1).contiguous()
         with _CountOps() as mode:
-            out, st = tk._token_stats_op(x, y, tok, None, None, None, 0.9, -100, 15, False, 0, 0, 0,
+            out, st = ts.token_stats_op(x, y, tok, None, None, None, 0.9, -100, 15, False, 0, 0, 0,
                                           1.0, 0.0)
-            gx, gy = tk._token_stats_backward_op(gg, x, y, tok, None, st, None, None, None, 0.9,
+            gx, gy = ts.token_stats_backward_op(gg, x, y, tok, None, st, None, None, None, 0.9,
                                                  -100, 15, True, True, 0, 0)
         copies = [op for op in mode.ops if "copy" in op or "clone" in op or "contiguous" in op]
         assert not copies, mode.ops
         xc, yc = x.contiguous(), y.contiguous()
-        out_c, st_c = tk._token_stats_op(xc, yc, tok, None, None, None, 0.9, -100, 15, False, 0, 0,
+        out_c, st_c = ts.token_stats_op(xc, yc, tok, None, None, None, 0.9, -100, 15, False, 0, 0,
                                       0, 1.0, 0.0)
         assert torch.equal(out, out_c) and torch.equal(st, st_c)
         if x.shape[:2] == (2, 4):  # the slice: its gradients too
-            gx_c, gy_c = tk._token_stats_backward_op(gg, xc, yc, tok, None, st_c, None, None,
+            gx_c, gy_c = ts.token_stats_backward_op(gg, xc, yc, tok, None, st_c, None, None,
                                                      None, 0.9, -100, 15, True, True, 0, 0)
             assert torch.equal(gx, gx_c) and torch.equal(gy, gy_c)
 
 
 def test_row_strides_of_the_layouts():
     x = torch.zeros(3, 6, 10)
-    assert tk._strides(x[:, :-1], 5)[1:] == (60, 10)
-    assert tk._strides(x.transpose(0, 1), 3)[1:] == (10, 60)
-    assert tk._strides(x[0], 6)[1:] == (0, 10)
+    assert _host.strides(x[:, :-1], 5)[1:] == (60, 10)
+    assert _host.strides(x.transpose(0, 1), 3)[1:] == (10, 60)
+    assert _host.strides(x[0], 6)[1:] == (0, 10)
     four = torch.zeros(2, 3, 4, 10)
-    assert tk._strides(four[:, :, :-1], 3)[1:] == (40, 10)  # (2, 3) collapse to one stride
-    t, sb, st = tk._strides(four[:, :2, :-1], 3)  # they do not: copied
+    assert _host.strides(four[:, :, :-1], 3)[1:] == (40, 10)  # (2, 3) collapse to one stride
+    t, sb, st = _host.strides(four[:, :2, :-1], 3)  # they do not: copied
     assert t.is_contiguous() and (sb, st) == (30, 10)
-    t, _, _ = tk._strides(x.transpose(1, 2), 10)  # columns strided: copied
+    t, _, _ = _host.strides(x.transpose(1, 2), 10)  # columns strided: copied
     assert t.is_contiguous()
 
 
@@ -234,11 +236,11 @@ def test_launches_run_under_the_tensors_device(monkeypatch):
             return lambda *args, **kwargs: seen.append((grid, entered[-1] if entered else None))
 
     monkeypatch.setattr(torch.cuda, "device", Recorder)
-    tk._launch(Kernel(), (3, 1), torch.device("cuda", 1), 1.0, BLOCK=16)
+    _host.launch(Kernel(), (3, 1), torch.device("cuda", 1), 1.0, BLOCK=16)
     assert seen == [((3, 1), torch.device("cuda", 1))] and entered[-1] is None
-    tk._launch(Kernel(), (2,), torch.device("cpu"))
+    _host.launch(Kernel(), (2,), torch.device("cpu"))
     assert seen[-1] == ((2,), None) and len(entered) == 2
-    # every launch of the ops goes through tk._launch, with the tensors' device
+    # every launch of the ops goes through _host.launch, with the tensors' device
     monkeypatch.undo()
     launches = _Launches(monkeypatch)
     x, y, tokens, mask = _case()
@@ -257,8 +259,8 @@ def test_split_plan_fills_whole_waves(vocab):
     """On 132 SMs: near-integral waves (the last one ≥ 90 % full) or ≥ 8 waves; where no split
     of the row gives that (too few rows), a split all the same (more programs than rows); the
     block divides the split; whole rows from 8 waves of rows on."""
-    wave = tk.PROGRAMS_PER_SM * 132
-    units = -(-vocab // tk.SPLIT_UNIT)
+    wave = ts.PROGRAMS_PER_SM * 132
+    units = -(-vocab // ts.SPLIT_UNIT)
     counts = {-(-units // k) for k in range(1, units + 1)}  # every split count a plan can have
 
     def filled(programs):
@@ -266,19 +268,19 @@ def test_split_plan_fills_whole_waves(vocab):
         return waves >= 8 or waves / math.ceil(waves) >= 0.9
 
     for n in (1, 8, 64, 100, 256, 300, 528, 700, 1024, 2048, 4096, 5000, 16384, 32768):
-        block, cols = tk.plan_splits(n, vocab, 132)
+        block, cols = ts.plan_splits(n, vocab, 132)
         splits = -(-vocab // cols)
-        assert block <= tk.MAX_BLOCK and (splits == 1 or cols % block == 0)
+        assert block <= ts.MAX_BLOCK and (splits == 1 or cols % block == 0)
         if any(filled(n * s) for s in counts):
             assert filled(n * splits), (n, vocab, splits, n * splits / wave)
         else:
             assert splits > 1, (n, vocab)
         if n >= 8 * wave:
             assert splits == 1
-    assert -(-128256 // tk.plan_splits(256, 128256, 132)[1]) == 2  # 512 programs: 0.97 waves
-    assert tk.plan_splits(1, 128256, 132)[1] == tk.SPLIT_UNIT  # one row: the finest split
-    assert tk.plan_splits(64, 1000, 1) == (1024, 1000)  # one unit: never split
-    assert tk.split_columns(1, 5000, torch.device("cpu"), vocab_chunk=100) == (128, 128)  # forced
+    assert -(-128256 // ts.plan_splits(256, 128256, 132)[1]) == 2  # 512 programs: 0.97 waves
+    assert ts.plan_splits(1, 128256, 132)[1] == ts.SPLIT_UNIT  # one row: the finest split
+    assert ts.plan_splits(64, 1000, 1) == (1024, 1000)  # one unit: never split
+    assert ts.split_columns(1, 5000, torch.device("cpu"), vocab_chunk=100) == (128, 128)  # forced
 
 
 def test_results_do_not_depend_on_the_split_count(monkeypatch):
@@ -290,19 +292,19 @@ def test_results_do_not_depend_on_the_split_count(monkeypatch):
     x, y, tokens, mask, keep, tau = args
     vocab = x.shape[-1]
     # 37 columns in three units of 16, a wave of 16 programs, no fixed costs: two splits
-    monkeypatch.setattr(tk, "SPLIT_UNIT", 16)
-    monkeypatch.setattr(tk, "PROGRAM_OVERHEAD", 0)
-    monkeypatch.setattr(tk, "MERGE_COST", 0)
-    monkeypatch.setattr(tk, "_sm_count", lambda device: 4)
-    tk.plan_splits.cache_clear()
+    monkeypatch.setattr(ts, "SPLIT_UNIT", 16)
+    monkeypatch.setattr(ts, "PROGRAM_OVERHEAD", 0)
+    monkeypatch.setattr(ts, "MERGE_COST", 0)
+    monkeypatch.setattr(ts, "_sm_count", lambda device: 4)
+    ts.plan_splits.cache_clear()
     try:
-        assert -(-vocab // tk.split_columns(6, vocab, DEVICE)[1]) > 1
+        assert -(-vocab // ts.split_columns(6, vocab, DEVICE)[1]) > 1
         for chunk in (0, 16):  # the heuristic's two splits, three forced
             out, _ = torch.ops.klpenalty.triton_token_stats(*args, 0.7, -100, 15, False, 0, chunk,
                                                             0, 1.0, 0.0)
             torch.testing.assert_close(out.double(), want, **tol(torch.float32))
     finally:
-        tk.plan_splits.cache_clear()
+        ts.plan_splits.cache_clear()
 
 
 # --------------------------------------------------------------------------- the kernels' finish

@@ -105,6 +105,14 @@ STATS_COLS = 10
 STATE_COLS = 6
 SX_M_X, SX_S_X, SX_M_Y, SX_S_Y, SX_A, SX_B = range(STATE_COLS)
 
+# Every column constant above by name: the widths (*_COLS) and the out, stats and state columns
+# (OUT_*, ST_*, SX_*), for code that takes the layouts by name (the Triton kernels, as
+# constexprs of the same names). A column defined above is in it.
+COLUMNS: dict[str, int] = {
+    name: value for name, value in list(globals().items())
+    if name.endswith("_COLS") or name.startswith(("OUT_", "ST_", "SX_"))
+}
+
 # The four schemas, "{b}" the backend's name; the C++ backend only implements them.
 SCHEMAS = {
     "token_stats": (

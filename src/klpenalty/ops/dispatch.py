@@ -13,7 +13,7 @@ Backends:
 - ``"native"``: the fused C++ CPU kernel (:mod:`.native`), built at its first use and cached.
   CPU tensors only. Where it cannot be built it warns once and runs ``"streaming"``, also when
   asked for by name, so code written for one machine runs on another.
-- ``"triton"``: fused Triton kernels (:mod:`.triton_kernels`; Triton is imported at the first
+- ``"triton"``: fused Triton kernels (:mod:`.triton`; Triton is imported at the first
   use). CUDA tensors; CPU tensors only in Triton's interpreter (``TRITON_INTERPRET=1``, how the
   kernels are tested without a GPU). Asked for by name where it cannot run: ValueError.
 
@@ -30,7 +30,8 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from . import native, streaming, triton_kernels
+from . import native, streaming
+from . import triton as triton_backend
 
 __all__ = [
     "Backend",
@@ -94,7 +95,7 @@ REGISTRY: dict[str, Backend] = {
     for b in (
         Backend("streaming", ("*",), streaming),
         Backend("native", ("cpu",), native, fallback="streaming"),
-        Backend("triton", ("cuda",), triton_kernels),
+        Backend("triton", ("cuda",), triton_backend),
     )
 }
 
@@ -110,7 +111,7 @@ def device_backends(device: torch.device) -> list[str]:
     names = []
     for b in REGISTRY.values():
         if "*" in b.devices or device.type in b.devices:
-            if b.name == "triton" and not (triton_kernels.available() and not triton_kernels.interpreted()):
+            if b.name == "triton" and not (triton_backend.available() and not triton_backend.interpreted()):
                 continue
             names.append(b.name)
     return names
@@ -123,15 +124,15 @@ def get_backend(name: str, device: torch.device) -> Backend:
         if device.type == "cpu":
             return get_backend("native", device)
         if device.type == "cuda":
-            if triton_kernels.available() and not triton_kernels.interpreted():
+            if triton_backend.available() and not triton_backend.interpreted():
                 return REGISTRY["triton"]
-            triton_kernels.note_fallback()
+            triton_backend.note_fallback()
         return REGISTRY["streaming"]
     if name not in REGISTRY:
         raise ValueError(f"backend must be one of {['auto', *REGISTRY]}, got {name!r}")
     backend = REGISTRY[name]
     if name == "triton":
-        triton_kernels.check_device(device)
+        triton_backend.check_device(device)
         return backend
     if "*" not in backend.devices and device.type not in backend.devices:
         raise ValueError(

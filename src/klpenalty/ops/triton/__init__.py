@@ -1,0 +1,121 @@
+"""Triton backend (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``): the four ops of
+:mod:`..contract`, ``klpenalty::triton_token_stats``, ``_backward``, ``_state`` and
+``_sampling_threshold``, in fused Triton kernels. docs/triton.md describes them.
+
+One file per op, the host code apart from the kernels:
+
+- :mod:`.token_stats`: the host of the forward, state and backward ops (the split plan, the
+  kernels' constexprs, the launches); their kernels are :mod:`._kernels_stats`;
+- :mod:`.threshold`: the host of the sampling threshold op (also launched by the forward
+  where the sampler settings cut); its kernel is :mod:`._kernels_threshold`;
+- :mod:`._host`: what both hosts share (the rows as the kernels address them, every launch,
+  the inputs the kernels do not take);
+- :mod:`._kernels_common`: what both kernel modules share (interpreted or compiled, the
+  device functions, the addressing of a row).
+
+Triton is an optional dependency (``pip install 'klpenalty[triton]'``): this package imports
+without it, and imports the kernel modules, which import Triton, at the first use
+(:func:`_kernels`). This module says whether the kernels can run here (:func:`available`,
+:func:`interpreted`, :func:`check_device`) and registers the ops.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+import warnings
+
+import torch
+
+from .. import contract
+
+__all__ = ["available", "interpreted", "check_device", "note_fallback", "INSTALL_HINT"]
+
+INSTALL_HINT = "install Triton (`pip install 'klpenalty[triton]'`)"
+
+_jit = None  # the kernels, once imported (a namespace: see _kernels)
+_error: str | None = None  # None = not tried, "" = imported, else why not
+_warned = False
+
+
+def _kernels():
+    """The kernels, imported at the first call (imports Triton; raises ImportError where it is
+    missing): one namespace of the names the kernel modules export, ``stats_kernel``,
+    ``merge_kernel``, ``grad_kernel``, ``threshold_kernel`` and ``INTERPRETED``."""
+    global _jit
+    if _jit is None:
+        from . import _kernels_common, _kernels_stats, _kernels_threshold
+
+        modules = (_kernels_common, _kernels_stats, _kernels_threshold)
+        _jit = types.SimpleNamespace(
+            **{name: getattr(module, name) for module in modules for name in module.__all__}
+        )
+    return _jit
+
+
+@contract.constant_result
+def available() -> bool:
+    """Whether Triton imports (tried once per process)."""
+    global _error
+    if _error is None:
+        try:
+            _kernels()
+            _error = ""
+        except Exception as exc:  # any failure to import means the portable path
+            _error = f"{type(exc).__name__}: {exc}"[:300]
+    return not _error
+
+
+def note_fallback() -> None:
+    """One warning per process: CUDA tensors run the streaming backend because Triton is missing."""
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"klpenalty: Triton is unavailable ({_error}); CUDA tensors use the portable "
+            f"'streaming' backend. For the fused GPU kernels, {INSTALL_HINT}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when they were
+    first imported in this process; then they run on CPU tensors)."""
+    if _jit is None:
+        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return bool(_jit.INTERPRETED)
+
+
+def check_device(device: torch.device) -> None:
+    """Raise ValueError unless the Triton kernels can run on ``device`` in this process."""
+    if not available():
+        raise ValueError(f"backend 'triton' needs Triton, which is unavailable ({_error}); {INSTALL_HINT}")
+    if device.type == "cuda" and not interpreted():
+        return
+    if device.type == "cpu" and interpreted():
+        return
+    if device.type == "cpu":
+        raise ValueError(
+            "backend 'triton' runs on CUDA tensors; on CPU tensors only in Triton's interpreter "
+            "(TRITON_INTERPRET=1 set before the first use), got CPU tensors: use backend='auto', "
+            "'native' or 'streaming'"
+        )
+    raise ValueError(
+        f"backend 'triton' runs on CUDA tensors (CPU tensors under TRITON_INTERPRET=1), got "
+        f"tensors on {device}"
+        + ("; the kernels were imported in interpreter mode" if device.type == "cuda" else "")
+    )
+
+
+# The ops' host code, which takes the kernels from _kernels above (so it is imported after it),
+# and the ops' registration.
+from . import threshold, token_stats  # noqa: E402
+
+contract.define_ops("triton")
+contract.implement(
+    "triton", "CompositeExplicitAutograd", token_stats=token_stats.token_stats_op,
+    token_stats_backward=token_stats.token_stats_backward_op,
+    token_stats_state=token_stats.token_stats_state_op,
+    sampling_threshold=threshold.sampling_threshold_op,
+)

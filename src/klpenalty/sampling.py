@@ -109,7 +109,7 @@ def sampling_threshold(
     temperature = v.check_temperature(temperature)
     top_k, top_p, min_p = check_sampler(top_k, top_p, min_p).values()
     impl = dispatch.get_backend(backend, logits.device)
-    return impl.threshold_op(logits, *op_sampler(top_k, top_p, min_p), temperature)
+    return impl.threshold(logits, sampler=op_sampler(top_k, top_p, min_p), temperature=temperature)
 
 
 def op_sampler(top_k: int | None, top_p: float | None, min_p: float | None) -> tuple:
@@ -371,7 +371,7 @@ def resolve_support(
     keep, tau, sampler = support_args(kind, payload, logits)
     if kind == "rule":
         impl = dispatch.get_backend(backend, logits.device)
-        tau = impl.threshold_op(logits, *sampler, float(temperature))
+        tau = impl.threshold(logits, sampler=sampler, temperature=temperature)
     return keep, tau
 
 

@@ -165,8 +165,8 @@ def _merged_stats(x, y, tokens, owned, mask, keep, tau, opts):
     """
     temperature, want, backend, group, check, caller, names = opts
     has_y = y is not None and bool(want & (Want.KL | Want.REF_LOGP))
-    state, careful = backend.state_op(x, y if has_y else None, keep, tau, temperature,
-                                      want, 0, 0)  # (N, 6), (N,)
+    state, careful = backend.state(x, y if has_y else None, keep, tau, temperature=temperature,
+                                   want=want)  # (N, STATE_COLS), (N,)
     local = engine.state_from_tensor(state, want)
     maxes = state[:, [contract.SX_M_X, contract.SX_M_Y] if has_y else [contract.SX_M_X]]
     _all_reduce(maxes, dist.ReduceOp.MAX, group)  # (N, 1 or 2)
@@ -219,9 +219,10 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         temperature, want, backend, *_ = ctx.opts
         need_x = ctx.needs_input_grad[0]
         need_y = ctx.has_y and ctx.needs_input_grad[1]
-        gx, gy = backend.backward_op(
-            grad_out.contiguous(), x, y, tokens, owned, stats, mask, keep, tau, temperature,
-            _IGNORED, want, need_x, need_y, 0, 0,
+        gx, gy = backend.backward(
+            grad_out.contiguous(), x, y, tokens, owned, stats, mask, keep, tau,
+            temperature=temperature, want=want, need_x=need_x, need_y=need_y,
+            ignore_index=_IGNORED,
         )
         return (gx if need_x else None), (gy if need_y else None), *([None] * 6)
 

@@ -107,8 +107,9 @@ def chunk_forward(
         ``want``), and ``stats`` (R, k): what :func:`chunk_backward` needs, opaque to the
         caller (the op's (R, 10) statistics, the threshold used in ``ST_TAU``).
     """
-    return impl.forward_op(
-        zp, zr, tokens, mask, keep, tau, temperature, IGNORE, want, False, 0, 0, *sampler
+    return impl.forward(
+        zp, zr, tokens, mask, keep, tau, temperature=temperature, want=want,
+        ignore_index=IGNORE, sampler=sampler,
     )
 
 
@@ -157,9 +158,9 @@ def chunk_backward(
             torch.zeros_like(zp) if need_p else None,
             torch.zeros_like(zr) if need_r else None,
         )
-    gx, gy = impl.backward_op(
-        grad_out, zp, zr, tokens, owned, stats, mask, keep, tau, temperature, ignore, want,
-        need_p, need_r, 0, 0,
+    gx, gy = impl.backward(
+        grad_out, zp, zr, tokens, owned, stats, mask, keep, tau, temperature=temperature,
+        want=want, need_x=need_p, need_y=need_r, ignore_index=ignore,
     )
     return (gx if need_p else None), (gy if need_r else None)
 

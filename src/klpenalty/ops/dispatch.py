@@ -45,32 +45,61 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Backend:
-    """One backend: where it runs and its four ops.
+    """One backend: where it runs, when ``"auto"`` picks it, and its ops.
 
     Attributes:
         name: the ``backend=`` name, and the prefix of its ops ``klpenalty::<name>_*``.
         devices: the device types it runs on (``"*"``: any).
         module: the module that implements its ops (importing it registers them; a compiled
-            kernel may load at the first :meth:`available`).
+            kernel may load at the first :meth:`available`). Optional hooks, each looked up on
+            the module: ``available()``, ``runs_on(device)`` (whether the ops run on tensors of
+            that device in this process; default: its type is in ``devices``),
+            ``check_device(device)`` (raise ValueError naming why not) and
+            ``note_fallback()`` (tell once that ``"auto"`` passed it over).
         fallback: the backend run instead where :meth:`available` is False (None: raise).
+        auto: the device types for which ``"auto"`` picks it (``"*"``: any, after every
+            backend naming the type), in :data:`REGISTRY` order.
     """
 
     name: str
     devices: tuple[str, ...]
     module: ModuleType
     fallback: str | None = None
+    auto: tuple[str, ...] = ()
+
+    def _hook(self, name: str):
+        return getattr(self.module, name, None)
 
     def available(self) -> bool:
         """Whether the ops can run in this process (the module's ``available()``, if any)."""
-        check = getattr(self.module, "available", None)
+        check = self._hook("available")
         return True if check is None else bool(check())
+
+    def runs_on(self, device: torch.device) -> bool:
+        """Whether the ops run on tensors of ``device`` in this process, as a backend of their
+        own (a fallback's device does not count)."""
+        hook = self._hook("runs_on")
+        if hook is not None:
+            return bool(hook(device))
+        return "*" in self.devices or device.type in self.devices
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ValueError where the ops cannot take tensors of ``device``."""
+        hook = self._hook("check_device")
+        if hook is not None:
+            hook(device)
+        elif "*" not in self.devices and device.type not in self.devices:
+            raise ValueError(
+                f"backend {self.name!r} runs on {'/'.join(d.upper() for d in self.devices)} "
+                f"tensors only, got tensors on {device}; use backend='auto' or 'streaming'"
+            )
 
     def _op(self, op: str):
         return getattr(torch.ops.klpenalty, f"{self.name}_{op}").default
 
     @property
     def forward_op(self):
-        """``<name>_token_stats``: out (..., 4) and stats (..., 10)."""
+        """``<name>_token_stats``: out (..., OUT_COLS) and stats (..., STATS_COLS)."""
         return self._op("token_stats")
 
     @property
@@ -80,7 +109,7 @@ class Backend:
 
     @property
     def state_op(self):
-        """``<name>_token_stats_state``: the per-shard state (N, 6) and careful flags (N,)."""
+        """``<name>_token_stats_state``: the per-shard state (N, STATE_COLS) and careful flags (N,)."""
         return self._op("token_stats_state")
 
     @property
@@ -88,14 +117,59 @@ class Backend:
         """``<name>_sampling_threshold``: the sampler's per-row threshold τ (...)."""
         return self._op("sampling_threshold")
 
+    # The ops with their arguments named (the schemas of :data:`.contract.SCHEMAS`).
+    def forward(
+        self, x: Tensor, y: Tensor | None = None, tokens: Tensor | None = None,
+        mask: Tensor | None = None, keep: Tensor | None = None, tau: Tensor | None = None, *,
+        temperature: float, want: int, ignore_index: int = -100, check: bool = False,
+        tile_rows: int = 0, tile_cols: int = 0, sampler: tuple[int, float, float] = (0, 1.0, 0.0),
+    ) -> tuple[Tensor, Tensor]:
+        """(out, stats) of the forward op (differentiable through the contract's autograd)."""
+        top_k, top_p, min_p = sampler
+        return self.forward_op(
+            x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
+            bool(check), int(tile_rows), int(tile_cols), int(top_k), float(top_p), float(min_p),
+        )
+
+    def backward(
+        self, grad: Tensor, x: Tensor, y: Tensor | None, tokens: Tensor | None,
+        owned: Tensor | None, stats: Tensor, mask: Tensor | None = None,
+        keep: Tensor | None = None, tau: Tensor | None = None, *, temperature: float, want: int,
+        need_x: bool, need_y: bool, ignore_index: int = -100, tile_rows: int = 0,
+        tile_cols: int = 0,
+    ) -> tuple[Tensor, Tensor]:
+        """(grad_x, grad_y) of the backward op (each empty where not needed)."""
+        return self.backward_op(
+            grad, x, y, tokens, owned, stats, mask, keep, tau, float(temperature),
+            int(ignore_index), int(want), bool(need_x), bool(need_y), int(tile_rows),
+            int(tile_cols),
+        )
+
+    def state(
+        self, x: Tensor, y: Tensor | None = None, keep: Tensor | None = None,
+        tau: Tensor | None = None, *, temperature: float, want: int, tile_rows: int = 0,
+        tile_cols: int = 0,
+    ) -> tuple[Tensor, Tensor]:
+        """(state (N, STATE_COLS), careful (N,)) of the state op."""
+        return self.state_op(
+            x, y, keep, tau, float(temperature), int(want), int(tile_rows), int(tile_cols)
+        )
+
+    def threshold(
+        self, x: Tensor, *, sampler: tuple[int, float, float], temperature: float
+    ) -> Tensor:
+        """τ (...) of the threshold op for the sampler's ``(top_k, top_p, min_p)``."""
+        top_k, top_p, min_p = sampler
+        return self.threshold_op(x, int(top_k), float(top_p), float(min_p), float(temperature))
+
 
 # name -> backend; a new backend is one module and one line here
 REGISTRY: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("streaming", ("*",), streaming),
-        Backend("native", ("cpu",), native, fallback="streaming"),
-        Backend("triton", ("cuda",), triton_backend),
+        Backend("streaming", ("*",), streaming, auto=("*",)),
+        Backend("native", ("cpu",), native, fallback="streaming", auto=("cpu",)),
+        Backend("triton", ("cuda",), triton_backend, auto=("cuda",)),
     )
 }
 
@@ -108,38 +182,33 @@ def available_backends() -> list[str]:
 def device_backends(device: torch.device) -> list[str]:
     """The backends that run natively on tensors of ``device`` in this process (the Triton
     interpreter on CPU is a test mode, not listed)."""
-    names = []
-    for b in REGISTRY.values():
-        if "*" in b.devices or device.type in b.devices:
-            if b.name == "triton" and not (triton_backend.available() and not triton_backend.interpreted()):
-                continue
-            names.append(b.name)
-    return names
+    return [b.name for b in REGISTRY.values() if b.runs_on(device)]
+
+
+def _auto(device: torch.device) -> Backend:
+    """The backend ``"auto"`` picks for ``device``: the first in :data:`REGISTRY` whose
+    ``auto`` names the device type and that runs on it (or has a fallback), else the first
+    whose ``auto`` is ``"*"``; a backend passed over says so once (its ``note_fallback``)."""
+    named = [b for b in REGISTRY.values() if device.type in b.auto]
+    anywhere = [b for b in REGISTRY.values() if "*" in b.auto]
+    for b in named:
+        if b.runs_on(device) and (b.fallback is not None or b.available()):
+            return get_backend(b.name, device)
+        note = b._hook("note_fallback")
+        if note is not None:
+            note()
+    return get_backend(anywhere[0].name, device)
 
 
 def get_backend(name: str, device: torch.device) -> Backend:
     """Resolve ``name`` (``"auto"`` or one of :func:`available_backends`) for ``device``: the
     :class:`Backend` whose ops run (a backend's fallback where it is unavailable)."""
     if name == "auto":
-        if device.type == "cpu":
-            return get_backend("native", device)
-        if device.type == "cuda":
-            if triton_backend.available() and not triton_backend.interpreted():
-                return REGISTRY["triton"]
-            triton_backend.note_fallback()
-        return REGISTRY["streaming"]
+        return _auto(device)
     if name not in REGISTRY:
         raise ValueError(f"backend must be one of {['auto', *REGISTRY]}, got {name!r}")
     backend = REGISTRY[name]
-    if name == "triton":
-        triton_backend.check_device(device)
-        return backend
-    if "*" not in backend.devices and device.type not in backend.devices:
-        raise ValueError(
-            f"backend {name!r} runs on {'/'.join(d.upper() for d in backend.devices)} tensors "
-            f"only, got "
-            f"tensors on {device}; use backend='auto' or 'streaming'"
-        )
+    backend.check_device(device)
     if backend.fallback is not None and not backend.available():
         return get_backend(backend.fallback, device)
     return backend
@@ -169,9 +238,9 @@ def token_stats(
     backend's tile (0 = its default; the native kernel ignores both). ``sampler``: the op's
     ``top_k, top_p, min_p`` (unused by default), whose threshold the op computes itself.
     """
-    top_k, top_p, min_p = sampler
-    out, _ = backend.forward_op(
-        x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
-        bool(check), int(tile_rows), int(tile_cols), int(top_k), float(top_p), float(min_p),
+    out, _ = backend.forward(
+        x, y, tokens, mask, keep, tau, temperature=temperature, want=want,
+        ignore_index=ignore_index, check=check, tile_rows=tile_rows, tile_cols=tile_cols,
+        sampler=sampler,
     )
     return out

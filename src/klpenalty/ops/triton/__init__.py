@@ -29,7 +29,9 @@ import torch
 
 from .. import contract
 
-__all__ = ["available", "interpreted", "check_device", "note_fallback", "INSTALL_HINT"]
+__all__ = [
+    "available", "interpreted", "runs_on", "check_device", "note_fallback", "INSTALL_HINT",
+]
 
 INSTALL_HINT = "install Triton (`pip install 'klpenalty[triton]'`)"
 
@@ -85,6 +87,12 @@ def interpreted() -> bool:
     if _jit is None:
         return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
     return bool(_jit.INTERPRETED)
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernels run on tensors of ``device`` as a backend of their own: CUDA tensors
+    with Triton compiled (the interpreter on CPU tensors is a test mode, not counted)."""
+    return device.type == "cuda" and available() and not interpreted()
 
 
 def check_device(device: torch.device) -> None:

@@ -4,6 +4,7 @@ Shape letters in every docstring: B batch, T sequence, V vocabulary, N rows, H h
 """
 
 from . import rlhf, sampling
+from .distillation import DIVERGENCES, divergence
 from .functional import (
     TokenStats,
     entropy,
@@ -27,6 +28,9 @@ __all__ = [
     "entropy",
     "token_stats",
     "TokenStats",
+    # exact divergences between a student and a teacher (klpenalty.distillation)
+    "divergence",
+    "DIVERGENCES",
     # the same straight from hidden states and LM heads, no (N, V) logits (klpenalty.linear)
     "linear_kl",
     # a PPO/GRPO loss with the exact KL from hidden states, gradient formed in the forward

@@ -30,6 +30,7 @@ __all__ = [
     "check_min_p",
     "check_want",
     "check_beta",
+    "check_fraction",
     "check_choice",
     "compute_dtype",
     "raise_if_nan",
@@ -59,18 +60,22 @@ def check_logits(name: str, t: object) -> torch.Tensor:
     return t
 
 
-def check_logits_pair(policy_logits: object, ref_logits: object) -> None:
-    """Both logits tensors valid, with identical shapes and on the same device."""
-    check_logits("policy_logits", policy_logits)
-    check_logits("ref_logits", ref_logits)
+def check_logits_pair(
+    policy_logits: object, ref_logits: object, names: tuple[str, str] = ("policy_logits", "ref_logits")
+) -> None:
+    """Both logits tensors valid, with identical shapes and on the same device (``names``: how
+    the messages call them)."""
+    a, b = names
+    check_logits(a, policy_logits)
+    check_logits(b, ref_logits)
     if policy_logits.shape != ref_logits.shape:
         raise ValueError(
-            "policy_logits and ref_logits must have the same shape (..., V): "
-            f"policy_logits {describe(policy_logits)}, ref_logits {describe(ref_logits)}"
+            f"{a} and {b} must have the same shape (..., V): "
+            f"{a} {describe(policy_logits)}, {b} {describe(ref_logits)}"
         )
     if policy_logits.device != ref_logits.device:
         raise ValueError(
-            "policy_logits and ref_logits must be on the same device: "
+            f"{a} and {b} must be on the same device: "
             f"{policy_logits.device} vs {ref_logits.device}"
         )
 
@@ -215,6 +220,14 @@ def check_beta(beta: object, name: str = "beta") -> float:
     if not math.isfinite(b) or b < 0:
         raise ValueError(f"{name} must be finite and >= 0, got {b}")
     return b
+
+
+def check_fraction(name: str, value: object) -> float:
+    """A real number strictly between 0 and 1."""
+    f = as_real(name, value)
+    if not (0.0 < f < 1.0):  # also rejects NaN
+        raise ValueError(f"{name} must lie in (0, 1), got {f}")
+    return f
 
 
 def check_choice(name: str, value: object, valid: Sequence[str]) -> str:

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from .. import _validation as v
 from .._validation import compute_dtype
+from .divergence import divergence_terms
 
 __all__ = [
     "Want",
@@ -53,6 +54,7 @@ __all__ = [
     "SCHEMAS",
     "define_ops",
     "implement",
+    "inherit",
     "masked_grad",
     "safe_tokens",
     "kept_logits",
@@ -133,6 +135,15 @@ SCHEMAS = {
     "sampling_threshold": (
         "{b}_sampling_threshold(Tensor x, int top_k, float top_p, float min_p, "
         "float temperature) -> Tensor"
+    ),
+    # the second walk: a statistic that needs both normalisers first (ops/divergence.py)
+    "divergence": (
+        "{b}_divergence(Tensor x, Tensor y, Tensor stats, Tensor? mask, float temperature, "
+        "int kind, float param) -> (Tensor, Tensor)"
+    ),
+    "divergence_backward": (
+        "{b}_divergence_backward(Tensor grad, Tensor x, Tensor y, Tensor stats, Tensor gbar, "
+        "Tensor? mask, float temperature, int kind, float param) -> Tensor"
     ),
 }
 
@@ -470,7 +481,7 @@ def define_ops(backend: str) -> None:
     _DEFINED.add(backend)
     for schema in SCHEMAS.values():
         _LIB.define(schema.format(b=backend))
-    fwd, bwd, state, threshold = (op_name(backend, op) for op in SCHEMAS)
+    fwd, bwd, state, threshold, div, div_bwd = (op_name(backend, op) for op in SCHEMAS)
 
     @torch.library.register_fake(fwd)
     def _(x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tr, tc, top_k,
@@ -528,6 +539,74 @@ def define_ops(backend: str) -> None:
         return (gx if need_x else None, gy if need_y else None, *([None] * 13))
 
     torch.library.register_autograd(fwd, backward, setup_context=setup_context)
+    _define_divergence(backend, div, div_bwd)
+
+
+def _define_divergence(backend: str, div: str, div_bwd: str) -> None:
+    """The fakes and autograd of the second walk (``<b>_divergence``): value and ḡ (...) in the
+    compute dtype; the gradient reaches x only (the teacher y and the stats are constants: the
+    backward's formula holds the normalisers' derivative), and ``gbar`` is not differentiable."""
+
+    @torch.library.register_fake(div)
+    def _(x, y, stats, mask, temperature, kind, param):
+        leading = x.shape[:-1]
+        dtype = compute_dtype(x, y)
+        return x.new_empty(leading, dtype=dtype), x.new_empty(leading, dtype=dtype)
+
+    @torch.library.register_fake(div_bwd)
+    def _(grad, x, y, stats, gbar, mask, temperature, kind, param):
+        return _grad_like(x)
+
+    def setup_context(ctx, inputs, output):
+        x, y, stats, mask, temperature, kind, param = inputs
+        ctx.save_for_backward(x, y, stats, output[1], mask)
+        ctx.args = (temperature, kind, param)
+
+    bwd_op = None
+
+    def backward(ctx, grad_value, _grad_gbar):
+        nonlocal bwd_op
+        x, y, stats, gbar, mask = ctx.saved_tensors
+        temperature, kind, param = ctx.args
+        if not ctx.needs_input_grad[0] or grad_value is None:
+            return (None,) * 7
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable first derivative
+            gx = _divergence_grad_differentiable(grad_value, x, y, mask, temperature, kind,
+                                                 param)
+        else:
+            if bwd_op is None:
+                bwd_op = getattr(torch.ops.klpenalty, f"{backend}_divergence_backward").default
+            gx = bwd_op(grad_value, x, y, stats, gbar, mask, temperature, kind, param)
+        return gx, None, None, None, None, None, None
+
+    torch.library.register_autograd(div, backward, setup_context=setup_context)
+
+
+def _divergence_grad_differentiable(grad, x, y, mask, temperature, kind, param) -> Tensor:
+    """∂/∂x of Σ grad·divergence with differentiable ops on (..., V) (double backward): the
+    autograd of the kind's terms (:func:`.divergence.divergence_terms`) on log_softmax."""
+    dtype = compute_dtype(x, y)
+    with torch.enable_grad():
+        xs = x.to(dtype) / temperature
+        ys = y.detach().to(dtype) / temperature
+        if mask is not None:  # masked rows may hold garbage: keep it out of the graph
+            xs = torch.where(mask.unsqueeze(-1), xs, 0.0)
+            ys = torch.where(mask.unsqueeze(-1), ys, 0.0)
+        f, _ = divergence_terms(torch.log_softmax(xs, -1), torch.log_softmax(ys, -1), kind, param)
+        g = masked_grad(grad, mask, dtype)
+        (gx,) = torch.autograd.grad((f.sum(-1) * g).sum(), x, create_graph=True)
+    return gx
+
+
+def inherit(backend: str, key: str, source: str, *ops: str) -> None:
+    """Register, for ``backend`` and the dispatch ``key``, the implementations of ``source``
+    (another backend's) for ``ops``: a backend without a kernel of its own for an op runs that
+    backend's (looked up at the call, so the source may register after)."""
+    for op in ops:
+        def run(*args, _op=op):
+            return getattr(torch.ops.klpenalty, f"{source}_{_op}").default(*args)
+
+        _LIB.impl(op_name(backend, op).split("::")[1], run, key)
 
 
 def implement(backend: str, key: str, **impls) -> None:

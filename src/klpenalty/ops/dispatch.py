@@ -162,6 +162,24 @@ class Backend:
         top_k, top_p, min_p = sampler
         return self.threshold_op(x, int(top_k), float(top_p), float(min_p), float(temperature))
 
+    def divergence(
+        self, x: Tensor, y: Tensor, stats: Tensor, mask: Tensor | None = None, *,
+        temperature: float, kind: int, param: float = 0.0,
+    ) -> tuple[Tensor, Tensor]:
+        """(value, ḡ) (...) of the second walk from the forward op's ``stats``; differentiable
+        with respect to ``x`` (:mod:`.divergence`)."""
+        return self._op("divergence")(x, y, stats, mask, float(temperature), int(kind),
+                                      float(param))
+
+    def divergence_backward(
+        self, grad: Tensor, x: Tensor, y: Tensor, stats: Tensor, gbar: Tensor,
+        mask: Tensor | None = None, *, temperature: float, kind: int, param: float = 0.0,
+    ) -> Tensor:
+        """∂/∂x (..., V) of Σ grad·value of the second walk."""
+        return self._op("divergence_backward")(
+            grad, x, y, stats, gbar, mask, float(temperature), int(kind), float(param)
+        )
+
 
 # name -> backend; a new backend is one module and one line here
 REGISTRY: dict[str, Backend] = {

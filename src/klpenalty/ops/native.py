@@ -266,3 +266,7 @@ def status() -> str:
     if ok:
         return f"native ({isa()}), cache {where}"
     return f"streaming (native unavailable: {_error}), cache {where}"
+
+
+# the second walk: the streaming backend's ops on CPU tensors
+contract.inherit("native", "CPU", "streaming", "divergence", "divergence_backward")

@@ -18,6 +18,7 @@ __all__ = [
     "sampled_kl_reference",
     "token_stats_reference",
     "kept_set_reference",
+    "divergence_reference",
 ]
 
 
@@ -181,3 +182,40 @@ def _kept_row(x: torch.Tensor, top_k, top_p, min_p, temperature: float) -> torch
         probs = torch.softmax(torch.where(kept, x / temperature, -math.inf), -1)
         kept &= probs >= min_p * probs.max()
     return kept
+
+
+def _kl_reference(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
+    """Σ p (log p − log q) over the last dim, float64 log-probs; 0·log 0 = 0, +inf where p has
+    mass q lacks."""
+    p = lp.exp()
+    terms = torch.where(lp == float("-inf"), 0.0, p * (lp - lq))
+    terms = torch.where((lp > float("-inf")) & (lq == float("-inf")), float("inf"), terms)
+    return terms.sum(-1)
+
+
+def divergence_reference(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str, beta: float = 0.5,
+    skew: float = 0.1, temperature: float = 1.0,
+) -> torch.Tensor:
+    """The divergences of :func:`klpenalty.divergence` per position, in float64, from the
+    materialised distributions π = softmax(student/T), ν = softmax(teacher/T): ``"reverse_kl"``
+    KL(π‖ν), ``"forward_kl"`` KL(ν‖π), ``"jsd"`` β·KL(ν‖M) + (1−β)·KL(π‖M) with
+    M = β·ν + (1−β)·π, ``"skew_forward_kl"`` KL(ν‖λν + (1−λ)π), ``"skew_reverse_kl"``
+    KL(π‖λπ + (1−λ)ν) with λ = ``skew``, ``"tvd"`` ½·Σ|π − ν|."""
+    lp = torch.log_softmax(student_logits.double() / temperature, dim=-1)
+    lq = torch.log_softmax(teacher_logits.double() / temperature, dim=-1)
+    p, q = lp.exp(), lq.exp()
+    if kind == "reverse_kl":
+        return _kl_reference(lp, lq)
+    if kind == "forward_kl":
+        return _kl_reference(lq, lp)
+    if kind == "jsd":
+        lm = torch.log(beta * q + (1.0 - beta) * p)
+        return beta * _kl_reference(lq, lm) + (1.0 - beta) * _kl_reference(lp, lm)
+    if kind == "skew_forward_kl":
+        return _kl_reference(lq, torch.log(skew * q + (1.0 - skew) * p))
+    if kind == "skew_reverse_kl":
+        return _kl_reference(lp, torch.log(skew * p + (1.0 - skew) * q))
+    if kind == "tvd":
+        return 0.5 * (p - q).abs().sum(-1)
+    raise ValueError(f"unknown kind {kind!r}")

@@ -6,7 +6,9 @@ One module per op of :mod:`..contract`:
   tile loop (tiles of a few MiB; nothing of size (N, V) is allocated);
 - :mod:`.threshold`: ``streaming_sampling_threshold``, the portable sampler rule in row chunks,
   its row reductions pluggable (:class:`.threshold.RowReduce`; vocabulary parallelism reduces
-  across ranks).
+  across ranks);
+- :mod:`.divergence`: ``streaming_divergence`` and ``_backward``, the second walk (the
+  divergences from the finished row statistics).
 
 On CPU the tile loop runs on one intra-op thread (:data:`.token_stats.CPU_TILE_THREADS`); on
 accelerators it makes no host synchronisation.
@@ -15,9 +17,9 @@ accelerators it makes no host synchronisation.
 from __future__ import annotations
 
 from .. import contract
-from . import threshold, token_stats
+from . import divergence, threshold, token_stats
 
-__all__ = ["threshold", "token_stats"]
+__all__ = ["divergence", "threshold", "token_stats"]
 
 contract.define_ops("streaming")
 contract.implement(
@@ -27,4 +29,6 @@ contract.implement(
     token_stats_backward=token_stats.token_stats_backward_op,
     token_stats_state=token_stats.token_stats_state_op,
     sampling_threshold=threshold.sampling_threshold_op,
+    divergence=divergence.divergence_op,
+    divergence_backward=divergence.divergence_backward_op,
 )

@@ -66,9 +66,11 @@ def _times(p: Tensor, d: Tensor, lp: Tensor) -> Tensor:
     return torch.where(torch.isneginf(lp), 0.0, term)
 
 
-def _log_mix(la: Tensor, lb: Tensor, weight: float) -> Tensor:
-    """log(w·e^la + (1 − w)·e^lb) (−inf where both are −inf)."""
-    return torch.logaddexp(la + math.log(weight), lb + math.log1p(-weight))
+def _minus_log_mix(la: Tensor, lb: Tensor, weight: float) -> Tensor:
+    """la − log(w·e^la + (1 − w)·e^lb) = −log1p((1 − w)·expm1(lb − la)): exactly 0 where
+    la = lb (identical models give exactly 0), −inf where la = −inf < lb, −log w where
+    lb = −inf < la."""
+    return -torch.log1p((1.0 - weight) * torch.expm1(lb - la))
 
 
 def divergence_terms(lp: Tensor, lq: Tensor, kind: int, param: float) -> tuple[Tensor, Tensor]:
@@ -80,21 +82,21 @@ def divergence_terms(lp: Tensor, lq: Tensor, kind: int, param: float) -> tuple[T
         return f, f
     if kind == Divergence.FORWARD_KL:
         return _times(q, lq - lp, lq), -q
-    if kind == Divergence.JSD:
+    if kind == Divergence.JSD:  # M = β·ν + (1−β)·π
         beta = param
-        lm = _log_mix(lq, lp, beta)
-        f = beta * _times(q, lq - lm, lq) + (1.0 - beta) * _times(p, lp - lm, lp)
-        return f, (1.0 - beta) * _times(p, lp - lm, lp)
-    if kind == Divergence.SKEW_FORWARD_KL:
+        dp, dq = _minus_log_mix(lp, lq, 1.0 - beta), _minus_log_mix(lq, lp, beta)
+        fp = _times(p, dp, lp)
+        return beta * _times(q, dq, lq) + (1.0 - beta) * fp, (1.0 - beta) * fp
+    if kind == Divergence.SKEW_FORWARD_KL:  # M = λ·ν + (1−λ)·π
         lam = param
-        lm = _log_mix(lq, lp, lam)
-        pg = -(1.0 - lam) * torch.exp(lp + lq - lm).nan_to_num(0.0)  # −(1−λ)·π·ν/M
-        return _times(q, lq - lm, lq), pg
-    if kind == Divergence.SKEW_REVERSE_KL:
+        dp, dq = _minus_log_mix(lp, lq, 1.0 - lam), _minus_log_mix(lq, lp, lam)
+        pg = -(1.0 - lam) * torch.where(torch.isneginf(lq), 0.0, q * dp.exp())  # −(1−λ)·π·ν/M
+        return _times(q, dq, lq), pg
+    if kind == Divergence.SKEW_REVERSE_KL:  # M = λ·π + (1−λ)·ν
         lam = param
-        lm = _log_mix(lp, lq, lam)
-        f = _times(p, lp - lm, lp)
-        return f, f - lam * torch.exp(2.0 * lp - lm).nan_to_num(0.0)  # − λ·π²/M
+        dp = _minus_log_mix(lp, lq, lam)
+        f = _times(p, dp, lp)
+        return f, f - lam * torch.where(torch.isneginf(lp), 0.0, p * dp.exp())  # − λ·π²/M
     if kind == Divergence.TVD:
         diff = p - q
         return 0.5 * diff.abs(), 0.5 * p * torch.sign(diff)

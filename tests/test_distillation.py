@@ -1,0 +1,174 @@
+"""klpenalty.divergence: every kind, on every CPU backend and dtype, against the float64
+reference (ops/reference.divergence_reference), with the tolerance table of tests/tolerances.py;
+the directions pinned by a bimodal teacher; masks, −inf entries, the teacher as a constant,
+double backward, torch.compile and the argument errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import klpenalty
+from klpenalty.ops import dispatch
+from klpenalty.ops.reference import divergence_reference
+from tests.helpers import grad_tol, make_logits, tol
+
+KINDS = klpenalty.DIVERGENCES
+BACKENDS = dispatch.device_backends(torch.device("cpu"))
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+PARAMS = dict(beta=0.3, skew=0.2)
+
+
+def _pair(dtype, seed=3, shape=(2, 5, 61)):
+    x, y = make_logits(shape, dtype, seed=seed)
+    x, y = x.clone(), y.clone()
+    x[0, 1, 7] = -math.inf  # a student token without mass
+    y[1, 2, 9] = -math.inf  # a teacher token without mass
+    x[1, 3, :5] = -math.inf
+    y[1, 3, :5] = -math.inf  # neither has mass there
+    return x, y
+
+
+def _reference(x, y, kind, temperature):
+    return divergence_reference(x, y, kind, PARAMS["beta"], PARAMS["skew"], temperature)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_values_and_gradients_match_float64(kind, backend, dtype):
+    x, y = _pair(dtype)
+    xs = x.clone().requires_grad_(True)
+    got = klpenalty.divergence(xs, y, kind, temperature=0.8, backend=backend, **PARAMS)
+    assert got.shape == x.shape[:-1]
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    want = _reference(x, y, kind, 0.8)
+    torch.testing.assert_close(got.double(), want, **tol(dtype))
+    # gradients where the value is finite (a KL of +inf has no gradient to compare), by
+    # autograd of the reference on −inf replaced by −500: e^(−500/T) ~ 1e-272 is a mass far
+    # below float64's resolution of the other terms, yet positive, so autograd meets no
+    # 0·(−inf) (which would make the whole row's gradient NaN)
+    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    w = torch.where(torch.isfinite(want), w, 0.0)
+    xr = x.double().clamp_min(-500.0).requires_grad_(True)
+    (g,) = torch.autograd.grad((got.double() * w).sum(), xs)
+    (g_ref,) = torch.autograd.grad((_reference(xr, y.double().clamp_min(-500.0), kind, 0.8) * w).sum(), xr)
+    assert g.dtype == dtype
+    torch.testing.assert_close(g.double(), g_ref.nan_to_num(0.0), **grad_tol(dtype))
+
+
+def test_the_infinite_kls_are_where_mass_meets_none():
+    x, y = _pair(torch.float64)
+    rev = klpenalty.divergence(x, y, "reverse_kl")
+    fwd = klpenalty.divergence(x, y, "forward_kl")
+    assert torch.isposinf(rev[1, 2]) and torch.isfinite(rev[0, 1])  # π > 0 where ν = 0
+    assert torch.isposinf(fwd[0, 1]) and torch.isfinite(fwd[1, 2])  # ν > 0 where π = 0
+    for kind in ("jsd", "skew_forward_kl", "skew_reverse_kl", "tvd"):
+        assert torch.isfinite(klpenalty.divergence(x, y, kind)).all(), kind
+
+
+def test_the_directions_on_a_bimodal_teacher():
+    # ν: two modes; one student covers both thinly, another sits on one mode. The forward KL
+    # (mode-covering) prefers the first, the reverse KL (mode-seeking) the second.
+    grid = torch.linspace(-8, 8, 321, dtype=torch.float64)
+    teacher = torch.logaddexp(-0.5 * (grid + 4) ** 2, -0.5 * (grid - 4) ** 2)  # modes ±4, σ 1
+    broad = -0.5 * grid**2 / 17.0  # N(0, 17): the teacher's mean and variance
+    single = -0.5 * (grid - 4) ** 2  # N(4, 1): one mode
+    students = torch.stack([broad, single])
+    fwd = klpenalty.divergence(students, teacher.expand(2, -1), "forward_kl")
+    rev = klpenalty.divergence(students, teacher.expand(2, -1), "reverse_kl")
+    assert fwd[0] < fwd[1] and rev[1] < rev[0]
+    torch.testing.assert_close(rev[1], torch.tensor(math.log(2), dtype=torch.float64),
+                               atol=2e-4, rtol=0)  # one of two modes 8σ apart: log 2 − 1e-4
+
+
+def test_identities_between_kinds():
+    x, y = make_logits((4, 50), torch.float64, seed=5)
+    jsd = klpenalty.divergence(x, y, "jsd", beta=0.5)
+    torch.testing.assert_close(jsd, klpenalty.divergence(y, x, "jsd", beta=0.5))  # symmetric
+    assert (jsd <= math.log(2) + 1e-12).all() and (jsd >= 0).all()
+    tvd = klpenalty.divergence(x, y, "tvd")
+    assert (tvd <= 1).all() and (tvd >= 0).all()
+    # the skew KLs tend to the plain KLs as λ → 0, and both JSD limits to a weighted KL
+    for skew_kind, kl_kind in (("skew_forward_kl", "forward_kl"), ("skew_reverse_kl", "reverse_kl")):
+        small = klpenalty.divergence(x, y, skew_kind, skew=1e-9)
+        torch.testing.assert_close(small, klpenalty.divergence(x, y, kl_kind), atol=1e-6, rtol=1e-6)
+    # identical logits: every kind is exactly 0
+    for kind in KINDS:
+        assert torch.equal(klpenalty.divergence(x, x, kind), torch.zeros(4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_masked_positions_are_zero_with_zero_gradient(kind, backend):
+    x, y = make_logits((3, 4, 29), torch.float32, seed=2)
+    mask = torch.tensor([[True, False, True, True]] * 3)
+    x, y = x.clone(), y.clone()
+    x[:, 1] = float("nan")  # a masked position may hold anything
+    y[:, 1] = -math.inf
+    xs = x.requires_grad_(True)
+    got = klpenalty.divergence(xs, y, kind, mask=mask, backend=backend)
+    assert torch.equal(got[:, 1], torch.zeros(3))
+    got.sum().backward()
+    assert torch.equal(xs.grad[:, 1], torch.zeros(3, 29))
+    assert torch.isfinite(xs.grad).all()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_teacher_is_a_constant(kind):
+    x, y = make_logits((3, 17), torch.float32, seed=4)
+    xs, ys = x.requires_grad_(True), y.requires_grad_(True)
+    klpenalty.divergence(xs, ys, kind).sum().backward()
+    assert ys.grad is None and xs.grad is not None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_twice_differentiable(kind):
+    x, y = make_logits((2, 7), torch.float64, seed=6)
+    xs = x.requires_grad_(True)
+    fn = lambda t: klpenalty.divergence(t, y, kind, temperature=1.3, **PARAMS)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (xs,))
+    assert torch.autograd.gradgradcheck(fn, (xs,))
+
+
+def test_fullgraph_traceable():
+    x, y = make_logits((2, 3, 33), torch.float32, seed=7)
+    fn = torch.compile(
+        lambda a, b: klpenalty.divergence(a, b, "jsd", backend="streaming"), fullgraph=True
+    )
+    torch.testing.assert_close(fn(x, y), klpenalty.divergence(x, y, "jsd", backend="streaming"))
+
+
+def test_nan_logits_raise_with_check():
+    x, y = make_logits((2, 9), torch.float32, seed=8)
+    y = y.clone()
+    y[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        klpenalty.divergence(x, y, "forward_kl")
+    assert torch.isnan(klpenalty.divergence(x, y, "forward_kl", check=False)[1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(kind="kl"), ValueError, "kind must be one of"),
+        (dict(kind="jsd", beta=1.0), ValueError, "beta must lie in"),
+        (dict(kind="skew_forward_kl", skew=0.0), ValueError, "skew must lie in"),
+        (dict(temperature=0.0), ValueError, "temperature"),
+        (dict(mask=torch.ones(3, dtype=torch.bool)), ValueError, "mask"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, error, match):
+    x, y = make_logits((2, 9), torch.float32)
+    with pytest.raises(error, match=match):
+        klpenalty.divergence(x, y, **kwargs)
+
+
+def test_mismatched_logits_name_both():
+    x, _ = make_logits((2, 9), torch.float32)
+    with pytest.raises(ValueError, match="student_logits and teacher_logits must have the same"):
+        klpenalty.divergence(x, x[:, :8])
+    with pytest.raises(TypeError, match="teacher_logits must be a floating-point"):
+        klpenalty.divergence(x, torch.zeros(2, 9, dtype=torch.long))

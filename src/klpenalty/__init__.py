@@ -13,7 +13,7 @@ from .functional import (
     token_logprobs,
     token_stats,
 )
-from .linear import PolicyLoss, linear_kl, linear_policy_loss
+from .linear import PolicyLoss, linear_divergence, linear_kl, linear_policy_loss
 from .modules import FullKL, KLPenalty
 from .report import KLReport, kl_report
 from .rlhf import *  # noqa: F403  (the names in klpenalty.rlhf.__all__)
@@ -33,6 +33,7 @@ __all__ = [
     "DIVERGENCES",
     # the same straight from hidden states and LM heads, no (N, V) logits (klpenalty.linear)
     "linear_kl",
+    "linear_divergence",
     # a PPO/GRPO loss with the exact KL from hidden states, gradient formed in the forward
     "linear_policy_loss",
     "PolicyLoss",

@@ -15,10 +15,12 @@ biases.
 The modules, by concern:
 
 - :mod:`.chunks`: the chunk adapter (one chunk's logits -> the token_stats op's columns and
-  their ∂/∂z);
+  their ∂/∂z; :class:`.chunks.DivergenceChunks` for a divergence);
 - :mod:`._heads`: the chunk plan (:func:`default_chunk_rows`), a chunk's logits and the chain
   rule into the heads, the arguments' checks, the flat rows;
 - :mod:`.kl`: :func:`linear_kl` (differentiable, with the plan of its upstream gradients);
+- :mod:`.divergence`: :func:`linear_divergence` (the student–teacher divergences, the same
+  Function with the divergence adapter);
 - :mod:`.logprobs`: :func:`linear_logprobs` (one head, values only);
 - :mod:`.policy_loss`: :func:`linear_policy_loss` (the fused PPO/GRPO loss).
 """
@@ -39,9 +41,10 @@ from ._heads import (
     CPU_MIN_CHUNK_ROWS,
     default_chunk_rows,
 )
-from .chunks import IGNORE, ChunkAdapter, LocalChunks
+from .chunks import IGNORE, ChunkAdapter, DivergenceChunks, LocalChunks
+from .divergence import linear_divergence
 from .kl import PLAN_RTOL, linear_kl
 from .logprobs import linear_logprobs
 from .policy_loss import REDUCTIONS, PolicyLoss, linear_policy_loss
 
-__all__ = ["linear_kl", "linear_logprobs", "linear_policy_loss", "PolicyLoss"]
+__all__ = ["linear_kl", "linear_divergence", "linear_logprobs", "linear_policy_loss", "PolicyLoss"]

@@ -368,31 +368,33 @@ class _Checked(NamedTuple):
 def _check_heads(
     policy_hidden, policy_weight, ref_hidden, ref_weight, *, tokens, mask, temperature,
     policy_bias, ref_bias, logit_scale, softcap, ref_logit_scale, ref_softcap, ignore_index,
-    chunk_rows, backend, suffix: str = "",
+    chunk_rows, backend, suffix: str = "", roles: tuple[str, str] = ("policy", "ref"),
 ) -> _Checked:
     """The arguments that :func:`~klpenalty.linear.linear_kl` and
     :func:`~klpenalty.linear.linear_policy_loss` share: both heads (shapes, dtypes, devices),
     tokens, mask, temperature, the logit transforms, ignore_index, chunk_rows and the backend.
-    Raises TypeError / ValueError naming the argument."""
-    _check_head("policy", policy_hidden, policy_weight, policy_bias, suffix)
-    _check_head("ref", ref_hidden, ref_weight, ref_bias, suffix)
+    Raises TypeError / ValueError naming the argument (``<role>_hidden`` etc., ``roles`` the
+    caller's names of the two models)."""
+    a, b = roles
+    _check_head(a, policy_hidden, policy_weight, policy_bias, suffix)
+    _check_head(b, ref_hidden, ref_weight, ref_bias, suffix)
     vocab = policy_weight.shape[0]
     if ref_weight.shape[0] != vocab:
         raise ValueError(
-            f"policy_weight{suffix} and ref_weight{suffix} must have the same vocabulary "
-            f"size V (dim 0): policy_weight{suffix} {v.describe(policy_weight)}, "
-            f"ref_weight{suffix} {v.describe(ref_weight)}"
+            f"{a}_weight{suffix} and {b}_weight{suffix} must have the same vocabulary "
+            f"size V (dim 0): {a}_weight{suffix} {v.describe(policy_weight)}, "
+            f"{b}_weight{suffix} {v.describe(ref_weight)}"
         )
     leading = policy_hidden.shape[:-1]
     if ref_hidden.shape[:-1] != leading:
         raise ValueError(
-            "policy_hidden and ref_hidden must have the same leading dims (...): "
-            f"policy_hidden {v.describe(policy_hidden)}, ref_hidden {v.describe(ref_hidden)}"
+            f"{a}_hidden and {b}_hidden must have the same leading dims (...): "
+            f"{a}_hidden {v.describe(policy_hidden)}, {b}_hidden {v.describe(ref_hidden)}"
         )
     named = {
-        "policy_hidden": policy_hidden, f"policy_weight{suffix}": policy_weight,
-        f"policy_bias{suffix}": policy_bias, "ref_hidden": ref_hidden,
-        f"ref_weight{suffix}": ref_weight, f"ref_bias{suffix}": ref_bias,
+        f"{a}_hidden": policy_hidden, f"{a}_weight{suffix}": policy_weight,
+        f"{a}_bias{suffix}": policy_bias, f"{b}_hidden": ref_hidden,
+        f"{b}_weight{suffix}": ref_weight, f"{b}_bias{suffix}": ref_bias,
     }
     _check_devices(named)
     mask, temperature, ignore_index, impl = _check_run(
@@ -401,9 +403,9 @@ def _check_heads(
     )
     scale_p, cap_p = _check_transform(logit_scale, softcap)
     scale_r = scale_p if ref_logit_scale is None else _check_positive(
-        "ref_logit_scale", ref_logit_scale
+        f"{b}_logit_scale", ref_logit_scale
     )
-    cap_r = cap_p if ref_softcap is None else _check_positive("ref_softcap", ref_softcap)
+    cap_r = cap_p if ref_softcap is None else _check_positive(f"{b}_softcap", ref_softcap)
     return _Checked(vocab, leading, named, mask, temperature, (scale_p, cap_p, scale_r, cap_r),
                     ignore_index, impl)
 

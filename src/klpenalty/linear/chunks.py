@@ -17,12 +17,14 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from ..ops.contract import Want
+from ..ops.contract import OUT_KL, Want
+from ..ops.divergence import Divergence
 
 __all__ = [
     "IGNORE",
     "NO_SAMPLER",
     "ChunkAdapter",
+    "DivergenceChunks",
     "LocalChunks",
     "chunk_backward",
     "chunk_forward",
@@ -76,6 +78,17 @@ class ChunkAdapter(Protocol):
 
     def hidden_grad(self, grad: Tensor) -> Tensor:
         """The returned gradient of a hidden state from this process's (N, H) part."""
+        ...
+
+    def divergence(self, zp: Tensor, zr: Tensor, stats: Tensor, temperature: float, kind: int,
+                   param: float) -> tuple[Tensor, Tensor]:
+        """(value (R,), ḡ (R,)) of the second walk over the whole vocabulary, from the
+        forward's ``stats``."""
+        ...
+
+    def divergence_backward(self, grad: Tensor, zp: Tensor, zr: Tensor, stats: Tensor,
+                            gbar: Tensor, temperature: float, kind: int, param: float) -> Tensor:
+        """∂/∂zp (R, V) of Σ grad·value of the second walk."""
         ...
 
 
@@ -184,3 +197,46 @@ class LocalChunks(ChunkAdapter):
 
     def hidden_grad(self, grad: Tensor) -> Tensor:
         return grad
+
+    def divergence(self, zp, zr, stats, temperature, kind, param):
+        return self.impl.divergence(zp, zr, stats, temperature=temperature, kind=kind,
+                                    param=param)
+
+    def divergence_backward(self, grad, zp, zr, stats, gbar, temperature, kind, param):
+        return self.impl.divergence_backward(grad, zp, zr, stats, gbar, temperature=temperature,
+                                             kind=kind, param=param)
+
+
+class DivergenceChunks(ChunkAdapter):
+    """The adapter of a divergence between the two models (:mod:`klpenalty.ops.divergence`),
+    over another adapter (the whole vocabulary or a slice): the forward op's statistics (the
+    KL column, both normalisers), then, for every kind but the reverse KL (the KL column
+    itself), the second walk, its value in the KL column and ḡ appended to the stats. The
+    second model is a constant: only ∂/∂zp comes back."""
+
+    def __init__(self, inner: ChunkAdapter, kind: int, param: float):
+        self.inner, self.kind, self.param = inner, int(kind), float(param)
+        self.walk = self.kind != Divergence.REVERSE_KL
+
+    def forward(self, zp, zr, tokens, temperature, want, keep=None, tau=None,
+                sampler=NO_SAMPLER):
+        out, stats = self.inner.forward(zp, zr, None, temperature, Want.KL)
+        if not self.walk:
+            return out, stats
+        value, gbar = self.inner.divergence(zp, zr, stats, temperature, self.kind, self.param)
+        out[:, OUT_KL] = value
+        return out, torch.cat([stats, gbar.unsqueeze(-1)], -1)
+
+    def backward(self, grad_out, zp, zr, tokens, stats, temperature, need_p, need_r,
+                 keep=None, tau=None):
+        if not self.walk:
+            return self.inner.backward(grad_out, zp, zr, None, stats, temperature, need_p,
+                                       False)
+        if not need_p:
+            return None, None
+        grad = grad_out[:, OUT_KL].contiguous()
+        return self.inner.divergence_backward(grad, zp, zr, stats[:, :-1], stats[:, -1],
+                                              temperature, self.kind, self.param), None
+
+    def hidden_grad(self, grad: Tensor) -> Tensor:
+        return self.inner.hidden_grad(grad)

@@ -31,7 +31,7 @@ from ._heads import (
     _logits,
     _plan_rows,
 )
-from .chunks import ChunkAdapter, LocalChunks, host_checks, want_bits
+from .chunks import ChunkAdapter, DivergenceChunks, LocalChunks, host_checks, want_bits
 
 __all__ = ["linear_kl", "run_linear_kl", "PLAN_RTOL"]
 
@@ -373,6 +373,7 @@ def run_linear_kl(
     policy_bias, ref_bias, logit_scale, softcap, ref_logit_scale, ref_softcap, entropy,
     ignore_index, chunk_rows, backend, check, parallel=None, suffix: str = "",
     support=None, top_k=None, top_p=None, min_p=None, expected_grads=None,
+    roles: tuple[str, str] = ("policy", "ref"), divergence: Optional[tuple] = None,
 ) -> TokenStats:
     """:func:`linear_kl`'s validation and run, with the chunk adapter of ``parallel``.
 
@@ -380,7 +381,10 @@ def run_linear_kl(
     Otherwise a callable ``parallel(impl, vocab, error) -> (adapter, vocab)`` called on every
     process after the local validation (``error`` its TypeError/ValueError or None; it raises
     when any process of the group failed), returning the :class:`~.chunks.ChunkAdapter` and the
-    whole vocabulary V; ``suffix`` ends the weights' argument names in messages.
+    whole vocabulary V; ``suffix`` ends the weights' argument names in messages, ``roles``
+    names the two models in them. ``divergence`` (kind, param): the KL column holds that
+    divergence instead (:class:`~.chunks.DivergenceChunks`; the caller detaches the second
+    model, a constant).
     """
     error = None
     vocab = impl = None
@@ -390,7 +394,7 @@ def run_linear_kl(
             temperature=temperature, policy_bias=policy_bias, ref_bias=ref_bias,
             logit_scale=logit_scale, softcap=softcap, ref_logit_scale=ref_logit_scale,
             ref_softcap=ref_softcap, ignore_index=ignore_index, chunk_rows=chunk_rows,
-            backend=backend, suffix=suffix,
+            backend=backend, suffix=suffix, roles=roles,
         )
         vocab, impl, leading = checked.vocab, checked.impl, checked.leading
         want = want_bits(tokens, _check_flag("entropy", entropy))
@@ -412,6 +416,8 @@ def run_linear_kl(
         adapter = LocalChunks(impl)
     else:
         adapter, vocab = parallel(impl, vocab, error)
+    if divergence is not None:
+        adapter = DivergenceChunks(adapter, *divergence)
 
     (hp, hr), rows, tok = _flat_rows(
         (policy_hidden, ref_hidden), tokens, checked.mask, vocab, checked.ignore_index, check

@@ -28,7 +28,6 @@ are finite wherever either model has mass.
 
 from __future__ import annotations
 
-import math
 from enum import IntEnum
 
 import torch

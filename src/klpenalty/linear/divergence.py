@@ -1,0 +1,86 @@
+"""The divergences of :func:`klpenalty.divergence` from a student's and a teacher's hidden
+states and LM heads, without the (N, V) logits: :func:`linear_kl`'s chunked Function with the
+divergence adapter (:class:`.chunks.DivergenceChunks`).
+
+Shape letters: N rows (the product of the leading dims), H_s / H_t the hidden sizes (the
+teacher's may differ), V the vocabulary (the same for both), R the rows of one chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor
+
+from ..distillation import check_kind
+from .kl import run_linear_kl
+
+__all__ = ["linear_divergence"]
+
+
+def linear_divergence(
+    student_hidden: Tensor,
+    student_weight: Tensor,
+    teacher_hidden: Tensor,
+    teacher_weight: Tensor,
+    kind: str = "reverse_kl",
+    *,
+    beta: float = 0.5,
+    skew: float = 0.1,
+    mask: Optional[Tensor] = None,
+    temperature: float = 1.0,
+    student_bias: Optional[Tensor] = None,
+    teacher_bias: Optional[Tensor] = None,
+    logit_scale: float = 1.0,
+    softcap: Optional[float] = None,
+    teacher_logit_scale: Optional[float] = None,
+    teacher_softcap: Optional[float] = None,
+    chunk_rows: Optional[int] = None,
+    backend: str = "auto",
+    check: bool = True,
+) -> Tensor:
+    """:func:`klpenalty.divergence` of the two models' logits z = scale·(h Wᵀ + b) (soft-capped
+    as cap·tanh(z/cap) where a cap is given), never materialising them: the counted rows are
+    walked in chunks of R rows, each chunk's logits of both heads computed, reduced and
+    dropped (twice for every kind but the reverse KL: the second walk needs both normalisers
+    first), and recomputed in the backward.
+
+    Args:
+        student_hidden: (..., H_s) float, the student's last hidden states. Gradients flow.
+        student_weight: (V, H_s), the student's LM head, the same dtype. Gradients flow.
+        teacher_hidden: (..., H_t), the teacher's hidden states (H_t may differ from H_s),
+            the same leading dims; a constant (detached).
+        teacher_weight: (V, H_t), the teacher's LM head, the dtype of ``teacher_hidden``; a
+            constant.
+        kind, beta, skew: as in :func:`klpenalty.divergence` (the direction is in the kind's
+            name: ``"reverse_kl"`` is KL(student‖teacher)).
+        mask: optional (...) bool, True = counts: False rows are never multiplied, give 0 and
+            zero gradient.
+        temperature: > 0, divides both models' transformed logits.
+        student_bias, teacher_bias: optional (V,) LM-head biases.
+        logit_scale, softcap: the student's logit transforms (``softcap`` None: none);
+        teacher_logit_scale, teacher_softcap: the teacher's (None: the student's).
+        chunk_rows: rows per chunk (None: :func:`klpenalty.linear.default_chunk_rows`).
+        backend: as in :func:`klpenalty.full_kl` (the engine on each chunk).
+        check: raise ValueError for NaN in a counted position (naming the tensors that hold
+            it); one host read.
+
+    Returns:
+        (...) float32 (float64 if a hidden state or weight is float64), 0 where masked.
+        Differentiable once with respect to the student's hidden states, weight and bias
+        (gradients in their dtypes).
+
+    Raises:
+        TypeError / ValueError: as :func:`klpenalty.linear_kl`'s (naming ``student_*`` and
+            ``teacher_*``), and an unknown kind, beta or skew outside (0, 1).
+    """
+    k, param = check_kind(kind, beta, skew)
+    const = [None if t is None else t.detach() for t in (teacher_hidden, teacher_weight, teacher_bias)]
+    stats = run_linear_kl(
+        student_hidden, student_weight, const[0], const[1], tokens=None, mask=mask,
+        temperature=temperature, policy_bias=student_bias, ref_bias=const[2],
+        logit_scale=logit_scale, softcap=softcap, ref_logit_scale=teacher_logit_scale,
+        ref_softcap=teacher_softcap, entropy=False, ignore_index=-100, chunk_rows=chunk_rows,
+        backend=backend, check=check, roles=("student", "teacher"), divergence=(k, param),
+    )
+    return stats.kl

@@ -20,12 +20,14 @@ tests build tiny models with it (``pip install 'klpenalty[hf]'``).
 
 from __future__ import annotations
 
+from .divergence import causal_lm_divergence
 from .kl import causal_lm_kl, causal_lm_logprobs, reference_states, ReferenceStates
 from .models import SUPPORTED_ARCHITECTURES
 from .positions import generate_position_ids, scored_positions
 
 __all__ = [
     "causal_lm_kl",
+    "causal_lm_divergence",
     "reference_states",
     "ReferenceStates",
     "causal_lm_logprobs",

@@ -450,13 +450,15 @@ def _check_pair(policy: _Parts, ref_model,
     return ref, states
 
 
-def _policy_head(policy: _Parts, ref: _Parts, refh: _RefHead, batch: _Batch,
+def _policy_head(policy: _Parts, ref: _Parts, refh: _RefHead, batch: _Batch, head=None,
                  **options) -> TokenStats:
     """Run the policy through its own (wrapped) forward with its LM head replaced by
     :func:`klpenalty.linear.linear_kl` on what the head receives and the reference's captured
     head ``refh``, its per-token columns (B, T - 1, OUT_COLS) returned as the head's output
     (so the wrappers' hooks see them); ``options`` are linear_kl's (entropy, support, ...,
-    expected_grads). Mirrors :func:`_reference_head`."""
+    expected_grads). ``head``: the function run in place of linear_kl, with its arguments,
+    returning a TokenStats (None: linear_kl). Mirrors :func:`_reference_head`."""
+    head = linear_kl if head is None else head
     shape = tuple(batch.kwargs["input_ids"].shape)  # (B, T)
     if refh.weight.shape[0] != policy.vocab and policy.vocab is not None:
         raise ValueError(
@@ -472,7 +474,7 @@ def _policy_head(policy: _Parts, ref: _Parts, refh: _RefHead, batch: _Batch,
                 raise RuntimeError("policy_model's forward called its LM head more than once")
             weight, bias = _head_weight(module)
             _check_head_input("policy_model", hidden, shape, weight)
-            stats = linear_kl(
+            stats = head(
                 hidden[:, :-1],  # (B, T - 1, H_p): position t predicts token t + 1
                 weight,
                 refh.hidden[:, :-1],  # (B, T - 1, H_r)

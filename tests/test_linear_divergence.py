@@ -1,0 +1,96 @@
+"""klpenalty.linear_divergence against the float64 reference on the logits the fused path sees.
+
+As in tests/test_linear.py: the fast path computes each chunk's logits with ``F.linear`` in the
+input dtype; the reference is evaluated on those same logits (upcast exactly) while its
+derivatives flow through a float64 graph (the straight-through ``z64 + (z − z64).detach()``), so
+the value error is the engine's alone (the tolerance table's entry for the input dtype) and the
+gradient error the engine's ∂/∂z rounded to the input dtype plus the chain rule's GEMMs in that
+dtype (the table's gradient entry, relative to the largest entry).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import klpenalty
+from klpenalty.ops import dispatch
+from klpenalty.ops.reference import divergence_reference
+from tests.helpers import GRAD_REL_TOL, tol
+
+BACKENDS = dispatch.device_backends(torch.device("cpu"))
+LEADING, HS, HT, V = (3, 5), 12, 20, 67  # the teacher wider than the student
+
+
+def heads(dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g, dtype=torch.float64) * scale).to(dtype)  # noqa: E731
+    return dict(hs=r(*LEADING, HS), ws=r(V, HS, scale=0.6), bs=r(V, scale=0.5),
+                ht=r(*LEADING, HT), wt=r(V, HT, scale=0.5), bt=r(V, scale=0.5))
+
+
+def logits(h, w, b, cap, same_dtype):
+    """scale 1, soft-capped logits; in float64 with the input-dtype values substituted."""
+    def z_of(hh, ww, bb):
+        z = F.linear(hh, ww, bb)
+        return z if cap is None else torch.tanh(z / cap) * cap
+    z64 = z_of(h.double(), w.double(), b.double())
+    if same_dtype is not None:
+        z64 = z64 + (z_of(h.detach(), w.detach(), b.detach()).double() - z64).detach()
+    return z64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", klpenalty.DIVERGENCES)
+def test_values_and_student_gradients_match_float64(kind, backend, dtype):
+    t = heads(dtype)
+    mask = torch.ones(LEADING, dtype=torch.bool)
+    mask[1, 2] = mask[2, 0] = False
+    t["hs"][1, 2] = float("nan")  # masked rows hold garbage, never multiplied
+    student = [t[k].clone().requires_grad_(True) for k in ("hs", "ws", "bs")]
+    got = klpenalty.linear_divergence(
+        student[0], student[1], t["ht"], t["wt"], kind, student_bias=student[2],
+        teacher_bias=t["bt"], softcap=6.0, temperature=0.8, mask=mask, chunk_rows=4,
+        backend=backend, beta=0.3, skew=0.2,
+    )
+    assert got.shape == LEADING and torch.all(got[~mask] == 0)
+    leaves = [t[k].detach().double().masked_fill(~mask.unsqueeze(-1), 0.0).requires_grad_(True)
+              if k == "hs" else t[k].detach().double().requires_grad_(True)
+              for k in ("hs", "ws", "bs")]
+    same = None if dtype == torch.float64 else dtype
+    hs_in = t["hs"].masked_fill(~mask.unsqueeze(-1), 0.0)
+    zs = logits(leaves[0], leaves[1], leaves[2], 6.0, same)
+    if same is not None:  # the student's input-dtype logits, as the fused path computes them
+        z_in = F.linear(hs_in, t["ws"], t["bs"])
+        zs = zs + ((torch.tanh(z_in / 6.0) * 6.0).double() - zs).detach()
+    zt = logits(t["ht"], t["wt"], t["bt"], 6.0, same)
+    want = torch.where(mask, divergence_reference(zs, zt, kind, 0.3, 0.2, 0.8), 0.0)
+    torch.testing.assert_close(got.double(), want.detach(), **tol(dtype))
+    w = torch.linspace(-1.0, 2.0, got.numel(), dtype=torch.float64).reshape(LEADING)
+    grads = torch.autograd.grad((got.double() * w).sum(), student)
+    wants = torch.autograd.grad((want * w).sum(), leaves)
+    rel = GRAD_REL_TOL[dtype]
+    for g, gw in zip(grads, wants):
+        assert g.dtype == dtype and torch.isfinite(g).all()
+        scale = gw.abs().max().item()
+        torch.testing.assert_close(g.double(), gw, rtol=rel, atol=rel * scale)
+
+
+def test_the_teacher_gets_no_gradient_and_its_hidden_size_is_free():
+    t = heads(torch.float32, seed=1)
+    ht, wt = t["ht"].requires_grad_(True), t["wt"].requires_grad_(True)
+    hs = t["hs"].requires_grad_(True)
+    klpenalty.linear_divergence(hs, t["ws"], ht, wt, "forward_kl").sum().backward()
+    assert ht.grad is None and wt.grad is None and hs.grad is not None
+
+
+def test_errors_name_the_student_and_the_teacher():
+    t = heads(torch.float32)
+    with pytest.raises(ValueError, match="teacher_weight must have shape"):
+        klpenalty.linear_divergence(t["hs"], t["ws"], t["ht"], t["wt"][:, :5])
+    with pytest.raises(ValueError, match="student_weight and teacher_weight must have the same vocabulary"):
+        klpenalty.linear_divergence(t["hs"], t["ws"], t["ht"], t["wt"][:9])
+    with pytest.raises(ValueError, match="kind must be one of"):
+        klpenalty.linear_divergence(t["hs"], t["ws"], t["ht"], t["wt"], "kl")

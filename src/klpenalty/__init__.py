@@ -16,6 +16,7 @@ from .functional import (
 from .linear import PolicyLoss, linear_divergence, linear_kl, linear_policy_loss
 from .modules import FullKL, KLPenalty
 from .report import KLReport, kl_report
+from .topk import TopKMass, topk_divergence, topk_mass
 from .rlhf import *  # noqa: F403  (the names in klpenalty.rlhf.__all__)
 
 __version__ = "0.1.0"
@@ -45,6 +46,10 @@ __all__ = [
     # the exact KL of a batch next to the sampled estimators (klpenalty.report)
     "kl_report",
     "KLReport",
+    # distillation against a teacher given by its top-K log-probs (klpenalty.topk)
+    "topk_divergence",
+    "topk_mass",
+    "TopKMass",
     # the RLHF side (klpenalty.rlhf): sampled estimators, reward shaping, KL loss forms and
     # reward placements, KL coefficient controllers
     *rlhf.__all__,

@@ -1,0 +1,70 @@
+"""klpenalty.hf.causal_lm_divergence on tiny random causal LMs (no downloads): a student and a
+teacher of another architecture and hidden size, against klpenalty.divergence on the models'
+own (materialised) logits, values and the gradient of every student parameter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import klpenalty  # noqa: E402
+from klpenalty.hf import causal_lm_divergence, generate_position_ids  # noqa: E402
+from klpenalty.ops.reference import divergence_reference  # noqa: E402
+
+from .helpers import grad_tol, tol  # noqa: E402
+
+V, B, T = 64, 3, 9
+
+
+def tiny(config: str, model: str, hidden: int, seed: int, **extra) -> torch.nn.Module:
+    cfg = getattr(transformers, config)(
+        vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, pad_token_id=0,
+        **extra,
+    )
+    torch.manual_seed(seed)
+    return getattr(transformers, model)(cfg).eval().double()
+
+
+@pytest.fixture(scope="module")
+def pair():
+    student = tiny("Qwen2Config", "Qwen2ForCausalLM", 32, seed=1)
+    teacher = tiny("LlamaConfig", "LlamaForCausalLM", 48, seed=2).requires_grad_(False)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, V, (B, T), generator=g)
+    attention = torch.ones(B, T, dtype=torch.long)
+    attention[1, :3] = 0  # left padding
+    ids[1, :3] = 0
+    return student, teacher, ids, attention
+
+
+@pytest.mark.parametrize("kind", klpenalty.DIVERGENCES)
+def test_matches_the_materialised_logits(pair, kind):
+    student, teacher, ids, attention = pair
+    student.zero_grad()
+    got = causal_lm_divergence(student, teacher, ids, attention, kind, temperature=0.9,
+                               beta=0.3, skew=0.2)
+    assert got.shape == (B, T - 1) and got.dtype == torch.float64
+    got.sum().backward()
+    fused = {n: p.grad.clone() for n, p in student.named_parameters()}
+    student.zero_grad()
+    pos = generate_position_ids(attention)
+    zs = student(input_ids=ids, attention_mask=attention, position_ids=pos).logits[:, :-1]
+    with torch.no_grad():
+        zt = teacher(input_ids=ids, attention_mask=attention, position_ids=pos).logits[:, :-1]
+    counted = (attention[:, 1:] * attention[:, :-1]).bool()
+    want = torch.where(counted, divergence_reference(zs, zt, kind, 0.3, 0.2, 0.9), 0.0)
+    torch.testing.assert_close(got, want.detach(), **tol(torch.float64))
+    want.sum().backward()
+    for name, p in student.named_parameters():
+        assert fused[name] is not None, name
+        torch.testing.assert_close(fused[name], p.grad, **grad_tol(torch.float64), msg=name)
+    assert all(p.grad is None for p in teacher.parameters())
+
+
+def test_bad_kind_raises_before_the_models_run(pair):
+    student, teacher, ids, attention = pair
+    with pytest.raises(ValueError, match="kind must be one of"):
+        causal_lm_divergence(student, teacher, ids, attention, "kl")

@@ -30,6 +30,8 @@ VALUE_CHECKS = [
     "check_linear_kl_float32_native",
     "check_linear_kl_float64_streaming",
     "check_linear_kl_float64_native",
+    "check_divergences_float32_streaming",
+    "check_divergences_float64_native",
 ]
 
 # worker error check -> (type, text every message holds, identical on every rank)

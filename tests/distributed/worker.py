@@ -761,6 +761,58 @@ def check_err_global_mean_local(ctx: Ctx):
     return _expect_error(lambda: kd.global_masked_mean(torch.ones(2, 3), mask))
 
 
+def _divergences_vs_single(ctx: Ctx, dtype: torch.dtype, backend: str) -> list:
+    """vocab_parallel_divergence (logits) and vocab_parallel_linear_divergence (heads) of every
+    kind against klpenalty.divergence / linear_divergence on the whole vocabulary."""
+    x, y, g = _pair(31, (3, 4), dtype, spread=2.0)
+    mask = torch.rand(3, 4, generator=g) > 0.2
+    mask[1, 2] = False
+    x[1, 2] = float("nan")  # a masked position may hold anything
+    w = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    hs = torch.randn(3, 4, 8, generator=g, dtype=torch.float64).to(dtype)
+    ws = (torch.randn(VOCAB, 8, generator=g, dtype=torch.float64) * 0.7).to(dtype)
+    ht = torch.randn(3, 4, 12, generator=g, dtype=torch.float64).to(dtype)
+    wt = (torch.randn(VOCAB, 12, generator=g, dtype=torch.float64) * 0.7).to(dtype)
+    done = []
+    for kind in klpenalty.DIVERGENCES:
+        kw = dict(mask=mask, temperature=0.8, beta=0.3, skew=0.2)
+        xs = ctx.shard(x, True)
+        got = kd.vocab_parallel_divergence(xs, ctx.shard(y), kind, backend=backend, **kw)
+        (got.double() * w).sum().backward()
+        xf = x.clone().requires_grad_()
+        ref = klpenalty.divergence(xf, y, kind, backend="streaming", **kw)
+        (ref.double() * w).sum().backward()
+        assert gather_equal(got), f"{kind}: the values differ across ranks"
+        assert_close(got, ref, **tol(dtype))
+        assert_close(xs.grad, xf.grad[..., ctx.start : ctx.end], **grad_tol(dtype))
+        assert torch.all(xs.grad[1, 2] == 0), kind  # the masked row
+        # the heads: each rank its rows of both
+        hl = hs.clone().requires_grad_()
+        wl = ws[ctx.start : ctx.end].clone().requires_grad_()
+        got = kd.vocab_parallel_linear_divergence(
+            hl, wl, ht, wt[ctx.start : ctx.end], kind, vocab_start=ctx.start, chunk_rows=5,
+            backend=backend, **kw)
+        (got.double() * w).sum().backward()
+        hf_, wf = hs.clone().requires_grad_(), ws.clone().requires_grad_()
+        ref = klpenalty.linear_divergence(hf_, wf, ht, wt, kind, backend="streaming", **kw)
+        (ref.double() * w).sum().backward()
+        assert gather_equal(got) and gather_equal(hl.grad), f"{kind}: differs across ranks"
+        assert_close(got, ref, **tol(dtype))
+        assert_close(hl.grad, hf_.grad, **grad_tol(dtype))
+        assert_close(wl.grad, wf.grad[ctx.start : ctx.end], **grad_tol(dtype))
+        done.append(kind)
+    return done
+
+
+def check_divergences_float32_streaming(ctx: Ctx):
+    with small_chunks():
+        return _divergences_vs_single(ctx, torch.float32, "streaming")
+
+
+def check_divergences_float64_native(ctx: Ctx):
+    return _divergences_vs_single(ctx, torch.float64, "native")
+
+
 CHECKS = [name for name in dict(globals()) if name.startswith("check_")]
 
 

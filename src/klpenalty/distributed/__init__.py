@@ -23,7 +23,10 @@ that); the backward of both is local and communicates nothing.
 :func:`vocab_parallel_linear_kl` takes the hidden states and each rank's rows of both LM heads
 instead of logits (the fused head of :func:`klpenalty.linear_kl`, chunk by chunk): the same
 merge per chunk of rows, and one all-reduce SUM of each hidden state's gradient (N, H) in the
-backward (Megatron's column-parallel convention).
+backward (Megatron's column-parallel convention). :func:`vocab_parallel_divergence` and
+:func:`vocab_parallel_linear_divergence` give :func:`klpenalty.divergence` and
+:func:`klpenalty.linear_divergence` the same way, with one all-reduce SUM more (N, 2) for
+every kind but the reverse KL (the second walk).
 
 **Data-parallel**: every rank holds different sequences. :func:`global_masked_mean`,
 :func:`global_sequence_mean` and :func:`update_controller_globally` normalise by the *global*
@@ -44,6 +47,7 @@ from .data_parallel import (
     global_sequence_mean,
     update_controller_globally,
 )
+from .divergence import vocab_parallel_divergence, vocab_parallel_linear_divergence
 from .vocab_parallel import (
     vocab_parallel_entropy,
     vocab_parallel_full_kl,
@@ -58,6 +62,8 @@ __all__ = [
     "vocab_parallel_entropy",
     "vocab_parallel_token_stats",
     "vocab_parallel_linear_kl",
+    "vocab_parallel_divergence",
+    "vocab_parallel_linear_divergence",
     "global_masked_mean",
     "global_sequence_mean",
     "update_controller_globally",

@@ -227,6 +227,36 @@ class _VocabParallelTokenStats(torch.autograd.Function):
         return (gx if need_x else None), (gy if need_y else None), *([None] * 6)
 
 
+class _VocabParallelDivergence(torch.autograd.Function):
+    """The second walk across ranks: the merged stats (:func:`_merged_stats`, want KL: both
+    normalisers), each rank's value and ḡ over its slice (the backend's divergence op), one
+    all-reduce SUM of both; the backward is local (the backend's divergence backward op with
+    the global stats and ḡ). out (N, OUT_COLS) with the value in the KL column."""
+
+    @staticmethod
+    def forward(ctx, x, y, mask, opts, kind, param):
+        out, stats, _ = _merged_stats(x, y, None, None, mask, None, None, opts)
+        temperature, _, backend, group, *_ = opts
+        value, gbar = backend.divergence(x, y, stats, mask, temperature=temperature, kind=kind,
+                                         param=param)
+        both = torch.stack([value, gbar], -1)  # (N, 2)
+        _all_reduce(both, dist.ReduceOp.SUM, group)
+        out[:, contract.OUT_KL] = both[:, 0]
+        ctx.save_for_backward(x, y, stats, both[:, 1].contiguous(), mask)
+        ctx.args = (temperature, backend, kind, param)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        x, y, stats, gbar, mask = ctx.saved_tensors
+        temperature, backend, kind, param = ctx.args
+        gx = backend.divergence_backward(grad_out[:, contract.OUT_KL].contiguous(), x, y, stats,
+                                         gbar, mask, temperature=temperature, kind=kind,
+                                         param=param)
+        return gx, None, None, None, None, None
+
+
 def _token_stats(
     caller: str,
     x_shard: torch.Tensor,
@@ -245,12 +275,16 @@ def _token_stats(
     ignore_index: int,
     backend: str,
     check: bool,
+    divergence: tuple | None = None,
+    names: tuple[str, str] | None = None,
 ) -> torch.Tensor:
     """The one validation, configuration check and call of the public functions:
-    (..., OUT_COLS)."""
+    (..., OUT_COLS). ``divergence`` (kind, param): the KL column holds that divergence (the
+    second walk; y a constant); ``names``: the two logits' argument names."""
     world, _ = _group_info(group, caller)
-    names = ("policy_logits_shard", "ref_logits_shard") if y_shard is not None else (
-        "logits_shard", "")
+    if names is None:
+        names = ("policy_logits_shard", "ref_logits_shard") if y_shard is not None else (
+            "logits_shard", "")
     device = _device_of(x_shard, caller=caller)
     local_error: Exception | None = None
     leading: tuple[int, ...] = ()
@@ -259,7 +293,7 @@ def _token_stats(
     sampler: dict = {}
     try:
         if y_shard is not None:
-            v.check_logits_pair(x_shard, y_shard)
+            v.check_logits_pair(x_shard, y_shard, names)
         else:
             v.check_logits(names[0], x_shard)
         leading = tuple(x_shard.shape[:-1])
@@ -325,6 +359,9 @@ def _token_stats(
         tok = torch.where(owned, local, torch.where(ignored, _IGNORED, 0))
     flat_mask = mask.reshape(-1) if mask is not None else None
     opts = (temperature, int(want), impl, group, check, caller, names)
+    if divergence is not None:
+        out = _VocabParallelDivergence.apply(x, y, flat_mask, opts, *divergence)
+        return out.reshape(*leading, contract.OUT_COLS)
     out, _ = _VocabParallelTokenStats.apply(x, y, tok, owned, flat_mask, keep, tau, opts)
     if check and want & Want.LOGP and (keep is not None or tau is not None):
         # log π̃(t) = −inf at a counted token: off the support (the same on every rank)
@@ -590,6 +627,17 @@ class _VocabParallelChunks(ChunkAdapter):
         _all_reduce(grad, dist.ReduceOp.SUM, self.group)
         return grad
 
+    def divergence(self, zp, zr, stats, temperature, kind, param):
+        value, gbar = self.impl.divergence(zp, zr, stats, temperature=temperature, kind=kind,
+                                           param=param)
+        both = torch.stack([value, gbar], -1)  # (R, 2): sums over this slice
+        _all_reduce(both, dist.ReduceOp.SUM, self.group)
+        return both[:, 0], both[:, 1]
+
+    def divergence_backward(self, grad, zp, zr, stats, gbar, temperature, kind, param):
+        return self.impl.divergence_backward(grad, zp, zr, stats, gbar, temperature=temperature,
+                                             kind=kind, param=param)
+
 
 def vocab_parallel_linear_kl(
     policy_hidden: torch.Tensor,
@@ -654,9 +702,22 @@ def vocab_parallel_linear_kl(
         TypeError / ValueError: as :func:`klpenalty.linear_kl`; slices that do not tile the
             vocabulary, ranks that hold different numbers of positions.
     """
-    caller = "vocab_parallel_linear_kl"
+    return run_linear_kl(
+        policy_hidden, policy_weight_shard, ref_hidden, ref_weight_shard, tokens=tokens,
+        mask=mask, temperature=temperature, policy_bias=None, ref_bias=None, logit_scale=1.0,
+        softcap=None, ref_logit_scale=None, ref_softcap=None, entropy=entropy,
+        ignore_index=ignore_index, chunk_rows=chunk_rows, backend=backend, check=check,
+        parallel=_slice_adapter("vocab_parallel_linear_kl", group, vocab_start, policy_hidden),
+        suffix="_shard",
+    )
+
+
+def _slice_adapter(caller: str, group: Any, vocab_start: object, hidden: torch.Tensor):
+    """The ``parallel`` argument of :func:`klpenalty.linear.kl.run_linear_kl` for this rank's
+    rows of the heads: the tiling and row-count check across the group (one all-gather), then
+    :class:`_VocabParallelChunks` and the whole V."""
     world, _ = _group_info(group, caller)
-    device = _device_of(policy_hidden, caller=caller)
+    device = _device_of(hidden, caller=caller)
 
     def parallel(impl, width, error):
         start = None
@@ -665,7 +726,7 @@ def vocab_parallel_linear_kl(
         except (TypeError, ValueError) as err:
             error = error or err
         ok = error is None
-        n = math.prod(policy_hidden.shape[:-1]) if ok else 0
+        n = math.prod(hidden.shape[:-1]) if ok else 0
         rec = torch.tensor([float(ok), float(start or 0), float(width or 0), float(n)],
                            dtype=torch.float64, device=device)
         recs = [torch.empty_like(rec) for _ in range(world)]
@@ -691,13 +752,7 @@ def vocab_parallel_linear_kl(
                 )
         return _VocabParallelChunks(impl, group, start, width), at
 
-    return run_linear_kl(
-        policy_hidden, policy_weight_shard, ref_hidden, ref_weight_shard, tokens=tokens,
-        mask=mask, temperature=temperature, policy_bias=None, ref_bias=None, logit_scale=1.0,
-        softcap=None, ref_logit_scale=None, ref_softcap=None, entropy=entropy,
-        ignore_index=ignore_index, chunk_rows=chunk_rows, backend=backend, check=check,
-        parallel=parallel, suffix="_shard",
-    )
+    return parallel
 
 
 vocab_parallel_linear_kl.__doc__ = vocab_parallel_linear_kl.__doc__.replace(

@@ -67,7 +67,7 @@ def divergence(
     >>> import torch, klpenalty
     >>> s, t = torch.tensor([[2.0, 0.0, -1.0]]), torch.tensor([[0.0, 1.0, 0.5]])
     >>> [round(klpenalty.divergence(s, t, k).item(), 4) for k in ("reverse_kl", "forward_kl")]
-    [1.3532, 1.1851]
+    [1.0208, 1.0842]
     >>> klpenalty.divergence(s, s, "jsd").item()
     0.0
 

@@ -1,17 +1,17 @@
 """Native CPU backend: the engine's per-row state in one fused C++ pass per row.
 
-The kernel (``csrc/klpenalty_native.cpp``) implements the four ops of :mod:`.contract`
+The kernel (``csrc/token_stats.cpp``) implements the four ops of :mod:`..contract`
 (``klpenalty::native_token_stats``, ``_backward``, ``_state`` and ``native_sampling_threshold``;
 the schemas, fakes and autograd are the contract's): the KL, the token log-probs under both
 models and the entropy, of the policy truncated to a support or not, in one read of each row,
 with the top-k / top-p / min-p threshold of each row computed in the same per-row pass (just
 before its walk) where the sampler settings cut, and the threshold alone. It computes
-the same per-row state, merge and finalize as :mod:`.engine` (an L1-sized chunk at a time: its
+the same per-row state, merge and finalize as :mod:`..engine` (an L1-sized chunk at a time: its
 maxima, then the exps and sums) with one row walker specialised on what is wanted, in float32
 vectors (``at::vec::Vectorized``) with a polynomial exp2 (float64 inputs in double), reads
 bf16/fp16 directly, and uses one ``at::parallel_for`` over rows per call.
 
-A second source of the same extension, ``csrc/klpenalty_support.cpp``, implements
+A second source of the same extension, ``csrc/support.cpp``, implements
 ``klpenalty::native_support_from_ids`` (schema below): the native form of the kept-set check of
 :func:`klpenalty.sampling.threshold_of_ids`, one pass over each row's logits and ids.
 
@@ -27,7 +27,7 @@ compiling.
 
 **Fallback.** No compiler, no ninja, a failed build, an unsupported platform: :func:`available`
 is False, one ``RuntimeWarning`` says why and how to get the fast path, and the backend registry
-(:mod:`.dispatch`) runs the streaming backend instead. ``klpenalty env`` shows the active path.
+(:mod:`..dispatch`) runs the streaming backend instead. ``klpenalty env`` shows the active path.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import contract
+from .. import contract
 
 __all__ = [
     "available",
@@ -61,7 +61,7 @@ __all__ = [
 # :func:`klpenalty.sampling.support_from_ids`.
 SOURCE = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("klpenalty_native.cpp", "klpenalty_support.cpp")
+    for name in ("token_stats.cpp", "support.cpp")
 )
 
 contract.define_ops("native")  # the schemas; the C++ library registers the CPU kernels

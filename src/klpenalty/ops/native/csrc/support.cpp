@@ -1,6 +1,7 @@
 // klpenalty native CPU kernel, second source: an inference engine's kept sets as the support of
 // the token_stats op, the fast form of klpenalty.sampling.support_from_ids (whose torch code is
-// the portable statement of the same rule). Its schema is defined in klpenalty/ops/native.py:
+// the portable statement of the same rule). Its schema is defined in
+// klpenalty/ops/native/__init__.py:
 //
 //   native_support_from_ids(x (..., V), ids (K,), offsets (N + 1,)) -> (tau (N,), exact (N,) bool)
 //

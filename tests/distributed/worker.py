@@ -32,7 +32,7 @@ import torch.distributed as dist
 import klpenalty
 from klpenalty import AdaptiveKLController, FixedKLController, full_kl, token_logprobs
 from klpenalty import distributed as kd
-from klpenalty.ops import streaming
+from klpenalty.ops import native, streaming
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
 
 from ..tolerances import grad_tol, tol
@@ -69,6 +69,15 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, a
             f"first at {i}: {a[i].item()} vs {e[i].item()}; "
             f"max |diff| {(a - e).abs().nan_to_num(float('inf')).max().item()}"
         )
+
+
+def checked(backend: str) -> str:
+    """``backend``, asserting first that ``"native"`` runs the native kernel here: asked for by name
+    where it cannot be built, it would silently run ``"streaming"``, and the checks would compare
+    streaming with itself."""
+    if backend == "native" and torch.get_default_device().type == "cpu":
+        assert native.available(), f"the native CPU kernel did not load: {native.status()}"
+    return backend
 
 
 class Ctx:
@@ -233,7 +242,7 @@ def check_kl_inf_rule_across_ranks(ctx: Ctx):
             x[2 * k + 1, s0 : s0 + w] -= 800.0
             y[2 * k, s0 + w - 1] = float("-inf")  # row 2k: +inf; row 2k + 1: finite control
         xs, ys = ctx.shard(x, True), ctx.shard(y, True)
-        kl = kd.vocab_parallel_full_kl(xs, ys, vocab_start=ctx.start, backend=backend)
+        kl = kd.vocab_parallel_full_kl(xs, ys, vocab_start=ctx.start, backend=checked(backend))
         w = torch.randn(2 * ctx.world, generator=g, dtype=dtype)
         w[0::2] = 0.0  # no upstream gradient on the +inf rows
         (kl * w).sum().backward()
@@ -425,7 +434,7 @@ def _token_stats_vs_full(ctx: Ctx, backend: str) -> dict:
         xs, ys = ctx.shard(x, True), ctx.shard(y, True)
         got = kd.vocab_parallel_token_stats(
             xs, ys, toks, vocab_start=ctx.start, entropy=True, mask=mask, temperature=0.8,
-            backend=backend, **vp_kw,
+            backend=checked(backend), **vp_kw,
         )
         sum((f * wi).sum() for f, wi in zip(got, w)).backward()
         same = all(gather_equal(f) for f in got)
@@ -487,7 +496,7 @@ def _linear_kl_vs_whole_head(ctx: Ctx, dtype: torch.dtype, backend: str) -> dict
         shards = [t[ctx.start : ctx.end].detach().clone().requires_grad_() for t in (wp, wr)]
         got = kd.vocab_parallel_linear_kl(
             leaves[0], shards[0], leaves[1], shards[1], vocab_start=ctx.start,
-            temperature=0.8, chunk_rows=4, backend=backend, **kw,
+            temperature=0.8, chunk_rows=4, backend=checked(backend), **kw,
         )
         sum((f * wi).sum() for f, wi in zip(got, w) if f is not None).backward()
         same = all(gather_equal(f) for f in got if f is not None)
@@ -545,7 +554,7 @@ def check_entropy_and_token_logprobs_every_backend(ctx: Ctx):
     tokens = torch.randint(0, VOCAB, (4,), generator=g)
     for backend in ("streaming", "native", "triton"):
         xs = ctx.shard(x, True)
-        h = kd.vocab_parallel_entropy(xs, backend=backend, top_p=0.9)
+        h = kd.vocab_parallel_entropy(xs, backend=checked(backend), top_p=0.9)
         lp = kd.vocab_parallel_token_logprobs(xs, tokens, vocab_start=ctx.start, backend=backend)
         (h.sum() + lp.sum()).backward()
         xf = x.clone().requires_grad_()

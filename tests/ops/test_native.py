@@ -429,7 +429,7 @@ _FALLBACK_CHILD = """
 # answers version queries like the real compiler, fails every compilation
 _FAILING_CXX = """#!/bin/sh
 case "$1" in --version|-v|-dumpversion|-dumpfullversion) exec c++ "$@";; esac
-echo "klpenalty_native.cpp:1:1: error: simulated compiler failure" >&2
+echo "token_stats.cpp:1:1: error: simulated compiler failure" >&2
 exit 1
 """
 
@@ -443,7 +443,7 @@ def test_fallback_without_a_working_compiler_warns_once_and_matches(tmp_path, mi
         with open(cxx, "w") as f:
             f.write(_FAILING_CXX)
         os.chmod(cxx, 0o755)
-        reasons = ["the build failed: klpenalty_native.cpp:1:1: error: simulated compiler failure"]
+        reasons = ["the build failed: token_stats.cpp:1:1: error: simulated compiler failure"]
         reasons.append(f"full log in {tmp_path / 'ext'}")
     done = _run(_FALLBACK_CHILD, {"CXX": cxx, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
     assert done.returncode == 0, done.stderr

@@ -1,6 +1,6 @@
-// klpenalty native CPU kernel, second source: an inference engine's kept sets as the support of
-// the token_stats op, the fast form of klpenalty.sampling.support_from_ids (whose torch code is
-// the portable statement of the same rule). Its schema is defined in klpenalty/ops/native.py:
+// An inference engine's kept sets as the support of the token_stats op: the fast form of
+// klpenalty.sampling.support_from_ids (whose torch code is the portable statement of the same
+// rule). Not part of the contract; its schema is defined in klpenalty/ops/native/__init__.py:
 //
 //   native_support_from_ids(x (..., V), ids (K,), offsets (N + 1,)) -> (tau (N,), exact (N,) bool)
 //
@@ -42,54 +42,18 @@
 #include <utility>
 #include <vector>
 
+#include "rows.h"
+#include "simd.h"
+
 namespace klpenalty_support {
 namespace {
 
-constexpr int64_t kGrainElements = 1 << 16;  // least work of a block of rows, in elements
-
-// Element offset of row r of the (..., V) tensor t at its strides (dims of size 1 skipped).
-struct RowOffsets {
-  std::vector<int64_t> sizes, strides;
-  explicit RowOffsets(const at::Tensor& t) {
-    for (int64_t d = 0; d + 1 < t.dim(); ++d) {
-      if (t.size(d) == 1) continue;
-      sizes.push_back(t.size(d));
-      strides.push_back(t.stride(d));
-    }
-  }
-  int64_t operator()(int64_t r) const {
-    int64_t off = 0;
-    for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0 && r; --d) {
-      off += (r % sizes[d]) * strides[d];
-      r /= sizes[d];
-    }
-    return off;
-  }
-};
-
-// The compute type of logits of type T: double for double, else float.
-template <typename T>
-using Compute = std::conditional_t<std::is_same_v<T, double>, double, float>;
-
-// min that propagates NaN (like torch.amin)
-template <typename C>
-inline C min_nan(C a, C b) {
-  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<C>::quiet_NaN();
-  return b < a ? b : a;
-}
-
-// Vectors of the compute type holding a row's elements from p (W = the vector's size).
-template <typename T>
-inline at::vec::Vectorized<Compute<T>> load_lanes(const T* p) {
-  using Vec = at::vec::Vectorized<Compute<T>>;
-  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, double>) {
-    return Vec::loadu(p);
-  } else {
-    Vec v;
-    at::vec::load_to_float<T>(p, v);
-    return v;
-  }
-}
+using klpenalty_native::Compute;
+using klpenalty_native::grain_rows;
+using klpenalty_native::load1;
+using klpenalty_native::min_nan;
+using klpenalty_native::Rows;
+using klpenalty_native::unit_last_stride;
 
 // The integer lanes of the size of C, and their bits 1, 2, 4, ...: lane k of a mask is set
 // iff bit k of a W-bit word is.
@@ -137,7 +101,7 @@ std::pair<Compute<T>, Compute<T>> scan_words(const T* row, int64_t words, uint64
       const uint64_t word = std::exchange(bitmap[w], 0);
       const T* p = row + 64 * w;
       for (int q = 0; q < 4; ++q) {
-        const __m512 x = load_lanes(p + 16 * q);
+        const __m512 x = load1(p + 16 * q);
         const __mmask16 k = static_cast<__mmask16>(word >> (16 * q));
         lo[q] = _mm512_mask_min_ps(lo[q], k, x, lo[q]);
         hi[q] = _mm512_mask_max_ps(hi[q], static_cast<__mmask16>(~k), x, hi[q]);
@@ -166,7 +130,7 @@ std::pair<Compute<T>, Compute<T>> scan_words(const T* row, int64_t words, uint64
     const uint64_t word = std::exchange(bitmap[w], 0);
     const T* p = row + 64 * w;
     for (int q = 0; q < 64 / W; ++q) {
-      const Vec x = load_lanes(p + q * W);
+      const Vec x = load1(p + q * W);
       const Vec marked = lane_mask<C>((word >> (q * W)) & low, bits);
       const int a = q % kAcc;
       lo[a] = at::vec::minimum(lo[a], Vec::blendv(pos_inf, x, marked));  // NaN propagates
@@ -211,8 +175,8 @@ void support_rows(const at::Tensor& x, const I* ids, const O* offsets, int64_t N
                   Compute<T>* tau, bool* exact, std::atomic<bool>& bad_id) {
   using C = Compute<T>;
   const T* base = x.const_data_ptr<T>();
-  const RowOffsets row_at(x);
-  const int64_t grain = std::max<int64_t>(1, kGrainElements / std::max<int64_t>(V, 1));
+  const Rows rows(x);
+  const int64_t grain = grain_rows(V);
   const int64_t words = (V + 63) / 64;
   at::parallel_for(0, N, grain, [&](int64_t r0, int64_t r1) {
     std::vector<uint64_t> bitmap(static_cast<size_t>(words), 0);  // all 0 between rows
@@ -239,7 +203,7 @@ void support_rows(const at::Tensor& x, const I* ids, const O* offsets, int64_t N
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t lo = static_cast<int64_t>(offsets[r]);
       const int64_t hi = static_cast<int64_t>(offsets[r + 1]);
-      const T* row = base + row_at(r);
+      const T* row = base + rows.offset(r);
       if (!mark(lo, hi, row)) {
         bad_id.store(true, std::memory_order_relaxed);
         tau[r] = std::numeric_limits<C>::quiet_NaN();
@@ -288,7 +252,7 @@ std::tuple<at::Tensor, at::Tensor> support_from_ids(const at::Tensor& x_in,
   const int64_t K = ids_in.size(0);
   TORCH_CHECK_VALUE(offsets_in.size(0) == N + 1, "support offsets must have N + 1 = ", N + 1,
                     " entries, got ", offsets_in.size(0));
-  const at::Tensor x = (V <= 1 || x_in.stride(-1) == 1) ? x_in : x_in.contiguous();
+  const at::Tensor x = unit_last_stride(x_in);
   const at::Tensor ids = ids_in.contiguous(), offsets = offsets_in.contiguous();
   const at::ScalarType ct = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor tau = at::empty({N}, x.options().dtype(ct));
@@ -323,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor> support_from_ids(const at::Tensor& x_in,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(klpenalty, CPU, m) {
-  m.impl("native_support_from_ids", &support_from_ids);  // schema in native.py
+  m.impl("native_support_from_ids", &support_from_ids);  // schema in __init__.py
 }
 
 }  // namespace klpenalty_support

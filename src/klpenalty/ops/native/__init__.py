@@ -1,33 +1,35 @@
 """Native CPU backend: the engine's per-row state in one fused C++ pass per row.
 
-The kernel (``csrc/klpenalty_native.cpp``) implements the four ops of :mod:`.contract`
-(``klpenalty::native_token_stats``, ``_backward``, ``_state`` and ``native_sampling_threshold``;
-the schemas, fakes and autograd are the contract's): the KL, the token log-probs under both
-models and the entropy, of the policy truncated to a support or not, in one read of each row,
-with the top-k / top-p / min-p threshold of each row computed in the same per-row pass (just
-before its walk) where the sampler settings cut, and the threshold alone. It computes
-the same per-row state, merge and finalize as :mod:`.engine` (an L1-sized chunk at a time: its
-maxima, then the exps and sums) with one row walker specialised on what is wanted, in float32
-vectors (``at::vec::Vectorized``) with a polynomial exp2 (float64 inputs in double), reads
-bf16/fp16 directly, and uses one ``at::parallel_for`` over rows per call.
+The C++ extension (``csrc/``, one source per op, headers by concern; docs/native.md) implements
+the four ops of :mod:`..contract` (``klpenalty::native_token_stats``, ``_backward``, ``_state``
+and ``native_sampling_threshold``; the schemas, fakes and autograd are the contract's): the KL,
+the token log-probs under both models and the entropy, of the policy truncated to a support or
+not, in one read of each row, with the top-k / top-p / min-p threshold of each row computed in
+the same per-row pass (just before its walk) where the sampler settings cut, and the threshold
+alone. It computes the same per-row state, merge and finalize as :mod:`..engine` (an L1-sized
+chunk at a time: its maxima, then the exps and sums) with one row walker specialised on what is
+wanted, in float32 vectors (``at::vec::Vectorized``) with a polynomial exp2 (float64 inputs in
+double), reads bf16/fp16 directly, and uses one ``at::parallel_for`` over rows per call.
 
-A second source of the same extension, ``csrc/klpenalty_support.cpp``, implements
-``klpenalty::native_support_from_ids`` (schema below): the native form of the kept-set check of
-:func:`klpenalty.sampling.threshold_of_ids`, one pass over each row's logits and ids.
+Two more ops are not part of the contract (schemas below): ``klpenalty::native_support_from_ids``
+(``csrc/support.cpp``), the native form of the kept-set check of
+:func:`klpenalty.sampling.threshold_of_ids`, one pass over each row's logits and ids; and
+``klpenalty::native_compute_floor`` (``csrc/compute_floor.cpp``), the benchmark's
+(:func:`compute_floor`).
 
 **Build.** At the first use in a process (never at ``pip install``), with
 ``torch.utils.cpp_extension.load`` and ninja, into ``<root>/<name>`` where ``<root>`` is torch's
 extension directory (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and
-``<name>`` holds the instruction set, the Python and torch versions and a hash of the source and
-flags: a later process (or another machine sharing the home directory with a different CPU)
-finds its own build and loads it in milliseconds. The instruction set is torch's own choice for
-this CPU (``torch.backends.cpu.get_cpu_capability()``: AVX512, AVX2, else the portable DEFAULT,
-e.g. on Arm), passed as explicit flags, never ``-march=native``. One line goes to stderr while
-compiling.
+``<name>`` holds the instruction set, the Python and torch versions and a hash of the flags and
+of every file of ``csrc/`` (sources and headers): a later process (or another machine sharing
+the home directory with a different CPU) finds its own build and loads it in milliseconds. The
+instruction set is torch's own choice for this CPU (``torch.backends.cpu.get_cpu_capability()``:
+AVX512, AVX2, else the portable DEFAULT, e.g. on Arm), passed as explicit flags, never
+``-march=native``. One line goes to stderr while compiling.
 
 **Fallback.** No compiler, no ninja, a failed build, an unsupported platform: :func:`available`
 is False, one ``RuntimeWarning`` says why and how to get the fast path, and the backend registry
-(:mod:`.dispatch`) runs the streaming backend instead. ``klpenalty env`` shows the active path.
+(:mod:`..dispatch`) runs the streaming backend instead. ``klpenalty env`` shows the active path.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from . import contract
+from .. import contract
 
 __all__ = [
     "available",
@@ -52,17 +54,26 @@ __all__ = [
     "build_dir",
     "build_name",
     "isa",
-    "SOURCE",
+    "CSRC",
+    "sources",
+    "csrc_files",
     "COMPUTE_FLOOR_TILE",
     "compute_floor",
 ]
 
-# The C++ sources of the one extension: the token_stats kernel, and the kept sets of
-# :func:`klpenalty.sampling.support_from_ids`.
-SOURCE = tuple(
-    Path(__file__).with_name("csrc") / name
-    for name in ("klpenalty_native.cpp", "klpenalty_support.cpp")
-)
+# The extension's C++ folder: one source per op (or per op family) and the headers they share.
+CSRC = Path(__file__).with_name("csrc")
+
+
+def sources() -> list[Path]:
+    """The C++ sources compiled into the one extension: every ``.cpp`` file of :data:`CSRC`."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def csrc_files() -> list[Path]:
+    """Every file of :data:`CSRC`, sources and headers: what :func:`build_name` hashes."""
+    return sorted(path for path in CSRC.iterdir() if path.is_file())
+
 
 contract.define_ops("native")  # the schemas; the C++ library registers the CPU kernels
 
@@ -119,11 +130,14 @@ def _flags(instruction_set: str) -> list[str]:
 
 
 def build_name(instruction_set: str | None = None) -> str:
-    """Extension name: ISA, Python and torch versions, and a hash of the sources and flags."""
+    """Extension name: ISA, Python and torch versions, and a hash of the flags and of every file
+    of :data:`CSRC` (its name and bytes: a changed header rebuilds too)."""
     instruction_set = instruction_set or isa()
     digest = hashlib.sha256()
-    for source in SOURCE:
-        digest.update(source.read_bytes())
+    for path in csrc_files():
+        data = path.read_bytes()
+        digest.update(f"{path.name}\0{len(data)}\0".encode())
+        digest.update(data)
     digest.update("\0".join([*_flags(instruction_set), *_LDFLAGS]).encode())
     digest.update(torch.__version__.encode())
     tv = "".join(ch if ch.isalnum() else "_" for ch in torch.__version__)
@@ -185,7 +199,7 @@ def _compile(directory: Path, instruction_set: str) -> None:
     try:
         cpp_extension.load(
             name=directory.name,
-            sources=[str(source) for source in SOURCE],
+            sources=[str(source) for source in sources()],
             extra_cflags=_flags(instruction_set),
             extra_ldflags=list(_LDFLAGS),  # load() appends to the lists it is given
             build_directory=str(directory),

@@ -1,0 +1,75 @@
+// The sampler threshold: τ_s of top-k → top-p → min-p sampling for one row (klpenalty.sampling's
+// rule: temperature first, ties at a boundary kept, at least one token kept): kept(v) iff
+// x_v >= τ_s, τ_s one of the row's logits (−inf where nothing is cut, NaN for a row holding NaN,
+// +inf for a row holding +inf under top-p / min-p). One function, row_threshold (threshold.cpp),
+// serves the threshold op (rows in parallel) and the forward (each row's τ_s computed just before
+// its walk, the row still in L2).
+//
+// - top-k: the k-th largest logit (counted with multiplicity). For a small k (4k at most the
+//   number of lane maxima that the max pass stores, distinct logits), the k-th largest lane
+//   maximum bounds it below and nth_element runs over the few logits above that bound; float
+//   rows of more than kSmallRow logits otherwise narrow as top-p below with unit weights; else
+//   nth_element over a copy of the row.
+// - top-p on the top-k distribution: masses e_v = exp(s_v − m), s = x/T, m = max s, Z = Σ e_v,
+//   token j (decreasing order) kept iff the mass strictly before it is < p. Few candidates
+//   (top-k with a small k, rows of at most kSmallRow, float64 rows): gathered in index order,
+//   Z = Σ exp(s − m) in float64 in that order, then sorted and walked with the masses
+//   exp(s_j − log Z') (log Z' = m + log Z) in float64, as torch's cumsum would. Large float rows:
+//   one pass stores e_v (float32 exp2 polynomial) and sums Z in double lanes; then levels narrow
+//   a bracket (lo, hi] of logits that holds the crossing: kLevelCuts thresholds evenly spaced in
+//   the bracket, the mass above each (float lanes: a guide only), the sub-bracket that must hold
+//   the crossing (a margin of kMargin·Z either side), its members and their masses compressed and
+//   the mass above it added in double; until at most kWalkRow candidates are left (or no
+//   progress: ties), which are sorted and walked from the mass above the bracket (a level over
+//   a few hundred members costs less than sorting them).
+// - min-p: π_v ≥ min_p·π_max ⟺ exp((x_v − max)/T) ≥ min_p, i.e. x_v ≥ c = max + T·log(min_p):
+//   a vectorised pass takes the minimum over x ≥ c + δ (surely kept) and decides the few logits
+//   within δ of c by the rule itself in double.
+// τ_s is the largest of the three (each keeps an upper set of the logits).
+#pragma once
+
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace klpenalty_native {
+
+// The sampler settings of a call for rows of V logits, and which of them cut.
+struct Sampler {
+  int64_t top_k = 0;
+  double top_p = 1.0, min_p = 0.0, T = 1.0;
+  bool cut_k = false, cut_p = false, cut_min = false;
+  Sampler() = default;
+  Sampler(int64_t V, int64_t k, double p, double mp, double temperature)
+      : top_k(k), top_p(p), min_p(mp), T(temperature) {
+    cut_k = k >= 1 && k < V;
+    cut_p = p < 1.0;
+    cut_min = mp > 0.0;
+  }
+  bool cuts() const { return cut_k || cut_p || cut_min; }
+};
+
+// The op arguments checked as klpenalty.sampling checks the public ones (0, 1, 0: unused).
+inline void check_sampler_args(int64_t top_k, double top_p, double min_p) {
+  TORCH_CHECK_VALUE(top_k >= 0, "top_k must be >= 1 (or 0: unused), got ", top_k);
+  TORCH_CHECK_VALUE(top_p > 0.0 && top_p <= 1.0, "top_p must lie in (0, 1], got ", top_p);
+  TORCH_CHECK_VALUE(min_p >= 0.0 && min_p <= 1.0, "min_p must lie in [0, 1], got ", min_p);
+}
+
+// Per-thread buffers of the threshold (reused across rows and calls).
+struct ThresholdScratch {
+  std::vector<float> xs, es, cx0, ce0, cx1, ce1, kbuf, lm;
+  std::vector<double> cand;
+  int64_t survivors = -1;  // kth_largest's: the logits >= its lower bound, kept in kbuf
+};
+
+// This thread's buffers.
+ThresholdScratch& scratch();
+
+// τ_s of one row of V logits (s.cuts() holds). Instantiated in threshold.cpp for float,
+// double, bfloat16 and float16 rows.
+template <typename T>
+double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& w);
+
+}  // namespace klpenalty_native

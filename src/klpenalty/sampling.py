@@ -47,8 +47,6 @@ from torch import Tensor
 
 from . import _validation as v
 from .ops import dispatch
-from .ops import native as native_backend
-from .ops.streaming.threshold import _chunks
 
 __all__ = [
     "sampling_threshold",
@@ -223,46 +221,21 @@ def threshold_of_ids(
 def _threshold_of_ids(
     logits: Tensor, ids: Tensor, offsets: Tensor, chunk_rows: int | None, native: bool | None
 ) -> tuple[Tensor, Tensor]:
-    """:func:`threshold_of_ids` of validated arguments."""
+    """:func:`threshold_of_ids` of validated arguments: the ``support_from_ids`` op of the
+    backend (native for CPU tensors when it builds, else streaming; ``native`` forces one)."""
     on_cpu = logits.device.type == "cpu"
-    if native is None:
-        native = on_cpu and native_backend.available()
-    elif native and not on_cpu:
+    if native and not on_cpu:
         raise ValueError(f"native=True needs CPU tensors, got logits on {logits.device}")
-    elif native and not native_backend.available():
-        raise RuntimeError(f"native=True needs the native kernel: {native_backend.status()}")
+    if native and not dispatch.REGISTRY["native"].available():
+        status = dispatch.REGISTRY["native"].module.status()
+        raise RuntimeError(f"native=True needs the native kernel: {status}")
+    name = "auto" if native is None else ("native" if native else "streaming")
+    impl = dispatch.get_backend(name, logits.device)
+    as_index = [t if t.dtype in (torch.int32, torch.int64) else t.long()
+                for t in (ids, offsets)]  # the ops read int32 / int64
+    tau, exact = impl.support_from_ids(logits.detach(), *as_index, chunk_rows=chunk_rows or 0)
     leading = logits.shape[:-1]
-    if native:
-        as_index = [t if t.dtype in (torch.int32, torch.int64) else t.long()
-                    for t in (ids, offsets)]  # the kernel reads int32 / int64
-        tau, exact = torch.ops.klpenalty.native_support_from_ids(logits.detach(), *as_index)
-    else:
-        tau, exact = _threshold_of_ids_torch(logits, ids, offsets, chunk_rows)
     return tau.reshape(leading), exact.reshape(leading)
-
-
-def _threshold_of_ids_torch(
-    logits: Tensor, ids: Tensor, offsets: Tensor, chunk_rows: int | None
-) -> tuple[Tensor, Tensor]:
-    """The torch form of :func:`threshold_of_ids`: (tau (N,), exact (N,))."""
-    vocab = logits.shape[-1]
-    n = math.prod(logits.shape[:-1])
-    cd = v.compute_dtype(logits)
-    counts = (offsets[1:] - offsets[:-1]).long()  # (N,); repeat_interleave takes int32/64
-    rows = torch.repeat_interleave(
-        torch.arange(n, device=ids.device), counts, output_size=ids.shape[0]
-    )  # (K,)
-    xf = logits.detach().reshape(n, vocab)
-    at = xf[rows, ids.long()].to(cd)  # (K,)
-    tau = torch.full((n,), math.inf, dtype=cd, device=logits.device)
-    tau = tau.scatter_reduce(0, rows, at, reduce="amin", include_self=True)  # NaN propagates
-    exact = torch.empty(n, dtype=torch.bool, device=logits.device)
-    for r0, r1 in _chunks(n, vocab, chunk_rows):
-        lo, hi = int(offsets[r0]), int(offsets[r1])
-        marked = torch.zeros(r1 - r0, vocab, dtype=torch.bool, device=logits.device)
-        marked[rows[lo:hi] - r0, ids[lo:hi].long()] = True
-        exact[r0:r1] = (marked == (xf[r0:r1].to(cd) >= tau[r0:r1].unsqueeze(-1))).all(-1)
-    return tau, exact
 
 
 def _check_compact(ids: object, offsets: object, n: int, vocab: int, device) -> None:

@@ -69,6 +69,21 @@ def test_opcheck_every_op(name, support):
                    30, 0.95, 0.0)
         torch.library.opcheck(backend.forward_op, sampled)
         torch.library.opcheck(backend.threshold_op, (x.detach(), 30, 0.95, 0.01, 0.9))
+        # the kept-set check of (ids, offsets): rows keep their top-3 ids, one row a
+        # non-threshold set
+        top = x.detach().reshape(6, 33).topk(3, -1).indices
+        ids = top.reshape(-1).clone()
+        ids[4] = int(x.detach().reshape(6, 33)[1].argmin())
+        offsets = torch.arange(0, 19, 3)
+        torch.library.opcheck(backend._op("support_from_ids"), (x.detach(), ids, offsets, 0))
+        # the second walk and its backward, every kind
+        for kind in range(6):
+            div = (x, y.detach(), stats.detach(), mask, 0.9, kind, 0.3)
+            torch.library.opcheck(backend._op("divergence"), div)
+            value, gbar = backend._op("divergence")(*div)
+            torch.library.opcheck(backend._op("divergence_backward"), (
+                torch.randn(2, 3), x.detach(), y.detach(), stats.detach(), gbar.detach(), mask,
+                0.9, kind, 0.3))
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -168,9 +183,8 @@ def test_registry_lists_every_backend_with_its_ops():
                                                                           "triton"]
     for name, backend in dispatch.REGISTRY.items():
         assert backend.name == name
-        ops = (backend.forward_op, backend.backward_op, backend.state_op)
-        for op, schema in zip(ops, contract.SCHEMAS.values()):
-            assert str(op._schema) == "klpenalty::" + schema.format(b=name)
+        for op, schema in contract.SCHEMAS.items():  # every op of the contract, by its name
+            assert str(backend._op(op)._schema) == "klpenalty::" + schema.format(b=name)
 
 
 def test_column_table_holds_each_layout_whole():

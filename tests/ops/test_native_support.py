@@ -232,7 +232,7 @@ def test_the_op_never_reads_out_of_range():
         (torch.tensor([0, 1, 2], dtype=torch.int16), good_offsets, TypeError, "int32 or int64"),
     ):
         with pytest.raises(err, match=match):
-            op(x, ids, offsets)
+            op(x, ids, offsets, 0)
     with pytest.raises(ValueError, match=r"support ids must lie in \[0, 10\)"):
         threshold_of_ids(x, torch.tensor([0, 10, 1]), good_offsets, native=True)
 

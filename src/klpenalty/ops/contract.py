@@ -136,6 +136,12 @@ SCHEMAS = {
         "{b}_sampling_threshold(Tensor x, int top_k, float top_p, float min_p, "
         "float temperature) -> Tensor"
     ),
+    # the kept-set check of an engine's (ids, offsets): per row, the smallest kept logit τ and
+    # whether the set is exactly {x ≥ τ} (klpenalty.sampling.threshold_of_ids)
+    "support_from_ids": (
+        "{b}_support_from_ids(Tensor x, Tensor ids, Tensor offsets, int chunk_rows) "
+        "-> (Tensor, Tensor)"
+    ),
     # the second walk: a statistic that needs both normalisers first (ops/divergence.py)
     "divergence": (
         "{b}_divergence(Tensor x, Tensor y, Tensor stats, Tensor? mask, float temperature, "
@@ -481,7 +487,7 @@ def define_ops(backend: str) -> None:
     _DEFINED.add(backend)
     for schema in SCHEMAS.values():
         _LIB.define(schema.format(b=backend))
-    fwd, bwd, state, threshold, div, div_bwd = (op_name(backend, op) for op in SCHEMAS)
+    fwd, bwd, state, threshold, support, div, div_bwd = (op_name(backend, op) for op in SCHEMAS)
 
     @torch.library.register_fake(fwd)
     def _(x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tr, tc, top_k,
@@ -509,6 +515,11 @@ def define_ops(backend: str) -> None:
     @torch.library.register_fake(threshold)
     def _(x, top_k, top_p, min_p, temperature):
         return x.new_empty(x.shape[:-1], dtype=compute_dtype(x))
+
+    @torch.library.register_fake(support)
+    def _(x, ids, offsets, chunk_rows):
+        n = offsets.shape[0] - 1
+        return x.new_empty(n, dtype=compute_dtype(x)), x.new_empty(n, dtype=torch.bool)
 
     def setup_context(ctx, inputs, output):
         x, y, tokens, mask, keep, tau, temperature, ignore_index, want, _, tr, tc = inputs[:12]

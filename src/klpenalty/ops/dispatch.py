@@ -162,6 +162,12 @@ class Backend:
         top_k, top_p, min_p = sampler
         return self.threshold_op(x, int(top_k), float(top_p), float(min_p), float(temperature))
 
+    def support_from_ids(
+        self, x: Tensor, ids: Tensor, offsets: Tensor, *, chunk_rows: int = 0
+    ) -> tuple[Tensor, Tensor]:
+        """(tau (N,), exact (N,)) of the kept-set check of ``(ids, offsets)`` (int32/int64)."""
+        return self._op("support_from_ids")(x, ids, offsets, int(chunk_rows))
+
     def divergence(
         self, x: Tensor, y: Tensor, stats: Tensor, mask: Tensor | None = None, *,
         temperature: float, kind: int, param: float = 0.0,

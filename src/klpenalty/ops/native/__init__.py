@@ -11,11 +11,11 @@ chunk at a time: its maxima, then the exps and sums) with one row walker special
 wanted, in float32 vectors (``at::vec::Vectorized``) with a polynomial exp2 (float64 inputs in
 double), reads bf16/fp16 directly, and uses one ``at::parallel_for`` over rows per call.
 
-Two more ops are not part of the contract (schemas below): ``klpenalty::native_support_from_ids``
-(``csrc/support.cpp``), the native form of the kept-set check of
-:func:`klpenalty.sampling.threshold_of_ids`, one pass over each row's logits and ids; and
-``klpenalty::native_compute_floor`` (``csrc/compute_floor.cpp``), the benchmark's
-(:func:`compute_floor`).
+``klpenalty::native_support_from_ids`` (``csrc/support.cpp``) is the contract's kept-set
+check of :func:`klpenalty.sampling.threshold_of_ids`, one pass over each row's logits and ids;
+the second walk (``native_divergence``) runs the streaming backend's op on CPU tensors. One op
+is not part of the contract (schema below): ``klpenalty::native_compute_floor``
+(``csrc/compute_floor.cpp``), the benchmark's (:func:`compute_floor`).
 
 **Build.** At the first use in a process (never at ``pip install``), with
 ``torch.utils.cpp_extension.load`` and ninja, into ``<root>/<name>`` where ``<root>`` is torch's
@@ -80,11 +80,6 @@ contract.define_ops("native")  # the schemas; the C++ library registers the CPU 
 # The benchmark op (not part of the contract): the kernel's inner loop over an L1-resident tile.
 _BENCH_LIB = torch.library.Library("klpenalty", "FRAGMENT")  # noqa: TOR901
 _BENCH_LIB.define("native_compute_floor(Tensor x, Tensor y, int pairs, int chains) -> float")
-# The fast form of :func:`klpenalty.sampling.support_from_ids` (not part of the contract either):
-# per row, the smallest logit at the kept ids (tau) and whether the set is {x >= tau} (exact).
-_BENCH_LIB.define(
-    "native_support_from_ids(Tensor x, Tensor ids, Tensor offsets) -> (Tensor tau, Tensor exact)"
-)
 
 # Elements per input of the tile that :func:`compute_floor` walks: the kernel's chunk (kChunk).
 COMPUTE_FLOOR_TILE = 2048

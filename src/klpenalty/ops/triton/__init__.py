@@ -127,6 +127,6 @@ contract.implement(
     token_stats_state=token_stats.token_stats_state_op,
     sampling_threshold=threshold.sampling_threshold_op,
 )
-# the second walk: the streaming backend's ops, on the same tensors
-contract.inherit("triton", "CompositeExplicitAutograd", "streaming", "divergence",
-                 "divergence_backward")
+# the kept-set check and the second walk: the streaming backend's ops, on the same tensors
+contract.inherit("triton", "CompositeExplicitAutograd", "streaming", "support_from_ids",
+                 "divergence", "divergence_backward")

@@ -2,7 +2,8 @@
 // klpenalty.sampling.support_from_ids (whose torch code is the portable statement of the same
 // rule). Not part of the contract; its schema is defined in klpenalty/ops/native/__init__.py:
 //
-//   native_support_from_ids(x (..., V), ids (K,), offsets (N + 1,)) -> (tau (N,), exact (N,) bool)
+//   native_support_from_ids(x (..., V), ids (K,), offsets (N + 1,), chunk_rows (unused))
+//     -> (tau (N,), exact (N,) bool)
 //
 // Row r (of the N = prod(leading dims) rows, row-major) keeps ids[offsets[r]:offsets[r + 1]].
 // tau_r is the smallest logit at those ids in the compute dtype (float32; float64 for float64
@@ -233,7 +234,8 @@ void support_rows(const at::Tensor& x, const I* ids, const O* offsets, int64_t N
 
 std::tuple<at::Tensor, at::Tensor> support_from_ids(const at::Tensor& x_in,
                                                     const at::Tensor& ids_in,
-                                                    const at::Tensor& offsets_in) {
+                                                    const at::Tensor& offsets_in,
+                                                    int64_t /*chunk_rows: the torch form's*/) {
   TORCH_CHECK_TYPE(at::isFloatingType(x_in.scalar_type()),
                    "x must be a floating tensor, got ", x_in.scalar_type());
   TORCH_CHECK_VALUE(x_in.dim() >= 1, "x must have a vocabulary dimension, got a 0-d tensor");
@@ -287,7 +289,7 @@ std::tuple<at::Tensor, at::Tensor> support_from_ids(const at::Tensor& x_in,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(klpenalty, CPU, m) {
-  m.impl("native_support_from_ids", &support_from_ids);  // schema in __init__.py
+  m.impl("native_support_from_ids", &support_from_ids);  // schema in contract.py
 }
 
 }  // namespace klpenalty_support

@@ -229,7 +229,7 @@ def test_kl_penalized_reward_dtypes_and_beta_zero():
     ],
 )
 def test_beta_zero_still_validates_every_argument(kwargs, words):
-    """beta = 0 used to return the reward before looking at mask, temperature and backend."""
+    """beta = 0 still checks mask, temperature and backend before returning the reward."""
     x, y = make_logits((2, 5, 9))
     with pytest.raises(ValueError) as info:
         kl_penalized_reward(x, y, torch.zeros(2, 5), beta=0.0, **kwargs)

@@ -42,8 +42,8 @@ def test_penalty_keeps_kl_low_and_text_grammatical(short_runs):
 
 def test_exact_kl_penalty_done_right_also_keeps_the_leash(short_runs):
     # kl="full": exact KL of later positions in the return, current one in the loss. (Used
-    # wrongly, as a detached reward at its own position, the exact KL taught the prototype's
-    # policy to stop at once; see docs.) Done right it keeps the length and the grammar.
+    # wrongly, as a detached reward at its own position, the exact KL teaches the policy to
+    # stop at once; see docs.) Done right it keeps the length and the grammar.
     run = run_rlhf(RunConfig(beta=1.0, kl="full", steps=12, batch=64, final_batch=256, seed=0))
     end = run["steps"][-1]
     assert end["kl"] * 5 <= short_runs[0.0]["steps"][-1]["kl"]

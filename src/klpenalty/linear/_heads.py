@@ -48,7 +48,7 @@ CPU_MIN_CHUNK_BYTES = 48 << 20
 CPU_MAX_MEMORY_FRACTION = 1 / 8
 CPU_MIN_CHUNK_ROWS = 16
 CPU_CHUNK_MULTIPLE = 16
-# Accelerators (reasoned, not measured here: no GPU was available): a chunk's weight-gradient
+# Accelerators (reasoned, not measured on a GPU): a chunk's weight-gradient
 # GEMM does 2·R·V·H flops against the (V, H) float32 accumulator read and written (8 bytes per
 # element), ~R/4 flops per byte for bf16 operands (the forward's GEMMs ~R, reading the bf16
 # weight); an H100/H200 needs ~200-300 flops per byte (989 Tflop/s dense bf16 against 3.35-4.8

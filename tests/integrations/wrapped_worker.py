@@ -33,8 +33,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from klpenalty import token_stats
-from klpenalty.hf import causal_lm_kl, scored_positions
+from klpenalty import divergence, token_stats
+from klpenalty.hf import causal_lm_divergence, causal_lm_kl, scored_positions
 
 from ..tolerances import grad_tol, tol
 
@@ -50,11 +50,11 @@ VALUE_TOL = tol(torch.float32)
 GRAD_TOL = grad_tol(torch.float32)
 
 
-def tiny_llama(seed: int, *, tied: bool = False):
+def tiny_llama(seed: int, *, tied: bool = False, hidden: int = H):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+        vocab_size=V, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
         tie_word_embeddings=tied, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
@@ -138,17 +138,20 @@ def expected(policy, ref, b: Batch, sampler: dict, disabled_ref=None):
         values = token_stats(zp.double(), zr.double(), tokens, mask=b.counted, entropy=True,
                              **sampler)
     s = token_stats(zp, zr, tokens, mask=b.counted, entropy=True, **sampler)
-    params = {n: p for n, p in policy.named_parameters() if p.requires_grad}
-    grads = torch.autograd.grad(loss_of(s.kl, s.logprobs, s.entropy, b), list(params.values()),
-                                allow_unused=True)
+    return values, mean_grads(policy, loss_of(s.kl, s.logprobs, s.entropy, b))
+
+
+def mean_grads(model, loss) -> dict:
+    """{name: the mean over the ranks of ∂loss/∂parameter} (parameters without one left out)."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
     mean = {}
-    for (n, _), g in zip(params.items(), grads):
-        if g is None:
-            continue
-        g = g.detach().clone()
-        dist.all_reduce(g)
-        mean[n] = g / dist.get_world_size()
-    return values, mean
+    for n, g in zip(params, grads):
+        if g is not None:
+            g = g.detach().clone()
+            dist.all_reduce(g)
+            mean[n] = g / dist.get_world_size()
+    return mean
 
 
 def clean(name: str) -> str:
@@ -172,6 +175,12 @@ def assert_close(got, want, what: str, *, atol: float, rtol: float) -> None:
 def compare(out, values, got_grads: dict, want_grads: dict) -> None:
     for name, a, e in zip(("kl", "logprobs", "ref_logprobs", "entropy"), out, values):
         assert_close(a, e, name, **VALUE_TOL)
+    compare_grads(got_grads, want_grads)
+
+
+def compare_grads(got_grads: dict, want_grads: dict) -> None:
+    """Every parameter's gradient (names without the wrappers' prefixes); None where one is
+    due fails."""
     want = {clean(n): g for n, g in want_grads.items()}
     got = {clean(n): g for n, g in got_grads.items()}
     missing = [n for n in want if got.get(n) is None]
@@ -380,6 +389,38 @@ def check_errors(rank):
         raise AssertionError("no error for an unknown wrapper")
 
 
+# ---------------------------------------------------------------------- the divergences
+def check_divergence(rank, wrap, full_grads, kind, *, packed=False, lora=False):
+    """causal_lm_divergence of the wrapped student against a wider plain teacher (a
+    constant): values against float64 divergence on the models' own logits, and every student
+    parameter's full gradient of Σ w·divergence against the ranks' mean on the logits."""
+    student = tiny_llama(1)
+    if lora:
+        student = _lora(student)
+    teacher = tiny_llama(2, hidden=48).requires_grad_(False)
+    b = Batch(rank, packed)
+    kw = dict(beta=0.3, skew=0.2, temperature=0.9)
+    with torch.no_grad():
+        zt = own_logits(teacher, b)
+    zs = own_logits(student, b)
+    with torch.no_grad():
+        values = divergence(zs.double(), zt.double(), kind, mask=b.counted, **kw)
+    w = b.weights[..., 0]
+    want = mean_grads(student, (w * divergence(zs, zt, kind, mask=b.counted, **kw)).sum())
+    wrapped = wrap(copy.deepcopy(student))
+    got = causal_lm_divergence(wrapped, teacher, b.ids, kind=kind, **b.kwargs(), **kw)
+    backward = getattr(wrapped, "backward", None)  # a DeepSpeed engine's own
+    (backward or torch.Tensor.backward)((w * got).sum())
+    assert_close(got, values, kind, **VALUE_TOL)
+    compare_grads(full_grads(wrapped), want)
+
+
+def _zero3_grads(engine) -> dict:
+    from deepspeed.utils import safe_get_full_grad
+
+    return {n: safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
+
+
 TOPK = {"top_k": 7, "top_p": 0.9}
 # One process group per entry: starting the processes and importing transformers costs most of
 # a group's time (each check takes about a second), so the wrappers of torch share one group;
@@ -406,12 +447,24 @@ GROUPS = {
         "peft_lora_gradient_checkpointing": lambda r: check_peft(r, gc=True),
         "peft_lora_on_head": lambda r: check_peft(r, head=True),
         "peft_modules_to_save_head": lambda r: check_peft(r, save_head=True),
+        "divergence_ddp_jsd": lambda r: check_divergence(
+            r, _ddp, lambda w: _plain_grads(w.module), "jsd"),
+        "divergence_ddp_packed_forward_kl": lambda r: check_divergence(
+            r, _ddp, lambda w: _plain_grads(w.module), "forward_kl", packed=True),
+        "divergence_fsdp2_skew_reverse_kl": lambda r: check_divergence(
+            r, _fsdp2, _dtensor_grads, "skew_reverse_kl"),
+        "divergence_fsdp1_tvd": lambda r: check_divergence(
+            r, lambda m: _fsdp1(m, True), _fsdp1_grads, "tvd"),
+        "divergence_peft_reverse_kl": lambda r: check_divergence(
+            r, _ddp, lambda w: _plain_grads(w.module), "reverse_kl", lora=True),
     },
     "deepspeed": {
         "zero3_engine": lambda r: check_zero3(r),
         "zero3_engine_module_sharded_ref": lambda r: check_zero3(r, inner=True, sharded_ref=True),
         "zero3_top_k_top_p": lambda r: check_zero3(r, sampler=TOPK),
         "zero3_lora_head_raises": check_zero3_lora_head_raises,
+        "divergence_zero3_skew_forward_kl": lambda r: check_divergence(
+            r, lambda m: _zero3(m, train=True), _zero3_grads, "skew_forward_kl"),
     },
 }
 

@@ -69,19 +69,35 @@ def test_the_infinite_kls_are_where_mass_meets_none():
         assert torch.isfinite(klpenalty.divergence(x, y, kind)).all(), kind
 
 
-def test_the_directions_on_a_bimodal_teacher():
-    # ν: two modes; one student covers both thinly, another sits on one mode. The forward KL
-    # (mode-covering) prefers the first, the reverse KL (mode-seeking) the second.
-    grid = torch.linspace(-8, 8, 321, dtype=torch.float64)
-    teacher = torch.logaddexp(-0.5 * (grid + 4) ** 2, -0.5 * (grid - 4) ** 2)  # modes ±4, σ 1
-    broad = -0.5 * grid**2 / 17.0  # N(0, 17): the teacher's mean and variance
-    single = -0.5 * (grid - 4) ** 2  # N(4, 1): one mode
-    students = torch.stack([broad, single])
-    fwd = klpenalty.divergence(students, teacher.expand(2, -1), "forward_kl")
-    rev = klpenalty.divergence(students, teacher.expand(2, -1), "reverse_kl")
-    assert fwd[0] < fwd[1] and rev[1] < rev[0]
-    torch.testing.assert_close(rev[1], torch.tensor(math.log(2), dtype=torch.float64),
-                               atol=2e-4, rtol=0)  # one of two modes 8σ apart: log 2 − 1e-4
+def _fit_gaussian(kind: str, teacher: torch.Tensor, grid: torch.Tensor, mu0: float):
+    """A unimodal student, logits −(g − μ)²/(2σ²) on the grid, fitted to the teacher by
+    gradient descent through klpenalty.divergence: (μ, σ², the student's probabilities)."""
+    mu = torch.tensor(mu0, dtype=torch.float64, requires_grad=True)
+    log_var = torch.tensor(0.0, dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.Adam([mu, log_var], lr=0.05)
+    for _ in range(1500):
+        opt.zero_grad()
+        student = -0.5 * (grid - mu) ** 2 / log_var.exp()
+        klpenalty.divergence(student, teacher, kind).backward()
+        opt.step()
+    student = torch.softmax(-0.5 * (grid - mu) ** 2 / log_var.exp(), -1).detach()
+    return mu.item(), log_var.exp().item(), student
+
+
+def test_the_directions_by_effect_on_a_bimodal_teacher():
+    # ν: modes at ±4 of variance 1 (mean 0, variance 17). Fitting a Gaussian student: the
+    # forward KL (teacher‖student) matches the moments and covers both modes; the reverse KL
+    # (student‖teacher) picks the mode it starts nearer to. On the grid the student's family is
+    # exponential with statistics (g, g²), so the forward KL's optimum matches the teacher's
+    # first two moments on the grid.
+    grid = torch.linspace(-10, 10, 401, dtype=torch.float64)
+    teacher = torch.logaddexp(-0.5 * (grid + 4) ** 2, -0.5 * (grid - 4) ** 2)
+    nu = torch.softmax(teacher, -1)
+    mu, _, pi = _fit_gaussian("forward_kl", teacher, grid, mu0=1.0)
+    for k in (1, 2):  # E[g], E[g²] (16.9 here)
+        assert abs((pi * grid**k).sum() - (nu * grid**k).sum()) < 0.05, (k, mu)
+    mu, var, _ = _fit_gaussian("reverse_kl", teacher, grid, mu0=1.0)
+    assert abs(mu - 4.0) < 0.05 and abs(var - 1.0) < 0.05, (mu, var)
 
 
 def test_identities_between_kinds():
@@ -95,6 +111,10 @@ def test_identities_between_kinds():
     for skew_kind, kl_kind in (("skew_forward_kl", "forward_kl"), ("skew_reverse_kl", "reverse_kl")):
         small = klpenalty.divergence(x, y, skew_kind, skew=1e-9)
         torch.testing.assert_close(small, klpenalty.divergence(x, y, kl_kind), atol=1e-6, rtol=1e-6)
+    # the forward KL is the reverse KL with the arguments swapped, and full_kl(teacher, student)
+    torch.testing.assert_close(klpenalty.divergence(x, y, "forward_kl"),
+                               klpenalty.divergence(y, x, "reverse_kl"))
+    torch.testing.assert_close(klpenalty.divergence(x, y, "forward_kl"), klpenalty.full_kl(y, x))
     # identical logits: every kind is exactly 0
     for kind in KINDS:
         assert torch.equal(klpenalty.divergence(x, x, kind), torch.zeros(4, dtype=torch.float64))
@@ -114,6 +134,19 @@ def test_masked_positions_are_zero_with_zero_gradient(kind, backend):
     got.sum().backward()
     assert torch.equal(xs.grad[:, 1], torch.zeros(3, 29))
     assert torch.isfinite(xs.grad).all()
+
+
+def test_the_jsd_gradient_is_the_reverse_kl_form_with_the_mixture_held():
+    # ∂JSD_β/∂x = (1−β)·∂KL(π‖M)/∂x with M a constant: the same gradient as (1−β)·reverse KL
+    # against the fixed mixture's logits
+    x, y = make_logits((3, 40), torch.float64, seed=9)
+    beta = 0.3
+    xs = x.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(klpenalty.divergence(xs, y, "jsd", beta=beta).sum(), xs)
+    mix = torch.log(beta * torch.softmax(y, -1) + (1 - beta) * torch.softmax(x, -1))
+    xr = x.clone().requires_grad_(True)
+    (g_rev,) = torch.autograd.grad(klpenalty.divergence(xr, mix, "reverse_kl").sum(), xr)
+    torch.testing.assert_close(g, (1 - beta) * g_rev, **grad_tol(torch.float64))
 
 
 @pytest.mark.parametrize("kind", KINDS)

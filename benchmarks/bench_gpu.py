@@ -29,7 +29,7 @@ Sampler rows (``--sampler-shapes``, default 1x2048x128256 bf16): ``full_kl`` on 
 backend untruncated against the same call with ``top_k=50``, ``top_p=0.9``, ``min_p=0.05`` and
 ``top_k=50, top_p=0.9`` (the threshold computed in the kernels before the KL), forward and
 forward+backward, and the threshold alone (``klpenalty.sampling.sampling_threshold``) by the Triton kernel and by
-the portable rule in PyTorch ops (``ops/thresholds.py``, what the streaming backend runs): its
+the portable rule in PyTorch ops (``ops/streaming/threshold.py``, what the streaming backend runs): its
 time against the plain KL's is the cost of truncating. Their errors: against float64 on the
 support of the portable rule's threshold (``tol_ok`` of the threshold rows: the same τ as it).
 
@@ -485,7 +485,8 @@ def run_sampler_case(ctx, table, shape):
     modes), then the threshold alone (forward) by the Triton kernel and by the portable rule."""
     import klpenalty
     from klpenalty import sampling
-    from klpenalty.ops import contract, thresholds
+    from klpenalty.ops import contract
+    from klpenalty.ops.streaming import threshold as thresholds
     from klpenalty.ops.reference import full_kl_reference
 
     torch = ctx.torch

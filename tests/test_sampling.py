@@ -161,7 +161,7 @@ def test_top_p_boundaries(backend):
     # the masses as the CPU threshold op forms them (a boundary this exact depends on the order
     # of the sums): exp(x/T − log Z), log Z = max + log Σ exp(x/T − max), the masses then
     # added in decreasing order. native: Σ in index order with the C library's exp; the
-    # portable rule (streaming): the torch ops of ops/thresholds.py on the row
+    # portable rule (streaming): the torch ops of ops/streaming/threshold.py on the row
     if backend == "native":
         scaled = [v / t for v in x[0].tolist()]
         m = max(scaled)

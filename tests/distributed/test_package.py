@@ -14,7 +14,7 @@ from klpenalty import distributed as kd
 
 from . import test_config, test_data_parallel, test_vocab_parallel, worker
 
-MODULES = {"__init__.py", "_config.py", "_group.py", "data_parallel.py",
+MODULES = {"__init__.py", "_config.py", "_group.py", "data_parallel.py", "divergence.py",
            "vocab_parallel.py"}  # fmt: skip
 
 
@@ -23,7 +23,9 @@ def test_public_names():
     assert set(kd.__all__) == {"ControllerUpdate", "global_masked_mean", "global_sequence_mean",
                                "update_controller_globally", "vocab_parallel_full_kl",
                                "vocab_parallel_token_logprobs", "vocab_parallel_entropy",
-                               "vocab_parallel_token_stats", "vocab_parallel_linear_kl"}  # fmt: skip
+                               "vocab_parallel_token_stats", "vocab_parallel_linear_kl",
+                               "vocab_parallel_divergence",
+                               "vocab_parallel_linear_divergence"}  # fmt: skip
     for name in kd.__all__:
         assert getattr(kd, name).__module__.startswith("klpenalty.distributed."), name
 

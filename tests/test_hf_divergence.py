@@ -68,3 +68,13 @@ def test_bad_kind_raises_before_the_models_run(pair):
     student, teacher, ids, attention = pair
     with pytest.raises(ValueError, match="kind must be one of"):
         causal_lm_divergence(student, teacher, ids, attention, "kl")
+
+
+def test_errors_name_the_student_and_the_teacher(pair):
+    student, _, ids, attention = pair
+    cfg = transformers.LlamaConfig(vocab_size=V + 8, hidden_size=16, intermediate_size=32,
+                                   num_hidden_layers=1, num_attention_heads=4,
+                                   num_key_value_heads=2)
+    other = transformers.LlamaForCausalLM(cfg).double()
+    with pytest.raises(ValueError, match="student_model and teacher_model must have the same vocabulary"):
+        causal_lm_divergence(student, other, ids, attention, "jsd")

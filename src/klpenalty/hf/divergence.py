@@ -61,7 +61,8 @@ def causal_lm_divergence(
     student = _model_parts("student_model", student_model)
     if teacher_model is None:
         raise TypeError("teacher_model must be a causal LM, got None")
-    teacher, _ = _check_pair(student, teacher_model, input_ids)
+    names = ("student_model", "teacher_model")
+    teacher, _ = _check_pair(student, teacher_model, input_ids, names)
     batch = _batch(input_ids, attention_mask, labels, response_mask, position_ids, temperature,
                    False, backend, student.vocab, None, None, None, None, check)
     refh = _reference_head(teacher, "teacher_model", batch.kwargs, tuple(input_ids.shape), False)
@@ -78,6 +79,6 @@ def causal_lm_divergence(
         )
         return TokenStats(value, None, None, None)
 
-    stats = _policy_head(student, teacher, refh, batch, head=head, chunk_rows=chunk_rows,
-                         backend=backend, check=check)
+    stats = _policy_head(student, teacher, refh, batch, head=head, names=names,
+                         chunk_rows=chunk_rows, backend=backend, check=check)
     return stats.kl

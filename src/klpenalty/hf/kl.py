@@ -414,12 +414,14 @@ def causal_lm_kl(
     )
 
 
-def _check_pair(policy: _Parts, ref_model,
-                input_ids) -> tuple[_Parts, Optional[ReferenceStates]]:
+def _check_pair(policy: _Parts, ref_model, input_ids,
+                names: tuple[str, str] = ("policy_model", "ref_model"),
+                ) -> tuple[_Parts, Optional[ReferenceStates]]:
     """The reference's parts for :func:`causal_lm_kl` (``ref_model``: a model, None = the
     policy with its adapters disabled, or :class:`ReferenceStates` of the batch ``input_ids``,
     returned too), checked against the policy's: the same vocabulary, no soft-cap on the
-    policy alone."""
+    policy alone. ``names``: the caller's names of the two models, for the messages."""
+    a, b = names
     states = ref_model if isinstance(ref_model, ReferenceStates) else None
     if states is not None:
         _check_states(states, tuple(input_ids.shape), input_ids.device)
@@ -428,22 +430,22 @@ def _check_pair(policy: _Parts, ref_model,
     elif ref_model is None:
         if policy.peft is None:
             raise ValueError(
-                "ref_model=None means the policy with its adapters disabled, which needs a "
-                f"PeftModel policy; policy_model is {type(policy.outer).__name__}"
+                f"{b}=None means the policy with its adapters disabled, which needs a "
+                f"PeftModel policy; {a} is {type(policy.outer).__name__}"
                 f" ({type(policy.lm).__name__} inside): pass the reference model"
             )
         ref = policy
     else:
-        ref = _model_parts("ref_model", ref_model)
+        ref = _model_parts(b, ref_model)
     if policy.vocab is not None and ref.vocab is not None and policy.vocab != ref.vocab:
         raise ValueError(
-            "policy_model and ref_model must have the same vocabulary size V: policy_model "
-            f"({policy.model_type}) LM head out_features={policy.vocab}, ref_model "
+            f"{a} and {b} must have the same vocabulary size V: {a} "
+            f"({policy.model_type}) LM head out_features={policy.vocab}, {b} "
             f"({ref.model_type}) LM head out_features={ref.vocab}"
         )
     if policy.softcap is not None and ref.softcap is None:
         raise ValueError(
-            f"policy_model ({policy.model_type}) soft-caps its logits and ref_model "
+            f"{a} ({policy.model_type}) soft-caps its logits and {b} "
             f"({ref.model_type}) does not: linear_kl cannot yet leave the reference uncapped "
             "while capping the policy"
         )
@@ -451,6 +453,7 @@ def _check_pair(policy: _Parts, ref_model,
 
 
 def _policy_head(policy: _Parts, ref: _Parts, refh: _RefHead, batch: _Batch, head=None,
+                 names: tuple[str, str] = ("policy_model", "ref_model"),
                  **options) -> TokenStats:
     """Run the policy through its own (wrapped) forward with its LM head replaced by
     :func:`klpenalty.linear.linear_kl` on what the head receives and the reference's captured
@@ -459,11 +462,12 @@ def _policy_head(policy: _Parts, ref: _Parts, refh: _RefHead, batch: _Batch, hea
     expected_grads). ``head``: the function run in place of linear_kl, with its arguments,
     returning a TokenStats (None: linear_kl). Mirrors :func:`_reference_head`."""
     head = linear_kl if head is None else head
+    a, b = names
     shape = tuple(batch.kwargs["input_ids"].shape)  # (B, T)
     if refh.weight.shape[0] != policy.vocab and policy.vocab is not None:
         raise ValueError(
-            "policy_model and ref_model must have the same vocabulary size V: policy_model "
-            f"LM head out_features={policy.vocab}, ref_model LM head {v.describe(refh.weight)}"
+            f"{a} and {b} must have the same vocabulary size V: {a} "
+            f"LM head out_features={policy.vocab}, {b} LM head {v.describe(refh.weight)}"
         )
     made: list[torch.Tensor] = []
     computed: list[bool] = []  # per column: computed (else None in the result)
@@ -471,9 +475,9 @@ def _policy_head(policy: _Parts, ref: _Parts, refh: _RefHead, batch: _Batch, hea
     def forward_of(module):
         def fused(hidden, *args, **kw):
             if made:
-                raise RuntimeError("policy_model's forward called its LM head more than once")
+                raise RuntimeError(f"{a}'s forward called its LM head more than once")
             weight, bias = _head_weight(module)
-            _check_head_input("policy_model", hidden, shape, weight)
+            _check_head_input(a, hidden, shape, weight)
             stats = head(
                 hidden[:, :-1],  # (B, T - 1, H_p): position t predicts token t + 1
                 weight,
@@ -501,12 +505,12 @@ def _policy_head(policy: _Parts, ref: _Parts, refh: _RefHead, batch: _Batch, hea
     with _head_forward(policy, forward_of):
         out = policy.outer(**batch.kwargs)
     if not made:
-        raise RuntimeError("policy_model's forward did not call its LM head")
+        raise RuntimeError(f"{a}'s forward did not call its LM head")
     packed = out.logits if hasattr(out, "logits") else out[0]
     if not (isinstance(packed, torch.Tensor) and packed.shape == made[0].shape
             and torch.equal(packed.detach(), made[0].detach())):
         raise RuntimeError(
-            f"policy_model's forward ({type(policy.outer).__name__}) changed its LM head's "
+            f"{a}'s forward ({type(policy.outer).__name__}) changed its LM head's "
             "output before returning it (a logit transform klpenalty.hf does not switch off "
             f"for model_type {policy.model_type!r})"
         )

@@ -15,6 +15,7 @@ import os
 NEEDS_EXTRAS = [
     "test_trl.py",
     "test_bench_trl_step.py",
+    "test_bench_divergence_trl.py",
     "test_trl_torchrun.py",
     "trl_setup.py",
     "trl_torchrun_worker.py",

@@ -31,6 +31,7 @@ VALUE_CHECKS = [
     "check_linear_kl_float64_streaming",
     "check_linear_kl_float64_native",
     "check_divergences_float32_streaming",
+    "check_divergences_float32_native",
     "check_divergences_float64_native",
 ]
 

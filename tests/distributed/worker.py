@@ -818,6 +818,10 @@ def check_divergences_float32_streaming(ctx: Ctx):
         return _divergences_vs_single(ctx, torch.float32, "streaming")
 
 
+def check_divergences_float32_native(ctx: Ctx):  # the kernel's float32 walk on global stats
+    return _divergences_vs_single(ctx, torch.float32, "native")
+
+
 def check_divergences_float64_native(ctx: Ctx):
     return _divergences_vs_single(ctx, torch.float64, "native")
 

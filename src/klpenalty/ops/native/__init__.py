@@ -13,7 +13,9 @@ double), reads bf16/fp16 directly, and uses one ``at::parallel_for`` over rows p
 
 ``klpenalty::native_support_from_ids`` (``csrc/support.cpp``) is the contract's kept-set
 check of :func:`klpenalty.sampling.threshold_of_ids`, one pass over each row's logits and ids;
-the second walk (``native_divergence``) runs the streaming backend's op on CPU tensors. One op
+``klpenalty::native_divergence`` and its backward (``csrc/divergence.cpp``) are the second walk
+of :mod:`..divergence`: one vectorised pass per row over both logits from the forward's
+statistics, rows with −inf or NaN entries redone by a careful scalar path. One op
 is not part of the contract (schema below): ``klpenalty::native_compute_floor``
 (``csrc/compute_floor.cpp``), the benchmark's (:func:`compute_floor`).
 
@@ -276,6 +278,3 @@ def status() -> str:
         return f"native ({isa()}), cache {where}"
     return f"streaming (native unavailable: {_error}), cache {where}"
 
-
-# the second walk: the streaming backend's ops on CPU tensors
-contract.inherit("native", "CPU", "streaming", "divergence", "divergence_backward")

@@ -37,6 +37,24 @@ inline at::Tensor flat_tokens(const at::Tensor& tokens, c10::IntArrayRef leading
   return tokens.to(at::kLong).contiguous();
 }
 
+// The compute dtype of logits x (and y): float64 if either is, else float32.
+inline at::ScalarType compute_type(const at::Tensor& x, const at::Tensor* y = nullptr) {
+  const bool d = x.scalar_type() == at::kDouble || (y && y->scalar_type() == at::kDouble);
+  return d ? at::kDouble : at::kFloat;
+}
+
+// x and y with a unit last stride, both copied to the compute dtype ct where their dtypes
+// differ (a rare case); whether they were.
+inline bool unit_stride_pair(const at::Tensor& x_in, const at::Tensor& y_in, at::ScalarType ct,
+                             at::Tensor& x, at::Tensor& y) {
+  x = unit_last_stride(x_in);
+  y = unit_last_stride(y_in);
+  if (x.scalar_type() == y.scalar_type()) return false;
+  x = x.to(ct);
+  y = y.to(ct);
+  return true;
+}
+
 // The checked arguments of both ops: logits with a unit last stride (both in the compute dtype
 // when their dtypes differ, a rare case), flat contiguous per-position tensors, and the support.
 struct StatsArgs {
@@ -71,17 +89,11 @@ struct StatsArgs {
                       ") but ref_logits is None");
     TORCH_CHECK_VALUE(tokens_arg.has_value() || !(want & (kWantLogp | kWantRefLogp)),
                       "want asks for token log-probs (", want, ") but tokens is None");
-    ct = (x_in.scalar_type() == at::kDouble || (has_y && y_in.scalar_type() == at::kDouble))
-             ? at::kDouble
-             : at::kFloat;
-    x = unit_last_stride(x_in);
+    ct = compute_type(x_in, has_y ? &y_in : nullptr);
     if (has_y) {
-      y = unit_last_stride(y_in);
-      mixed = x.scalar_type() != y.scalar_type();
-      if (mixed) {
-        x = x.to(ct);
-        y = y.to(ct);
-      }
+      mixed = unit_stride_pair(x_in, y_in, ct, x, y);
+    } else {
+      x = unit_last_stride(x_in);
     }
     leading = leading_of(x);
     V = x.size(-1);

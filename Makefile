@@ -26,7 +26,7 @@ TRITON_DEVICE_STAMP := $(TRITON_DEVICE)/.installed
 # the `slow` ones (torch.compile, the PTX of every specialisation: `make test` runs those) nor
 # the float64 ones (they run the streaming ops)
 TRITON_TESTS ?= -m "not slow" -k "triton and not float64" tests/ops/test_triton.py tests/ops/test_triton_compiled.py \
-	tests/ops/test_inf_rule.py
+	tests/ops/test_triton_divergence.py tests/ops/test_inf_rule.py
 
 .PHONY: test install demo clean test-integrations test-triton-3.6
 

@@ -1,5 +1,6 @@
 """The Triton kernels as an H100/H200 would run them, read on a machine without a GPU: the
-launches the library makes compiled for sm_90 and their SASS (machine code) counted.
+launches the library makes (the statistics, the sampler's threshold, the divergences' second
+walk) compiled for sm_90 and their SASS (machine code) counted.
 
 The host code runs for real on small CPU tensors of a real vocabulary (V = 128256, one program
 per row, as for a large batch on a GPU) with each kernel launch recorded instead of run; every
@@ -50,6 +51,12 @@ CASES = [
          backward=False),
     dict(name="kl, top-k+top-p+min-p", dtype="fp32", want=1, sampler=(50, 0.9, 0.05),
          backward=False),
+    # the second walk (divergence_kernel, divergence_grad_kernel) instead of the statistics: the
+    # JSD (the most terms), the skew forward KL (the mixture's π·g) and the TVD (no logarithm)
+    dict(name="jsd", dtype="bf16", want=1, divergence=2),
+    dict(name="jsd", dtype="fp32", want=1, divergence=2),
+    dict(name="skew forward kl", dtype="bf16", want=1, divergence=3),
+    dict(name="tvd", dtype="bf16", want=1, divergence=5),
 ]
 _INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
 _BRANCH = re.compile(r"\bBRA(?:\.[A-Z.]+)?\s+(?:`?\(?)(0x[0-9a-f]+)")
@@ -236,6 +243,15 @@ def record(case: dict) -> list[tuple]:
     triton_backend._jit = _Recorder(saved, log)
     try:
         ops = torch.ops.klpenalty
+        if "divergence" in case:  # the second walk alone, on stats of the right shape
+            from klpenalty.ops import contract
+
+            stats = torch.zeros(ROWS, contract.STATS_COLS)
+            kind = case["divergence"]
+            _, gbar = ops.triton_divergence(x, y, stats, None, 1.0, kind, 0.5)
+            ops.triton_divergence_backward(torch.ones(ROWS), x, y, stats, gbar, None, 1.0, kind,
+                                           0.5)
+            return log
         want = case["want"]
         top_k, top_p, min_p = case.get("sampler", (0, 1.0, 0.0))
         _, stats = ops.triton_token_stats(x, y, tokens, None, keep, tau, 1.0, -100, want, False,

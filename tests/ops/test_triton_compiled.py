@@ -12,7 +12,9 @@ only, holds no barrier and no shuffle (every reduction in it stays inside a thre
 load after one; no kernel uses local memory; the forward's loop stays within an instruction
 budget per element pair, which sets how close to the memory floor an H200 can run it
 (benchmarks/README.md); the sampler's threshold kernel (top-k + top-p + min-p before a KL)
-keeps its column loops free of cross-thread reductions and within their budgets.
+keeps its column loops free of cross-thread reductions and within their budgets; the
+divergences' kernels (the JSD, the skew forward KL, the TVD) read and write as the statistics'
+do and stay within their budgets.
 """
 
 from __future__ import annotations
@@ -84,7 +86,8 @@ def test_no_local_memory(compiled):
         assert r["resources"].get("STACK", 0) == 0, (r["kernel"], r["case"], r["resources"])
 
 
-@pytest.mark.parametrize("kernel", ["stats_kernel", "grad_kernel"])
+@pytest.mark.parametrize("kernel", ["stats_kernel", "grad_kernel", "divergence_kernel",
+                                    "divergence_grad_kernel"])
 def test_the_column_loop_reads_16_bytes_a_load_without_barriers(kernel, compiled):
     for r in _launches(compiled, kernel):
         loop, name = r["loop"], (r["case"], r["dtype"])
@@ -96,13 +99,13 @@ def test_the_column_loop_reads_16_bytes_a_load_without_barriers(kernel, compiled
             assert loop["ldg128"] == 2 * loop["elems_per_thread"] * width // 16, (name, loop)
         else:  # the keep mask (uint8) comes in 8-byte loads of the same columns
             assert loop["ldg128"] == 4 and loop["ldg"] == 6, (name, loop)
-        if r["vocab"] % 16 and kernel == "grad_kernel":
+        if r["vocab"] % 16 and kernel.endswith("grad_kernel"):
             # the gradients are (N, V) contiguous: rows of V ≢ 0 mod 16 are not 16-byte
             # aligned, so the stores go element by element (re-laid out through shared memory)
             continue
         assert loop["bar"] == 0 and loop["ldg_after_bar"] == 0, (name, loop)
         assert loop["shfl"] == 0, (name, loop)
-        if kernel == "grad_kernel":  # the gradients written with 128-bit stores as well
+        if kernel.endswith("grad_kernel"):  # the gradients written with 128-bit stores as well
             assert loop["stg"] == loop["stg128"] > 0, (name, loop)
 
 
@@ -131,3 +134,22 @@ def test_the_threshold_kernel_loops(compiled):
         for lp, budget in zip(loops, THRESHOLD_BUDGET):
             assert lp["bar"] == 0 and lp["shfl"] == 0, (r["dtype"], lp)
             assert lp["per_elem"] <= budget, (r["dtype"], lp, budget)
+
+
+# Instructions per element pair in the divergences' loops, (forward, backward): what the kernels
+# reach (Triton 3.6 and 3.9) plus a little room. Their terms take transcendentals: a mixture's
+# log-ratio one exponential, one logarithm and one division an entry (the JSD and the skew
+# forward KL two of them), so these kernels are bound by their arithmetic, not by memory.
+DIVERGENCE_BUDGET = {("jsd", "bf16"): (170.0, 95.0), ("jsd", "fp32"): (166.0, 93.0),
+                     ("skew forward kl", "bf16"): (165.0, 104.0), ("tvd", "bf16"): (30.0, 35.0)}
+
+
+def test_the_divergence_kernels_instructions_per_element_pair(compiled):
+    """The second walk's forward and backward loops (one program per row) within their
+    budgets, for each kind recorded."""
+    kernels = ("divergence_kernel", "divergence_grad_kernel")
+    found = {(r["case"], r["dtype"], r["kernel"]): r for r in compiled if r["kernel"] in kernels}
+    for (case, dtype), budgets in DIVERGENCE_BUDGET.items():
+        for kernel, budget in zip(kernels, budgets):
+            r = found[(case, dtype, kernel)]
+            assert r["loop"]["per_pair"] <= budget, (case, dtype, kernel, r["loop"])

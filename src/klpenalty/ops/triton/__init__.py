@@ -1,6 +1,8 @@
-"""Triton backend (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``): the four ops of
-:mod:`..contract`, ``klpenalty::triton_token_stats``, ``_backward``, ``_state`` and
-``_sampling_threshold``, in fused Triton kernels. docs/triton.md describes them.
+"""Triton backend (CUDA tensors; CPU tensors under ``TRITON_INTERPRET=1``): the ops of
+:mod:`..contract`, ``klpenalty::triton_token_stats``, ``_backward``, ``_state``,
+``_sampling_threshold``, ``_divergence`` and ``_divergence_backward``, in fused Triton kernels
+(the kept-set check, ``_support_from_ids``, runs the streaming backend's op). docs/triton.md
+describes them.
 
 One file per op, the host code apart from the kernels:
 
@@ -8,9 +10,11 @@ One file per op, the host code apart from the kernels:
   kernels' constexprs, the launches); their kernels are :mod:`._kernels_stats`;
 - :mod:`.threshold`: the host of the sampling threshold op (also launched by the forward
   where the sampler settings cut); its kernel is :mod:`._kernels_threshold`;
-- :mod:`._host`: what both hosts share (the rows as the kernels address them, every launch,
+- :mod:`.divergence`: the host of the second walk's forward and backward ops (the divergences
+  of :mod:`..divergence`); its kernels are :mod:`._kernels_divergence`;
+- :mod:`._host`: what the hosts share (the rows as the kernels address them, every launch,
   the inputs the kernels do not take);
-- :mod:`._kernels_common`: what both kernel modules share (interpreted or compiled, the
+- :mod:`._kernels_common`: what the kernel modules share (interpreted or compiled, the
   device functions, the addressing of a row).
 
 Triton is an optional dependency (``pip install 'klpenalty[triton]'``): this package imports
@@ -43,12 +47,13 @@ _warned = False
 def _kernels():
     """The kernels, imported at the first call (imports Triton; raises ImportError where it is
     missing): one namespace of the names the kernel modules export, ``stats_kernel``,
-    ``merge_kernel``, ``grad_kernel``, ``threshold_kernel`` and ``INTERPRETED``."""
+    ``merge_kernel``, ``grad_kernel``, ``threshold_kernel``, ``divergence_kernel``,
+    ``divergence_merge_kernel``, ``divergence_grad_kernel`` and ``INTERPRETED``."""
     global _jit
     if _jit is None:
-        from . import _kernels_common, _kernels_stats, _kernels_threshold
+        from . import _kernels_common, _kernels_divergence, _kernels_stats, _kernels_threshold
 
-        modules = (_kernels_common, _kernels_stats, _kernels_threshold)
+        modules = (_kernels_common, _kernels_stats, _kernels_threshold, _kernels_divergence)
         _jit = types.SimpleNamespace(
             **{name: getattr(module, name) for module in modules for name in module.__all__}
         )
@@ -118,7 +123,7 @@ def check_device(device: torch.device) -> None:
 
 # The ops' host code, which takes the kernels from _kernels above (so it is imported after it),
 # and the ops' registration.
-from . import threshold, token_stats  # noqa: E402
+from . import divergence, threshold, token_stats  # noqa: E402
 
 contract.define_ops("triton")
 contract.implement(
@@ -126,7 +131,7 @@ contract.implement(
     token_stats_backward=token_stats.token_stats_backward_op,
     token_stats_state=token_stats.token_stats_state_op,
     sampling_threshold=threshold.sampling_threshold_op,
+    divergence=divergence.divergence_op, divergence_backward=divergence.divergence_backward_op,
 )
-# the kept-set check and the second walk: the streaming backend's ops, on the same tensors
-contract.inherit("triton", "CompositeExplicitAutograd", "streaming", "support_from_ids",
-                 "divergence", "divergence_backward")
+# the kept-set check: the streaming backend's op, on the same tensors
+contract.inherit("triton", "CompositeExplicitAutograd", "streaming", "support_from_ids")

@@ -1,6 +1,7 @@
-"""The host code that both ops of the Triton backend share (:mod:`.token_stats` and
-:mod:`.threshold`): every launch, on the tensors' device; the rows of the (..., V) inputs as the
-kernels address them; the block width; which inputs the kernels do not take, and the ops that
+"""The host code that the ops of the Triton backend share (:mod:`.token_stats`,
+:mod:`.threshold`, :mod:`.divergence`): every launch, on the tensors' device; the rows of the
+(..., V) inputs as the kernels address them; the block width and its warps; the contract's
+column layouts as a kernel's constexprs; which inputs the kernels do not take, and the ops that
 take them instead.
 
 **Layouts.** Rows r of a (..., T, V) input are read at (r // T)·stride_b + (r % T)·stride_t
@@ -13,6 +14,7 @@ device current (Triton launches on the current device).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -20,8 +22,8 @@ from torch import Tensor
 
 from .. import contract
 
-__all__ = ["launch", "Rows", "strides", "rows", "flat", "block", "portable", "portable_op",
-           "PORTABLE"]
+__all__ = ["launch", "Rows", "strides", "rows", "flat", "block", "warps", "column_constexprs",
+           "portable", "portable_op", "PORTABLE"]
 
 # The backend whose ops run the inputs the kernels do not take (:func:`portable`).
 PORTABLE = "streaming"
@@ -89,6 +91,19 @@ def block(vocab: int, cap: int) -> int:
     """The columns of a kernel's block for rows of ``vocab``: a power of two from 16, at most
     ``cap``."""
     return max(16, min(cap, 1 << max(0, vocab - 1).bit_length()))
+
+
+def warps(block: int) -> int:
+    """The warps of a program that walks a row in blocks of ``block`` columns."""
+    return 8 if block >= 2048 else 4
+
+
+def column_constexprs(kernel) -> dict[str, int]:
+    """The column layouts of :mod:`..contract` as the ``tl.constexpr`` s of ``kernel`` (a
+    ``@triton.jit`` function): every column constant of :data:`..contract.COLUMNS` that it
+    takes, as a parameter of the same name."""
+    params = inspect.signature(kernel.fn).parameters
+    return {name: column for name, column in contract.COLUMNS.items() if name in params}
 
 
 def portable(*tensors: Tensor | None) -> bool:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernels_common import _device, _row_offset
+from ._kernels_common import _device, _expm1, _load, _row_offset, _split_columns, _store
 
 __all__ = ["stats_kernel", "merge_kernel", "grad_kernel"]
 
@@ -62,26 +62,6 @@ def _term(valid, t, g):
     """t·g where ``valid`` (a block mask) and the row's scalar g ≠ 0, else exactly 0 (so that
     0·inf and 0·NaN from garbage or −inf entries never reach the gradient)."""
     return tl.where(g != 0, tl.where(valid, t * g, 0.0), 0.0)
-
-
-@_device
-def _load(row, col, c1, other, MASKED: tl.constexpr):
-    """``row[col]``: masked to the columns before ``c1`` (``other`` after) or, for a block known
-    to lie before ``c1``, unmasked (no per-element select: the loads keep their vector width)."""
-    if MASKED:
-        v = tl.load(row + col, mask=col < c1, other=other)
-    else:
-        v = tl.load(row + col)
-    return v
-
-
-@_device
-def _store(row, col, c1, v, MASKED: tl.constexpr):
-    """``row[col] = v`` (masked as :func:`_load`)."""
-    if MASKED:
-        tl.store(row + col, v, mask=col < c1)
-    else:
-        tl.store(row + col, v)
 
 
 @_device
@@ -244,12 +224,7 @@ def stats_kernel(
     tl.static_assert(R == 1 or R == 2 or R == 4, "BLOCK: at most 4 loads of 16 bytes per thread")
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
-    if n_splits == 1:  # a constexpr where the JIT specialises 1: column 0 is aligned
-        c0 = 0
-        c1 = V
-    else:
-        c0 = split * cols
-        c1 = tl.minimum(c0 + cols, V)
+    c0, c1 = _split_columns(split, cols, n_splits, V)
     c_main = c0 + (c1 - c0) // BLOCK * BLOCK  # the end of the full blocks
     x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
     y_row = y_ptr + _row_offset(row, T, stride_yb, stride_yt)
@@ -503,16 +478,6 @@ def merge_kernel(
     else:
         _store_state(out_ptr + row * STATE_COLS, m_x, s_x, m_y, s_y, a, b, Y_STATE, MOMENT_A,
                      MOMENT_B, SX_M_X, SX_S_X, SX_M_Y, SX_S_Y, SX_A, SX_B)
-
-
-@_device
-def _expm1(z):
-    """e^z − 1 in float32, accurate near 0 (a degree-8 Taylor polynomial for |z| < 0.5,
-    relative error < 2e-8 there; e^z − 1 elsewhere): Triton's interpreter runs no libdevice."""
-    t = 1.0 + z * (0.5 + z * (0.16666666666666666 + z * (0.041666666666666664 + z * (
-        0.008333333333333333 + z * (0.001388888888888889 + z * (0.0001984126984126984 + z * (
-            2.48015873015873e-05)))))))
-    return tl.where(tl.abs(z) < 0.5, z * t, tl.exp(z) - 1.0)
 
 
 @_device

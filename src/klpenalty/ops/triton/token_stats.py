@@ -46,7 +46,6 @@ E_π̃[u − w] = +inf only: the backward kernel always uses the guarded arithme
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 
 import torch
@@ -141,10 +140,6 @@ def split_columns(n_rows: int, vocab: int, device: torch.device, vocab_chunk: in
     return plan_splits(n_rows, vocab, _sm_count(device))
 
 
-def _warps(block: int) -> int:
-    return 8 if block >= 2048 else 4
-
-
 # The outputs (Want bits) that read the policy's distribution, the reference's logits and the
 # sampled token.
 _READS_X = Want.KL | Want.LOGP | Want.ENTROPY
@@ -159,8 +154,7 @@ def column_constexprs(kernel: str) -> dict[str, int]:
     :data:`..contract.COLUMNS` that the kernel takes, as a parameter of the same name."""
     from . import _kernels_stats  # imported already where a kernel runs (imports Triton)
 
-    params = inspect.signature(getattr(_kernels_stats, f"{kernel}_kernel").fn).parameters
-    return {name: column for name, column in contract.COLUMNS.items() if name in params}
+    return _host.column_constexprs(getattr(_kernels_stats, f"{kernel}_kernel"))
 
 
 def forward_constexprs(
@@ -233,7 +227,8 @@ def _forward(x, y, tokens, mask, keep, tau, temperature: float, ignore_index: in
         _host.launch(
             kernels.stats_kernel, (n, 1), device, *pointers, out, stats, *rows.args, vocab,
             cols, 1, inv_t, inv_t * 1.4426950408889634, temperature, ignore_index,
-            **constexprs, **column_constexprs("stats"), BLOCK=block, num_warps=_warps(block),
+            **constexprs, **column_constexprs("stats"), BLOCK=block,
+            num_warps=_host.warps(block),
         )
         return outs
     parts = new((n, splits, contract.STATE_COLS))
@@ -241,7 +236,7 @@ def _forward(x, y, tokens, mask, keep, tau, temperature: float, ignore_index: in
         kernels.stats_kernel, (n, splits), device, *pointers, parts, parts, *rows.args, vocab,
         cols, splits, inv_t, inv_t * 1.4426950408889634, temperature, ignore_index,
         **{**constexprs, "FINISH": False}, **column_constexprs("stats"), BLOCK=block,
-        num_warps=_warps(block),
+        num_warps=_host.warps(block),
     )
     merge_flags = {k: f for k, f in constexprs.items() if k not in _MERGED}
     _host.launch(
@@ -332,7 +327,7 @@ def token_stats_backward_op(  # the schema: contract.SCHEMAS["token_stats_backwa
             **backward_constexprs(want, need_x, write_y, keep is not None, tau is not None,
                                   maskf is not None, ownedf is not None),
             **column_constexprs("grad"), BLOCK=block, TILES=GRAD_TILES,
-            num_warps=_warps(block),
+            num_warps=_host.warps(block),
         )
     return (
         gx.view(x.shape) if need_x else x.new_empty(0),

@@ -7,7 +7,7 @@ kernels' own launches are run outside the counter (under ``TRITON_INTERPRET=1`` 
 numpy, with copies of their arguments that are not the op's work).
 
 Runs on CPU tensors in Triton's interpreter (or compiled on CUDA), with the package of any tree
-on ``PYTHONPATH`` (it only needs ``klpenalty.ops.triton``'s ``_kernels``/``_jit`` and the
+on ``PYTHONPATH`` (it only needs ``klpenalty.ops.triton._load``'s ``_kernels``/``_jit`` and the
 forward and backward ops of ``klpenalty.ops.triton.token_stats``), so the same script measures a
 tree before and after a change::
 
@@ -72,7 +72,7 @@ def _count(fn, *args):
 
 def main() -> None:
     device = torch.device("cuda" if "--cuda" in sys.argv else "cpu")
-    backend._jit = _Kernels(backend._kernels())
+    backend._load._jit = _Kernels(backend._load._kernels())
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 40, generator=gen).to(device)
     y = (x + torch.randn(2, 3, 40, generator=gen).to(device))

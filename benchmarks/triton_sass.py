@@ -239,8 +239,8 @@ def record(case: dict) -> list[tuple]:
         keep = torch.ones(ROWS, vocab, dtype=torch.bool)
         tau = torch.full((ROWS,), -1.0)
     log: list[tuple] = []
-    saved = triton_backend._kernels()
-    triton_backend._jit = _Recorder(saved, log)
+    saved = triton_backend._load._kernels()
+    triton_backend._load._jit = _Recorder(saved, log)
     try:
         ops = torch.ops.klpenalty
         if "divergence" in case:  # the second walk alone, on stats of the right shape
@@ -261,7 +261,7 @@ def record(case: dict) -> list[tuple]:
             ops.triton_token_stats_backward(grad, x, y, tokens, None, stats, None, keep, tau,
                                             1.0, -100, want, True, True, 0, 0)
     finally:
-        triton_backend._jit = saved
+        triton_backend._load._jit = saved
     return log
 
 

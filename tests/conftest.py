@@ -18,7 +18,7 @@ from .tolerances import GRAD_REL_TOL, VALUE_TOL
 # around this import and while that module's tests run, never for the other tests.
 with triton_interpreter_env():
     try:
-        importlib.import_module("klpenalty.ops.triton")._kernels()  # imports the kernel modules
+        importlib.import_module("klpenalty.ops.triton._load")._kernels()  # imports the kernel modules
     except ImportError:  # Triton not installed: test_triton.py skips itself
         pass
 

@@ -59,6 +59,24 @@ def test_values_and_gradients_match_float64(kind, backend, dtype):
     torch.testing.assert_close(g.double(), g_ref.nan_to_num(0.0), **grad_tol(dtype))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_far_below_the_other_models(kind, backend):
+    # a student logit 95 and 300 nats below the teacher's (and the reverse): in float32 e^δ of
+    # the mixtures' log-ratio overflows there; the second row holds a −inf, which sends a kernel
+    # to its careful path
+    x = torch.tensor([[0.0, -95.0, -200.0, 3.0], [0.0, -300.0, 5.0, -math.inf]])
+    y = torch.tensor([[0.0, 0.0, 0.0, -120.0], [0.0, 0.0, -1.0, 0.0]])
+    xs = x.clone().requires_grad_(True)
+    got = klpenalty.divergence(xs, y, kind, backend=backend, **PARAMS)
+    want = _reference(x.double(), y.double(), kind, 1.0)
+    torch.testing.assert_close(got.double(), want, **tol(torch.float32))
+    (g,) = torch.autograd.grad(got.sum(), xs)
+    xr = x.double().clamp_min(-500.0).requires_grad_(True)
+    (g_ref,) = torch.autograd.grad(_reference(xr, y.double(), kind, 1.0).sum(), xr)
+    torch.testing.assert_close(g.double(), g_ref, **grad_tol(torch.float32))
+
+
 def test_the_infinite_kls_are_where_mass_meets_none():
     x, y = _pair(torch.float64)
     rev = klpenalty.divergence(x, y, "reverse_kl")

@@ -427,7 +427,7 @@ def test_dispatch_forces_triton_and_auto_picks_it_on_cuda():
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(triton_backend._kernels(), "INTERPRETED", False)
+    monkeypatch.setattr(triton_backend._load._kernels(), "INTERPRETED", False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         dispatch.get_backend("triton", torch.device("cpu"))
     x, y = make_logits((2, 5), torch.float32)
@@ -436,7 +436,7 @@ def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
 
 
 def test_auto_on_cuda_without_triton_notes_the_fallback_once(monkeypatch):
-    monkeypatch.setattr(triton_backend, "_error", "ImportError: simulated")
+    monkeypatch.setattr(triton_backend._load, "_error", "ImportError: simulated")
     monkeypatch.setattr(triton_backend, "_warned", False)
     cuda = torch.device("cuda")  # no tensor is made: only the choice is tested
     with pytest.warns(RuntimeWarning, match="simulated") as record:

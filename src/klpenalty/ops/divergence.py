@@ -66,10 +66,17 @@ def _times(p: Tensor, d: Tensor, lp: Tensor) -> Tensor:
 
 
 def _minus_log_mix(la: Tensor, lb: Tensor, weight: float) -> Tensor:
-    """la − log(w·e^la + (1 − w)·e^lb) = −log1p((1 − w)·expm1(lb − la)): exactly 0 where
-    la = lb (identical models give exactly 0), −inf where la = −inf < lb, −log w where
-    lb = −inf < la."""
-    return -torch.log1p((1.0 - weight) * torch.expm1(lb - la))
+    """la − log(w·e^la + (1 − w)·e^lb) with δ = lb − la: where δ ≤ 1, −log1p((1 − w)·expm1(δ))
+    (exactly 0 where la = lb, so identical models give exactly 0; −log w where lb = −inf < la);
+    where δ > 1, −δ − log((1 − w) + w·e^−δ), which does not overflow where e^δ would (a student
+    logit 90 nats below the teacher's in float32) and is −inf where la = −inf < lb. Each branch
+    reads δ clamped to its side, so the other's overflow reaches neither value nor gradient."""
+    d = lb - la
+    above = d > 1.0
+    near = -torch.log1p((1.0 - weight) * torch.expm1(torch.clamp(d, max=1.0)))
+    d_far = torch.clamp(d, min=1.0)
+    far = -d_far - torch.log((1.0 - weight) + weight * torch.exp(-d_far))
+    return torch.where(above, far, near)
 
 
 def divergence_terms(lp: Tensor, lq: Tensor, kind: int, param: float) -> tuple[Tensor, Tensor]:

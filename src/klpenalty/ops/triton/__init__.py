@@ -19,19 +19,19 @@ One file per op, the host code apart from the kernels:
 
 Triton is an optional dependency (``pip install 'klpenalty[triton]'``): this package imports
 without it, and imports the kernel modules, which import Triton, at the first use
-(:func:`_kernels`). This module says whether the kernels can run here (:func:`available`,
+(:mod:`._load`). This module says whether the kernels can run here (:func:`available`,
 :func:`interpreted`, :func:`check_device`) and registers the ops.
 """
 
 from __future__ import annotations
 
-import os
-import types
 import warnings
 
 import torch
 
 from .. import contract
+from . import _load
+from ._load import available, interpreted
 
 __all__ = [
     "available", "interpreted", "runs_on", "check_device", "note_fallback", "INSTALL_HINT",
@@ -39,38 +39,7 @@ __all__ = [
 
 INSTALL_HINT = "install Triton (`pip install 'klpenalty[triton]'`)"
 
-_jit = None  # the kernels, once imported (a namespace: see _kernels)
-_error: str | None = None  # None = not tried, "" = imported, else why not
 _warned = False
-
-
-def _kernels():
-    """The kernels, imported at the first call (imports Triton; raises ImportError where it is
-    missing): one namespace of the names the kernel modules export, ``stats_kernel``,
-    ``merge_kernel``, ``grad_kernel``, ``threshold_kernel``, ``divergence_kernel``,
-    ``divergence_merge_kernel``, ``divergence_grad_kernel`` and ``INTERPRETED``."""
-    global _jit
-    if _jit is None:
-        from . import _kernels_common, _kernels_divergence, _kernels_stats, _kernels_threshold
-
-        modules = (_kernels_common, _kernels_stats, _kernels_threshold, _kernels_divergence)
-        _jit = types.SimpleNamespace(
-            **{name: getattr(module, name) for module in modules for name in module.__all__}
-        )
-    return _jit
-
-
-@contract.constant_result
-def available() -> bool:
-    """Whether Triton imports (tried once per process)."""
-    global _error
-    if _error is None:
-        try:
-            _kernels()
-            _error = ""
-        except Exception as exc:  # any failure to import means the portable path
-            _error = f"{type(exc).__name__}: {exc}"[:300]
-    return not _error
 
 
 def note_fallback() -> None:
@@ -79,19 +48,11 @@ def note_fallback() -> None:
     if not _warned:
         _warned = True
         warnings.warn(
-            f"klpenalty: Triton is unavailable ({_error}); CUDA tensors use the portable "
+            f"klpenalty: Triton is unavailable ({_load._error}); CUDA tensors use the portable "
             f"'streaming' backend. For the fused GPU kernels, {INSTALL_HINT}",
             RuntimeWarning,
             stacklevel=3,
         )
-
-
-def interpreted() -> bool:
-    """Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when they were
-    first imported in this process; then they run on CPU tensors)."""
-    if _jit is None:
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-    return bool(_jit.INTERPRETED)
 
 
 def runs_on(device: torch.device) -> bool:
@@ -103,7 +64,9 @@ def runs_on(device: torch.device) -> bool:
 def check_device(device: torch.device) -> None:
     """Raise ValueError unless the Triton kernels can run on ``device`` in this process."""
     if not available():
-        raise ValueError(f"backend 'triton' needs Triton, which is unavailable ({_error}); {INSTALL_HINT}")
+        raise ValueError(
+            f"backend 'triton' needs Triton, which is unavailable ({_load._error}); {INSTALL_HINT}"
+        )
     if device.type == "cuda" and not interpreted():
         return
     if device.type == "cpu" and interpreted():
@@ -121,8 +84,7 @@ def check_device(device: torch.device) -> None:
     )
 
 
-# The ops' host code, which takes the kernels from _kernels above (so it is imported after it),
-# and the ops' registration.
+# the ops' host code and the ops' registration
 from . import divergence, threshold, token_stats  # noqa: E402
 
 contract.define_ops("triton")

@@ -26,7 +26,8 @@ import functools
 import torch
 
 from ..divergence import KINDS, Divergence
-from . import _host, _kernels
+from . import _host
+from ._load import _kernels
 from .token_stats import GRAD_TILES, split_columns
 
 __all__ = ["divergence_op", "divergence_backward_op", "MAX_BLOCK"]

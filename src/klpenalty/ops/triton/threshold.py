@@ -18,7 +18,8 @@ import torch
 from torch import Tensor
 
 from .. import contract
-from . import _host, _kernels
+from . import _host
+from ._load import _kernels
 
 __all__ = ["tau_rows", "sampling_threshold_op", "THRESHOLD_BUCKETS", "THRESHOLD_BLOCK",
            "THRESHOLD_WARPS"]

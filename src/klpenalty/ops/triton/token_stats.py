@@ -54,7 +54,8 @@ from torch import Tensor
 from ... import _validation as v
 from .. import contract
 from ..contract import Want
-from . import _host, _kernels
+from . import _host
+from ._load import _kernels
 from .threshold import tau_rows
 
 __all__ = [

@@ -114,7 +114,8 @@ inline at::Tensor per_row(const char* name, const at::Tensor& t, const DivArgs& 
 // ------------------------------------------------------------------------------ careful path
 // divergence_terms term for term in the compute type C (float for float32/bf16/fp16 inputs,
 // double for float64): 0·(anything) = 0 where the log-prob is −inf, +inf where the log-ratio is
-// +inf at a finite log-prob, the mixtures' log-ratios as −log1p((1 − w)·expm1(lb − la)).
+// +inf at a finite log-prob, the mixtures' log-ratios as −log1p((1 − w)·expm1(δ)), δ = lb − la,
+// or −δ − log((1 − w) + w·e^−δ) where δ > 1.
 template <typename C>
 inline C times_careful(C p, C d, C lp) {
   constexpr C inf = std::numeric_limits<C>::infinity();
@@ -124,7 +125,11 @@ inline C times_careful(C p, C d, C lp) {
 
 template <typename C>
 inline C minus_log_mix(C la, C lb, double w) {
-  return -std::log1p(static_cast<C>(1.0 - w) * std::expm1(lb - la));
+  const C d = lb - la;
+  if (d > C(1)) {  // −δ − log((1 − w) + w·e^−δ): e^δ would overflow far below the teacher
+    return -d - std::log(static_cast<C>(1.0 - w) + static_cast<C>(w) * std::exp(-d));
+  }
+  return -std::log1p(static_cast<C>(1.0 - w) * std::expm1(d));
 }
 
 // (f, π·∂f/∂π) of one entry from the two log-probs.

@@ -13,6 +13,9 @@ Providers (``--providers``):
 
 - ``klpenalty``: ``klpenalty.linear_divergence(h_s, W_s, h_t, W_t, kind, beta=β,
   backend="auto")``;
+- ``klpenalty_planned``: the same with ``expected_grads=lambda rows, v: torch.ones_like(v)``
+  (the loss Σ values announced: the student's gradients formed in the forward, 4 LM-head GEMMs
+  in all instead of 6);
 - ``trl``: TRL's ``trl.kernels.chunked_divergence.ChunkedDivergenceFunction.apply(h_s, W_s,
   None, h_t, W_t, None, beta, 1.0)`` (its torch path on CPU; the divergence of the returned
   (divergence, entropy)). TRL's ``beta`` picks the divergence: 0.0 is the forward KL(ν‖π),
@@ -43,7 +46,7 @@ For each (shape, dtype, kind), per provider:
   (``/proc/self/clear_refs``), and the peak is ``VmHWM`` after one forward + backward minus
   ``VmRSS`` before it (the gradients of h_s and W_s included; ``--no-memory`` skips it).
 
-``× trl`` / ``× torch`` on the klpenalty rows: its median time and peak over the other
+``× trl`` / ``× torch`` on the klpenalty rows (both): its median time and peak over the other
 provider's. Writes ``benchmarks/results/bench_divergence_trl.{csv,md}`` (``--quick``:
 ``benchmarks/results/tmp/bench_divergence_trl_quick``) with the CPU model, core and thread
 counts, the torch and TRL versions and the 1-minute load average before and after.
@@ -71,7 +74,7 @@ import klpenalty  # noqa: E402
 from bench_linear_kl import make_inputs  # noqa: E402
 from bench_trl_step import machine, peak_rss_mib  # noqa: E402
 
-PROVIDERS = ("klpenalty", "trl", "torch")
+PROVIDERS = ("klpenalty", "klpenalty_planned", "trl", "torch")
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHAPES = ("4096:512:32000", "4096:512:151936", "4096:896:32000", "4096:896:151936")
@@ -87,8 +90,9 @@ def trl_beta(kind: str, beta: float) -> float:
 
 
 def setting(provider: str, kind: str, beta: float) -> str:
-    if provider == "klpenalty":
-        return f'kind="{kind}"' + (f", beta={beta}" if kind == "jsd" else "")
+    if provider.startswith("klpenalty"):
+        planned = ", expected_grads=1" if provider == "klpenalty_planned" else ""
+        return f'kind="{kind}"' + (f", beta={beta}" if kind == "jsd" else "") + planned
     if provider == "trl":
         return f"beta={trl_beta(kind, beta)}"
     return "formula"
@@ -111,6 +115,10 @@ def provider_fn(name: str, kind: str, beta: float):
     if name == "klpenalty":
         def fn(hs, ws, ht, wt):
             return klpenalty.linear_divergence(hs, ws, ht, wt, kind, beta=beta, backend="auto")
+    elif name == "klpenalty_planned":
+        def fn(hs, ws, ht, wt):
+            return klpenalty.linear_divergence(hs, ws, ht, wt, kind, beta=beta, backend="auto",
+                                               expected_grads=lambda rows, v: torch.ones_like(v))
     elif name == "trl":
         from trl.kernels.chunked_divergence import ChunkedDivergenceFunction
 
@@ -323,18 +331,19 @@ def run_case(args, shape, dname: str, kind: str, server) -> list[dict]:
 
 
 def ratios(rows: dict) -> None:
-    """klpenalty's time and peak over trl's and torch's, on the klpenalty row."""
-    k = rows.get("klpenalty")
-    if k is None:
-        return
-    for other in ("trl", "torch"):
-        o = rows.get(other)
-        if o is None:
+    """klpenalty's time and peak over trl's and torch's, on the klpenalty rows."""
+    for name in ("klpenalty", "klpenalty_planned"):
+        k = rows.get(name)
+        if k is None:
             continue
-        k[f"time_x_{other}"] = k["median_s"] / o["median_s"]
-        if isinstance(k.get("peak_mib"), float) and isinstance(o.get("peak_mib"), float) \
-                and o["peak_mib"] > 0:
-            k[f"mem_x_{other}"] = k["peak_mib"] / o["peak_mib"]
+        for other in ("trl", "torch"):
+            o = rows.get(other)
+            if o is None:
+                continue
+            k[f"time_x_{other}"] = k["median_s"] / o["median_s"]
+            if isinstance(k.get("peak_mib"), float) and isinstance(o.get("peak_mib"), float) \
+                    and o["peak_mib"] > 0:
+                k[f"mem_x_{other}"] = k["peak_mib"] / o["peak_mib"]
 
 
 def rule(rows: dict) -> None:

@@ -78,3 +78,30 @@ def test_errors_name_the_student_and_the_teacher(pair):
     other = transformers.LlamaForCausalLM(cfg).double()
     with pytest.raises(ValueError, match="student_model and teacher_model must have the same vocabulary"):
         causal_lm_divergence(student, other, ids, attention, "jsd")
+
+
+def test_expected_grads_give_the_same_parameter_gradients(pair, monkeypatch):
+    """A plan of the loss's upstream gradients (rows index the (B, T - 1) values row-major):
+    the student's gradients are formed in the forward (no head multiplied in the backward) and
+    equal the recomputing path's."""
+    from klpenalty.linear import kl as kl_module
+
+    student, teacher, ids, attention = pair
+    w = torch.linspace(-1.0, 1.0, B * (T - 1), dtype=torch.float64)
+    calls = []
+    original = kl_module._logits
+    monkeypatch.setattr(kl_module, "_logits", lambda h, *a: calls.append(1) or original(h, *a))
+    grads, counts = [], []
+    for plan in (None, lambda rows, values: w[rows]):
+        student.zero_grad()
+        calls.clear()
+        got = causal_lm_divergence(student, teacher, ids, attention, "jsd", chunk_rows=5,
+                                   expected_grads=plan)
+        forward = len(calls)
+        (got.reshape(-1) * w).sum().backward()
+        counts.append((forward, len(calls) - forward))
+        grads.append({n: p.grad.clone() for n, p in student.named_parameters()})
+    assert counts[0][1] == counts[0][0] > 0 and counts[1] == (counts[0][0], 0)
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], **grad_tol(torch.float64))

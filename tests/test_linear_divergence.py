@@ -94,3 +94,42 @@ def test_errors_name_the_student_and_the_teacher():
         klpenalty.linear_divergence(t["hs"], t["ws"], t["ht"], t["wt"][:9])
     with pytest.raises(ValueError, match="kind must be one of"):
         klpenalty.linear_divergence(t["hs"], t["ws"], t["ht"], t["wt"], "kl")
+
+
+@pytest.mark.parametrize("kind", ["reverse_kl", "jsd", "forward_kl"])
+def test_expected_grads_form_the_student_gradients_in_the_forward(monkeypatch, kind):
+    """With the plan of the loss's upstream gradients the backward multiplies no head and the
+    gradients equal the recomputing path's; a plan that does not arrive is recomputed."""
+    from klpenalty.linear import kl as kl_module
+
+    t = heads(torch.float32, seed=4)
+    w = torch.linspace(-1.0, 2.0, 15).reshape(LEADING)
+    opts = dict(student_bias=None, chunk_rows=4, beta=0.3)
+    student = [t[k].clone().requires_grad_(True) for k in ("hs", "ws")]
+    plain = klpenalty.linear_divergence(student[0], student[1], t["ht"], t["wt"], kind, **opts)
+    want = torch.autograd.grad((plain * w).sum(), student)
+
+    calls = []
+    original = kl_module._logits
+    monkeypatch.setattr(kl_module, "_logits", lambda h, ww, *a: calls.append(ww) or original(h, ww, *a))
+    flat = w.reshape(-1)
+    for plan_w, recomputed in ((flat, False), (flat * (1 + 1e-3), True)):
+        calls.clear()
+        got = klpenalty.linear_divergence(student[0], student[1], t["ht"], t["wt"], kind,
+                                          expected_grads=lambda rows, values: plan_w[rows], **opts)
+        assert torch.equal(got, plain)
+        grads = torch.autograd.grad((got * w).sum(), student)
+        assert len(calls) == 2 * 4 * (2 if recomputed else 1)  # 4 chunks of both heads
+        for g, gw in zip(grads, want):
+            torch.testing.assert_close(g, gw, rtol=GRAD_REL_TOL[torch.float32],
+                                       atol=GRAD_REL_TOL[torch.float32] * float(gw.abs().max()))
+
+
+def test_expected_grads_must_return_one_gradient_per_row():
+    t = heads(torch.float32)
+    hs = t["hs"].clone().requires_grad_(True)
+    with pytest.raises(TypeError, match="expected_grads must be callable"):
+        klpenalty.linear_divergence(hs, t["ws"], t["ht"], t["wt"], expected_grads=1.0)
+    with pytest.raises(ValueError, match=r"expected_grads\(rows, values\) must return .* shape \(4,\)"):
+        klpenalty.linear_divergence(hs, t["ws"], t["ht"], t["wt"], chunk_rows=4,
+                                    expected_grads=lambda rows, values: torch.ones(3))

@@ -35,6 +35,7 @@ def causal_lm_divergence(
     chunk_rows: Optional[int] = None,
     backend: str = "auto",
     check: bool = True,
+    expected_grads=None,
 ) -> torch.Tensor:
     """Per-token divergence of ``kind`` (as :func:`klpenalty.divergence`: ``"reverse_kl"`` is
     KL(student‖teacher)) between two causal LMs on one batch, without either model's logits.
@@ -46,7 +47,9 @@ def causal_lm_divergence(
     head. The teacher runs first, without gradients (a constant), and may have another hidden
     size and architecture (the same vocabulary). Alignment and the counted positions
     (``attention_mask``, ``labels`` = -100, ``response_mask``, packed ``position_ids``) as in
-    :func:`~klpenalty.hf.causal_lm_kl`.
+    :func:`~klpenalty.hf.causal_lm_kl`. ``expected_grads``: the plan of the upstream gradients
+    of the values, as in :func:`klpenalty.linear_divergence`; its ``rows`` index the (B, T - 1)
+    values row-major (``b·(T - 1) + t``).
 
     Returns:
         (B, T - 1) float32 (float64 for float64 models), 0 where not counted; differentiable
@@ -72,10 +75,11 @@ def causal_lm_divergence(
              logit_scale, softcap, ref_logit_scale, ref_softcap, chunk_rows, backend, check,
              **_tokens):
         value = linear_divergence(
-            hidden, weight, t_hidden, t_weight, kind, beta=beta, skew=skew, mask=mask, temperature=temperature, student_bias=policy_bias,
+            hidden, weight, t_hidden, t_weight, kind, beta=beta, skew=skew, mask=mask,
+            temperature=temperature, student_bias=policy_bias,
             teacher_bias=ref_bias, logit_scale=logit_scale, softcap=softcap,
             teacher_logit_scale=ref_logit_scale, teacher_softcap=ref_softcap,
-            chunk_rows=chunk_rows, backend=backend, check=check,
+            chunk_rows=chunk_rows, backend=backend, check=check, expected_grads=expected_grads,
         )
         return TokenStats(value, None, None, None)
 

@@ -8,11 +8,12 @@ teacher's may differ), V the vocabulary (the same for both), R the rows of one c
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from torch import Tensor
 
 from ..distillation import check_kind
+from ..ops import contract
 from .kl import run_linear_kl
 
 __all__ = ["linear_divergence"]
@@ -38,6 +39,7 @@ def linear_divergence(
     chunk_rows: Optional[int] = None,
     backend: str = "auto",
     check: bool = True,
+    expected_grads: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
 ) -> Tensor:
     """:func:`klpenalty.divergence` of the two models' logits z = scale·(h Wᵀ + b) (soft-capped
     as cap·tanh(z/cap) where a cap is given), never materialising them: the counted rows are
@@ -64,6 +66,13 @@ def linear_divergence(
         backend: as in :func:`klpenalty.full_kl` (the engine on each chunk).
         check: raise ValueError for NaN in a counted position (naming the tensors that hold
             it); one host read.
+        expected_grads: optional ``f(rows, values) -> grads``, the upstream gradients the
+            caller's loss will give the values, as a function of them: ``rows`` (R,) int64 flat
+            (row-major) indices into the leading dims, ``values`` (R,) their detached
+            divergences, ``grads`` (R,) (e.g. ``lambda rows, values: weight[rows]`` for a loss
+            Σ weight·value). As :func:`klpenalty.linear_kl`'s: the forward forms the student's
+            gradients on the logits it already has (4 LM-head GEMMs in all instead of 6) and
+            the backward hands them over when it receives those gradients, else recomputes.
 
     Returns:
         (...) float32 (float64 if a hidden state or weight is float64), 0 where masked.
@@ -75,6 +84,10 @@ def linear_divergence(
             ``teacher_*``), and an unknown kind, beta or skew outside (0, 1).
     """
     k, param = check_kind(kind, beta, skew)
+    if expected_grads is not None and not callable(expected_grads):
+        raise TypeError(
+            f"expected_grads must be callable or None, got {type(expected_grads).__name__}"
+        )
     const = [None if t is None else t.detach() for t in (teacher_hidden, teacher_weight, teacher_bias)]
     stats = run_linear_kl(
         student_hidden, student_weight, const[0], const[1], tokens=None, mask=mask,
@@ -82,5 +95,26 @@ def linear_divergence(
         logit_scale=logit_scale, softcap=softcap, ref_logit_scale=teacher_logit_scale,
         ref_softcap=teacher_softcap, entropy=False, ignore_index=-100, chunk_rows=chunk_rows,
         backend=backend, check=check, roles=("student", "teacher"), divergence=(k, param),
+        expected_grads=None if expected_grads is None else _column_plan(expected_grads),
     )
     return stats.kl
+
+
+def _column_plan(expected_grads: Callable[[Tensor, Tensor], Tensor]):
+    """The plan of :func:`run_linear_kl` (the (R, OUT_COLS) upstream gradients of its columns)
+    from a plan of the divergence's values alone (the KL column holds them)."""
+
+    def plan(rows: Tensor, out: Tensor) -> Tensor:
+        got = expected_grads(rows, out[:, contract.OUT_KL])
+        if not isinstance(got, Tensor) or got.shape != rows.shape:
+            what = f"shape {tuple(got.shape)}, dtype {got.dtype}" if isinstance(got, Tensor) \
+                else type(got).__name__
+            raise ValueError(
+                f"expected_grads(rows, values) must return a tensor of shape "
+                f"{tuple(rows.shape)} (one gradient per row asked about), got {what}"
+            )
+        grads = out.new_zeros(out.shape)
+        grads[:, contract.OUT_KL] = got.to(out.dtype)
+        return grads
+
+    return plan

@@ -279,13 +279,16 @@ def check_logprob_values(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
     names: tuple[str, str] = ("logprobs", "ref_logprobs"),
+    *,
+    finite_ref: bool = False,
 ) -> None:
     """Raise ``ValueError`` unless two (...) log-prob tensors can give a sampled KL estimate.
 
     Rejects NaN, values > :data:`LOGPROB_SLACK`, and positions where both are −inf (the token
-    has probability 0 under both models, so log ρ − log π is undefined). The message names
-    the argument (``names``: how the caller calls them), its shape and dtype, the number of
-    bad positions and the first one. The tensors are read on their device with one host sync.
+    has probability 0 under both models, so log ρ − log π is undefined); with ``finite_ref``
+    also −inf in the second (log π − log ρ would be +inf). The message names the argument
+    (``names``: how the caller calls them), its shape and dtype, the number of bad positions
+    and the first one. The tensors are read on their device with one host sync.
     """
     both = f"{names[0]} and {names[1]}"
     checks = [
@@ -305,6 +308,15 @@ def check_logprob_values(
             "exists)",
         )
     )
+    if finite_ref:
+        checks.append(
+            (
+                names[1],
+                ref_logprobs,
+                torch.isneginf(ref_logprobs),
+                "-inf (a sampled token without mass under it: log π − log ρ is +inf there)",
+            )
+        )
     found = torch.stack([bad.any() for _, _, bad, _ in checks]).tolist()  # the one host sync
     for (name, t, bad, what), hit in zip(checks, found):
         if hit:

@@ -229,6 +229,13 @@ def test_argument_checks():
     with pytest.raises(ValueError, match="logprobs.*NaN"):
         opd_terms("sampled_k1", torch.tensor([[float("nan"), -1.0]]), torch.full((1, 2), -1.0))
     opd_terms("sampled_k1", lp, -tlp, check=False)  # skipped on request
+    # a sampled token without mass under the teacher: k1 = +inf, where a recipe reads k1
+    no_mass = torch.tensor([[-1.0, float("-inf")]])
+    for name in ("sampled_k1", "vopd", "minillm"):
+        div = None if name == "sampled_k1" else torch.zeros(1, 2)
+        with pytest.raises(ValueError, match=r"teacher_logprobs.*-inf.*index \(0, 1\)"):
+            opd_terms(name, torch.full((1, 2), -1.0), no_mass, token_divergence=div)
+    opd_terms("exact_forward", torch.full((1, 2), -1.0), no_mass, token_divergence=kl[:1, :2])
     # a loss term that carries no gradient while log π does: the pathwise part would be lost
     lp_grad = lp.clone().requires_grad_(True)
     with pytest.raises(ValueError, match="carries no gradient"):

@@ -11,7 +11,8 @@ divergence (:func:`klpenalty.divergence`) into two (..., T) tensors: detached
 
 then a mean over sequences (the same reduction for both terms, as for the KL in
 docs/gradients.md). With k1_t = log π(y_t) − log ν(y_t), KL_t = KL(π(·|s_t)‖ν(·|s_t)) and
-γ the discount (a state u real positions later weighs γ^u, in every recipe):
+γ the discount (a state u real positions later weighs γ^u, in every recipe; the last column
+is the recipe's default):
 
 ================== ============================================ ===================== =======
 recipe             advantage_t / loss_t                         E[gradient]           γ
@@ -34,8 +35,9 @@ At one discount the four reverse-KL recipes have the *same* expected gradient: t
 part Σ_t E_{s_t~π}[∇KL_t] plus the γ-discounted future part. At γ = 1 that is the gradient of
 the sequence-level reverse KL KL_seq(π‖ν) = E_π[Σ_t KL_t]; at γ = 0 (the field's default) it
 is the per-state objective alone, which ignores how a token changes the states after it. They
-differ in variance: the exact KL, as a baseline (vOPD) or as the loss and the future
-(``exact_reverse``), removes sampling noise. The forward KL and the JSD on student samples
+differ in variance: the exact KL as the loss and in the future (``exact_reverse``) had the
+least on every test policy; vOPD's exact baseline is unbiased but lowered the variance only on
+some of them (it is the mean of k1, not the variance-minimising baseline). The forward KL and the JSD on student samples
 optimise a divergence at each visited state with the states held fixed; that is the gradient
 of no sequence-level divergence. ``tests/rlhf/test_distill_gradients.py`` proves every claim
 by exact enumeration; docs/gradients.md#distillation has the table and the variances.
@@ -212,7 +214,9 @@ def opd_terms(
             ``sampled_k1`` and ``vopd`` as published, 1 for ``minillm`` and
             ``exact_reverse``). γ = 1 gives the sequence-level reverse-KL gradient.
         check: if True (default), raise ``ValueError`` for NaN or positive log-probs at real
-            tokens, or a token −inf under both (one host sync); False skips it.
+            tokens, a token −inf under both, and, where the advantage holds k1, a token −inf
+            under the teacher (k1 = +inf: the teacher gives it no mass); one host sync.
+            False skips it.
 
     Returns:
         ``OPDTerms(advantages, loss)``, (..., T) each, float32 (float64 if any input is
@@ -258,7 +262,8 @@ def opd_terms(
         {"token_divergence": token_divergence}, names=("logprobs", "teacher_logprobs"),
     )
     if check:
-        v.check_logprob_values(lp, tlp, names=("logprobs", "teacher_logprobs"))
+        v.check_logprob_values(lp, tlp, names=("logprobs", "teacher_logprobs"),
+                               finite_ref=r.advantage in ("k1", "future_k1"))
     div = others["token_divergence"]  # 0 where masked, differentiable
     zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
     k1 = lp - tlp

@@ -212,6 +212,11 @@ def test_argument_checks():
         opd_terms("vopd", lp, tlp, token_divergence=torch.zeros(2, 4))
     with pytest.raises(TypeError, match="logprobs"):
         opd_terms("sampled_k1", lp.long(), tlp)
+    with pytest.raises(TypeError, match="teacher_logprobs must be a torch.Tensor"):
+        opd_terms("sampled_k1", lp, [[-1.0] * 3] * 2)
+    with pytest.raises(TypeError, match="token_divergence must be a torch.Tensor"):
+        opd_terms("minillm", lp.requires_grad_(), tlp, token_divergence=0.1)
+    lp = lp.detach()
     with pytest.raises(TypeError, match="mask"):
         opd_terms("sampled_k1", lp, tlp, mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match="logprobs.*T >= 1"):

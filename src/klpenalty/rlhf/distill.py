@@ -239,6 +239,9 @@ def opd_terms(
     gamma = r.discount if discount is None else _check_discount(discount)
     if not isinstance(check, bool):
         raise TypeError(f"check must be a bool, got {type(check).__name__}")
+    v.check_per_token("teacher_logprobs", teacher_logprobs, logprobs.shape)
+    if token_divergence is not None:
+        v.check_per_token("token_divergence", token_divergence, logprobs.shape)
     if r.kind is None and token_divergence is not None:
         raise ValueError(f"recipe {r.name!r} takes no token_divergence (it uses the sampled "
                          f"tokens' log-probs only); pass None")
@@ -258,9 +261,10 @@ def opd_terms(
     if mask is not None:
         mask = v.check_mask(mask, logprobs.shape, logprobs.device)
     lp, tlp, others = _masked_inputs(
-        logprobs.detach(), teacher_logprobs.detach(), mask,
-        {"token_divergence": token_divergence}, names=("logprobs", "teacher_logprobs"),
+        logprobs, teacher_logprobs, mask, {"token_divergence": token_divergence},
+        names=("logprobs", "teacher_logprobs"),
     )
+    lp, tlp = lp.detach(), tlp.detach()
     if check:
         v.check_logprob_values(lp, tlp, names=("logprobs", "teacher_logprobs"),
                                finite_ref=r.advantage in ("k1", "future_k1"))

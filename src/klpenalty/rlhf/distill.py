@@ -197,6 +197,13 @@ def opd_terms(
     ``advantages`` (scaled as you weigh the two); in a PPO-style clipped loss ``advantages``
     takes the place of the usual ones and ``loss`` is added as is.
 
+    >>> import torch
+    >>> lp, teacher_lp = torch.tensor([[-1.0, -2.0, -0.5]]), torch.tensor([[-1.5, -1.0, -0.25]])
+    >>> opd_terms("sampled_k1", lp, teacher_lp).advantages  # −k1 (Tinker: discount 0)
+    tensor([[-0.5000,  1.0000,  0.2500]])
+    >>> opd_terms("sampled_k1", lp, teacher_lp, discount=1.0).advantages  # −Σ_{u≥t} k1_u
+    tensor([[0.7500, 1.2500, 0.2500]])
+
     Args:
         recipe: a name of :data:`OPD_RECIPES` (``"sampled_k1"``, ``"vopd"``, ``"minillm"``,
             ``"exact_reverse"``, ``"exact_forward"``, ``"exact_jsd"``) or an :class:`OPDRecipe`.

@@ -51,6 +51,6 @@ __all__ = [
     "topk_mass",
     "TopKMass",
     # the RLHF side (klpenalty.rlhf): sampled estimators, reward shaping, KL loss forms and
-    # reward placements, KL coefficient controllers
+    # reward placements, KL coefficient controllers, on-policy distillation recipes
     *rlhf.__all__,
 ]

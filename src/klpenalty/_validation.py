@@ -275,18 +275,25 @@ def raise_if_nan(result: torch.Tensor, named_inputs: dict[str, torch.Tensor]) ->
 LOGPROB_SLACK = 1e-4
 
 
-def check_logprob_values(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> None:
+def check_logprob_values(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    names: tuple[str, str] = ("logprobs", "ref_logprobs"),
+    *,
+    finite_ref: bool = False,
+) -> None:
     """Raise ``ValueError`` unless two (...) log-prob tensors can give a sampled KL estimate.
 
     Rejects NaN, values > :data:`LOGPROB_SLACK`, and positions where both are −inf (the token
-    has probability 0 under both models, so log ρ − log π is undefined). The message names
-    the argument, its shape and dtype, the number of bad positions and the first one. The
-    tensors are read on their device with one host sync.
+    has probability 0 under both models, so log ρ − log π is undefined); with ``finite_ref``
+    also −inf in the second (log π − log ρ would be +inf). The message names the argument
+    (``names``: how the caller calls them), its shape and dtype, the number of bad positions
+    and the first one. The tensors are read on their device with one host sync.
     """
-    both = "logprobs and ref_logprobs"
+    both = f"{names[0]} and {names[1]}"
     checks = [
         (name, t, bad, what)
-        for name, t in (("logprobs", logprobs), ("ref_logprobs", ref_logprobs))
+        for name, t in ((names[0], logprobs), (names[1], ref_logprobs))
         for bad, what in (
             (torch.isnan(t), "NaN"),
             (t > LOGPROB_SLACK, f"values > {LOGPROB_SLACK} (log-probs are <= 0: logits?)"),
@@ -301,6 +308,15 @@ def check_logprob_values(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> 
             "exists)",
         )
     )
+    if finite_ref:
+        checks.append(
+            (
+                names[1],
+                ref_logprobs,
+                torch.isneginf(ref_logprobs),
+                "-inf (a sampled token without mass under it: log π − log ρ is +inf there)",
+            )
+        )
     found = torch.stack([bad.any() for _, _, bad, _ in checks]).tolist()  # the one host sync
     for (name, t, bad, what), hit in zip(checks, found):
         if hit:

@@ -6,6 +6,8 @@ the method and the tolerances' reasoning).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from klpenalty import token_logprobs
@@ -135,12 +137,15 @@ class Tree:
         per_token = self._plain_logprobs(first) - self._plain_logprobs(second)
         return (self.prob(sample) * per_token.sum(-1)).sum()
 
-    def state_kl(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-        """(S, H) exact KL(first(·|s_t)‖second(·|s_t)) at each real position, 0 on padding."""
+    def state_value(self, f, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """(S, H) f(log first(·|s_t), log second(·|s_t)) at each real position, 0 on padding."""
         a = torch.log_softmax(first / self.temperature, -1)[self.row]
         b = torch.log_softmax(second / self.temperature, -1)[self.row]
-        kl = (a.exp() * (a - b)).sum(-1)
-        return torch.where(self.mask, kl, torch.zeros((), dtype=F64))
+        return torch.where(self.mask, f(a, b), torch.zeros((), dtype=F64))
+
+    def state_kl(self, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        """(S, H) exact KL(first(·|s_t)‖second(·|s_t)) at each real position, 0 on padding."""
+        return self.state_value(kl_of_logs, first, second)
 
     def grad(self, value: torch.Tensor) -> torch.Tensor:
         (g,) = torch.autograd.grad(value, self.theta, retain_graph=True)
@@ -154,20 +159,47 @@ class Tree:
         """∇KL_seq(ρ‖π) (sequences drawn from ρ)."""
         return self.grad(self.seq_kl(self.ref, self.ref, self.theta))
 
+    def grad_per_state(self, f, states_from: torch.Tensor | None = None) -> torch.Tensor:
+        """Σ_t E_{s_t}[∇ f(log π(·|s_t), log ρ(·|s_t))], the state distribution held fixed."""
+        weights = self.prob(self.theta if states_from is None else states_from).detach()
+        return self.grad((weights[:, None] * self.state_value(f, self.theta, self.ref)).sum())
+
     def grad_pathwise(self, states_from: torch.Tensor | None = None) -> torch.Tensor:
         """Σ_t E_{s_t}[∇KL_t(π‖ρ)] with the state distribution held fixed."""
-        weights = self.prob(self.theta if states_from is None else states_from).detach()
-        return self.grad((weights[:, None] * self.state_kl(self.theta, self.ref)).sum())
+        return self.grad_per_state(kl_of_logs, states_from)
 
     def grad_pathwise_forward(self) -> torch.Tensor:
         """Σ_t E_{s_t ~ π}[∇KL_t(ρ‖π)], states held fixed."""
-        weights = self.prob(self.theta).detach()
-        return self.grad((weights[:, None] * self.state_kl(self.ref, self.theta)).sum())
+        return self.grad_per_state(lambda a, b: kl_of_logs(b, a))
+
+    def grad_discounted(self, gamma: float) -> torch.Tensor:
+        """Σ_t E[∇KL_t] + E_π[Σ_t ∇log π(a_t|s_t)·Σ_{u>t} γ^{u−t}·KL_u] (real tokens lead)."""
+        lead = self.mask.long().cumprod(-1).bool()  # the trees pad on the right only
+        if not torch.equal(lead, self.mask):
+            raise ValueError("grad_discounted counts positions: it needs right-padded rows")
+        h = self.mask.shape[-1]
+        t, u = torch.arange(h)[:, None], torch.arange(h)[None, :]
+        weight = torch.where(u > t, float(gamma) ** (u - t).to(F64), torch.zeros((), dtype=F64))
+        future = (self.state_kl(self.theta, self.ref) @ weight.T).detach()  # (S, H)
+        p = self.prob(self.theta).detach()
+        score = (p[:, None] * self._plain_logprobs(self.theta) * future).sum()
+        return self.grad_pathwise() + self.grad(score)
 
     def expected_grad(self, per_sequence: torch.Tensor, sample: torch.Tensor | None = None):
         """E_{seq ~ sample (default π)}[∇ per_sequence(seq)], exactly."""
         weights = self.prob(self.theta if sample is None else sample).detach()
         return self.grad((weights * per_sequence).sum())
+
+
+def kl_of_logs(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """KL(e^a‖e^b) over the last dim, from two log-distributions."""
+    return (a.exp() * (a - b)).sum(-1)
+
+
+def jsd_of_logs(a: torch.Tensor, b: torch.Tensor, beta: float) -> torch.Tensor:
+    """β·KL(ν‖M) + (1−β)·KL(π‖M), M = β·ν + (1−β)·π, with a = log π, b = log ν."""
+    log_m = torch.logaddexp(math.log(beta) + b, math.log(1.0 - beta) + a)
+    return beta * kl_of_logs(b, log_m) + (1.0 - beta) * kl_of_logs(a, log_m)
 
 
 def pg_loss(logprobs: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,10 @@ TOP_LEVEL = [
     "KLRewardAndLoss",
     "FixedKLController",
     "AdaptiveKLController",
+    "OPD_RECIPES",
+    "OPDRecipe",
+    "OPDTerms",
+    "opd_terms",
 ]
 
 
@@ -37,7 +41,7 @@ def test_every_exported_name_exists_once():
         assert all(hasattr(module, name) for name in module.__all__)
 
 
-@pytest.mark.parametrize("module", ["estimators", "shaping", "controllers", "gradients"])
+@pytest.mark.parametrize("module", ["estimators", "shaping", "controllers", "gradients", "distill"])
 def test_modules_live_in_rlhf_only(module):
     moved = importlib.import_module(f"klpenalty.rlhf.{module}")
     assert set(moved.__all__) <= set(klpenalty.rlhf.__all__)

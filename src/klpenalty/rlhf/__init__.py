@@ -1,4 +1,5 @@
-"""The RLHF side of the KL penalty: sampled estimators, reward shaping, loss forms, controllers.
+"""The RLHF side of the KL penalty: sampled estimators, reward shaping, loss forms, controllers,
+on-policy distillation.
 
 Groups (one module each):
 
@@ -6,12 +7,15 @@ Groups (one module each):
 - :mod:`~klpenalty.rlhf.shaping`: per-token rewards, −β·KL on real tokens plus the score.
 - :mod:`~klpenalty.rlhf.gradients`: KL loss forms and reward placements with the right gradient.
 - :mod:`~klpenalty.rlhf.controllers`: the KL coefficient β, fixed or adaptive.
+- :mod:`~klpenalty.rlhf.distill`: on-policy distillation recipes (the teacher in place of the
+  reference): per-token advantages and loss, each recipe's expected gradient proven.
 
 Shape letters: B batch, T sequence, V vocabulary, N rows.
 """
 
-from . import controllers, estimators, gradients, shaping
+from . import controllers, distill, estimators, gradients, shaping
 from .controllers import *  # noqa: F403  (each module's __all__, listed below)
+from .distill import *  # noqa: F403
 from .estimators import *  # noqa: F403
 from .gradients import *  # noqa: F403
 from .shaping import *  # noqa: F403
@@ -25,4 +29,6 @@ __all__ = [
     *gradients.__all__,
     # controllers: the KL coefficient β, constant or steered toward a target KL
     *controllers.__all__,
+    # distill: on-policy distillation recipes, per-token advantages and loss: opd_terms, ...
+    *distill.__all__,
 ]

@@ -80,14 +80,16 @@ def _masked_inputs(
     ref_logprobs: torch.Tensor,
     mask: torch.Tensor | None,
     others: dict[str, torch.Tensor | None] | None = None,
+    names: tuple[str, str] = ("logprobs", "ref_logprobs"),
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor | None]]:
     """Validated (log π, log ρ, others), each (...) in the compute dtype, 0 where masked.
 
     Masked entries are replaced by 0 *before* any arithmetic, so whatever the padding holds
-    (huge values, ±inf) gives a 0 value and a 0 gradient there, never inf or NaN.
+    (huge values, ±inf) gives a 0 value and a 0 gradient there, never inf or NaN. ``names``:
+    how the caller's messages call the first two.
     """
-    v.check_float("logprobs", logprobs)
-    v.check_per_token("ref_logprobs", ref_logprobs, logprobs.shape)
+    v.check_float(names[0], logprobs)
+    v.check_per_token(names[1], ref_logprobs, logprobs.shape)
     named = dict(others or {})
     for name, t in named.items():
         if t is not None:

@@ -178,12 +178,20 @@ def _plan_rows(chunk_rows: Optional[int], n_rows: int, vocab: int, *weights: Ten
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], scale: float, softcap) -> Tensor:
-    """(R, V) logits scale·(h Wᵀ + b), soft-capped as cap·tanh(z/cap), in the input dtype.
+    """(R, V) logits scale·(h Wᵀ + b), soft-capped as cap·tanh(z/cap).
 
-    h (R, H), weight (V, H), bias (V,) or None. The matmul accumulates in float32 (torch's
-    GEMM); the transforms run in place on the chunk.
+    h (R, H), weight (V, H), bias (V,) or None. The matmul runs in the input dtype with
+    float32 accumulation (torch's GEMM). Without a transform the logits stay in the input
+    dtype (what ``F.linear`` returns); with a scale or a cap the GEMM's output is upcast to the
+    compute dtype (float32; float64 for float64 inputs) *before* the transform, which then runs
+    in place in that dtype: a bf16/fp16 head is rounded once (the GEMM's output), as in the
+    plain ``F.linear(h, W, b).float()`` followed by the transform, never again after the scale
+    or the tanh (docs/numerics.md, "the logit transform").
     """
     z = F.linear(h, weight, bias)
+    if scale == 1.0 and softcap is None:
+        return z
+    z = z.to(v.compute_dtype(z))  # no copy for float32/float64
     if scale != 1.0:
         z.mul_(scale)
     if softcap is not None:

@@ -21,7 +21,6 @@ from torch import Tensor
 from .. import _validation as v
 from ..ops import contract
 from ..ops.dispatch import get_backend
-from ..sampling import rows_of_support, support_args
 from .chunks import IGNORE
 
 
@@ -262,17 +261,6 @@ def _head_grads(dz: Tensor, h: Tensor, weight: Tensor, sel, grad_h, grad_w, grad
         _add_matmul(grad_w, dz.t(), h)
     if grad_b is not None:
         grad_b.add_(dz.sum(0, dtype=grad_b.dtype))
-
-
-def _chunk_support(support, zp: Tensor, rows: Optional[Tensor], r0: int, r1: int) -> tuple:
-    """The op's (keep, tau, sampler) of the chunk of counted rows r0:r1 (``rows`` None = all),
-    from its policy logits ``zp`` (R, V) and the parsed ``support`` (kind, payload)."""
-    kind, payload = support
-    if kind in ("none", "rule"):  # nothing per row to select
-        return support_args(kind, payload, zp)
-    flat = torch.arange(r0, r1, device=zp.device) if rows is None else rows[r0:r1]
-    return rows_of_support(kind, payload, zp, flat)
-
 
 
 # ------------------------------------------------------------------------------ validation

@@ -403,7 +403,10 @@ def run_linear_kl(
     Otherwise a callable ``parallel(impl, vocab, error) -> (adapter, vocab)`` called on every
     process after the local validation (``error`` its TypeError/ValueError or None; it raises
     when any process of the group failed), returning the :class:`~.chunks.ChunkAdapter` and the
-    whole vocabulary V; ``suffix`` ends the weights' argument names in messages, ``roles``
+    whole vocabulary V (a bool ``support`` is then this process's slice (..., V_r), compact
+    ids and sampler settings refer to the whole V, and the adapter's ``support`` method turns
+    them into each chunk's op arguments); ``suffix`` ends the weights' and biases' argument
+    names in messages, ``roles``
     names the two models in them. ``divergence`` (kind, param): the KL column holds that
     divergence instead (:class:`~.chunks.DivergenceChunks`; the caller detaches the second
     model, a constant).

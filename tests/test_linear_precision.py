@@ -41,7 +41,7 @@ def _cases(seed: int):
     pick = lambda seq: seq[int(torch.randint(len(seq), (1,), generator=g))]  # noqa: E731
     for _ in range(TRIALS):
         yield (
-            pick([5, 17, 40, 64]), pick([8, 16, 24]), pick([37, 257, 1030]),
+            pick([5, 17, 40, 64]), pick([8, 16, 24]), pick([37, 257, 515]),
             pick([1.0, 0.7, 2.0]), pick([None, 5.0, 30.0]), pick([1.0, 0.7, 1.3]),
         )
 

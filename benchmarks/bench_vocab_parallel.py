@@ -1,10 +1,13 @@
 """Vocabulary-parallel forward on CPU: one rank's local work, per backend, against a reference
-tree (another checkout of klpenalty, e.g. the release before the backends served this path).
+tree (another checkout of klpenalty, e.g. the release before the backends served this path);
+with ``--fused-head``, the vocabulary-parallel fused head against the single-device one.
 
 Usage::
 
     python benchmarks/bench_vocab_parallel.py [--old-src PATH] [--rows 512] [--width 32768]
         [--repeats 7] [--rounds 3]
+    python benchmarks/bench_vocab_parallel.py --fused-head [--world 2] [--rows 256]
+        [--hidden 256] [--width 32768] [--repeats 5]
 
 Each measurement runs in its own process (a process group of one rank, gloo, FileStore): the
 function timed is ``klpenalty.distributed.vocab_parallel_full_kl`` (and, where the tree has it,
@@ -14,6 +17,14 @@ the reference tree, put first on ``PYTHONPATH`` of its processes: two packages n
 ``klpenalty`` cannot share one process, so the trees are measured in separate processes,
 alternating (new, old, new, old, ...) for ``--rounds`` rounds, and the ratio is taken of the
 medians over all rounds. Prints one JSON line per process and a table at the end.
+
+``--fused-head``: ``--world`` ranks (gloo, FileStore, one intra-op thread each), each holding
+the same (rows, hidden) float32 hidden states of both models and its rows of two (width,
+hidden) heads with biases (width = the whole V, split evenly). Per case (the plain head; with
+a soft-cap, logit scale and tokens; and top-k sampler settings), forward + backward of
+``vocab_parallel_linear_kl`` on every rank, then ``linear_kl`` on the whole heads on rank 0
+alone (the other ranks wait at a barrier), alternating for ``--repeats`` rounds in the same
+processes; rank 0 prints the medians, their ratio, the peak RSS and the load average.
 """
 
 from __future__ import annotations
@@ -64,6 +75,93 @@ def _worker(args) -> None:
     print(json.dumps(out), flush=True)
 
 
+def _fused_worker(args) -> None:
+    import resource
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    rank, world = args.rank, args.world
+    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank,
+                            world_size=world)
+    import klpenalty
+    from klpenalty import distributed as kd
+
+    n, h, v = args.rows, args.hidden, args.width
+    g = torch.Generator().manual_seed(0)
+    hp, hr = torch.randn(n, h, generator=g), torch.randn(n, h, generator=g)
+    wp = torch.randn(v, h, generator=g) * (2.0 / h**0.5)
+    wr = wp + 0.3 * torch.randn(v, h, generator=g) / h**0.5
+    bp, br = torch.randn(v, generator=g) * 0.1, torch.randn(v, generator=g) * 0.1
+    tokens = torch.randint(0, v, (n,), generator=g)
+    cuts = [v * r // world for r in range(world + 1)]
+    lo, hi = cuts[rank], cuts[rank + 1]
+    shards = [t[lo:hi].contiguous() for t in (wp, wr, bp, br)]
+    zp = 30.0 * torch.tanh(1.5 * torch.nn.functional.linear(hp, wp, bp) / 30.0)
+    cases = {
+        "plain": {},
+        "cap+scale+tokens": dict(softcap=30.0, logit_scale=1.5, tokens=tokens, entropy=True),
+        "cap+scale+top_k": dict(softcap=30.0, logit_scale=1.5, tokens=zp.argmax(-1),
+                                top_k=50),
+    }
+
+    def step(fn):
+        leaves = [t.clone().requires_grad_() for t in fn[1]]
+        out = fn[0](*leaves)
+        sum(f.sum() for f in out if f is not None).backward()
+
+    rows = {}
+    for name, kw in cases.items():
+        vp = (lambda a, b, c, d, e, f: kd.vocab_parallel_linear_kl(
+                  a, b, c, d, vocab_start=lo, policy_bias_shard=e, ref_bias_shard=f,
+                  backend=args.backend, check=False, **kw),
+              (hp, shards[0], hr, shards[1], shards[2], shards[3]))
+        single = (lambda a, b, c, d, e, f: klpenalty.linear_kl(
+                      a, b, c, d, policy_bias=e, ref_bias=f, backend=args.backend,
+                      check=False, **kw),
+                  (hp, wp, hr, wr, bp, br))
+        t_vp, t_one = [], []
+        for i in range(args.repeats + 1):  # the first round warms up
+            dist.barrier()
+            t0 = time.perf_counter()
+            step(vp)
+            dist.barrier()
+            t1 = time.perf_counter()
+            if rank == 0:
+                step(single)
+            t2 = time.perf_counter()
+            dist.barrier()
+            if i:
+                t_vp.append(t1 - t0)
+                t_one.append(t2 - t1)
+        rows[name] = (statistics.median(t_vp), statistics.median(t_one))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # MiB
+    dist.destroy_process_group()
+    if rank == 0:
+        load = os.getloadavg()
+        print(f"rows={n} hidden={h} V={v} float32, forward+backward, world {world} (gloo), "
+              f"1 thread per rank, backend {args.backend}, median of {args.repeats}; "
+              f"loadavg {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; rank 0 peak RSS "
+              f"{rss:.0f} MiB")
+        print(f"{'case':18} {'vocab-parallel s':>17} {'single-device s':>16} {'speedup':>8}")
+        for name, (a, b) in rows.items():
+            print(f"{name:18} {a:17.4f} {b:16.4f} {b / a:7.2f}x")
+
+
+def _fused_head(args) -> None:
+    store = Path(tempfile.mkdtemp()) / "store"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(
+        [sys.executable, __file__, "--fused-worker", "--rank", str(r), "--world",
+         str(args.world), "--store", str(store), "--rows", str(args.rows), "--hidden",
+         str(args.hidden), "--width", str(args.width), "--repeats", str(args.repeats),
+         "--backend", args.backend], env=env) for r in range(args.world)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise SystemExit(f"a rank failed: exit codes {codes}")
+
+
 def _spawn(args, label: str, src: Path, backend: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS="1")
     cmd = [sys.executable, __file__, "--worker", "--label", label, "--backend", backend,
@@ -84,9 +182,21 @@ def main() -> None:
     p.add_argument("--worker", action="store_true")
     p.add_argument("--label", default="new")
     p.add_argument("--backend", default="native")
+    p.add_argument("--fused-head", action="store_true")
+    p.add_argument("--fused-worker", action="store_true")
+    p.add_argument("--world", type=int, default=2)
+    p.add_argument("--rank", type=int, default=0)
+    p.add_argument("--store", default="")
+    p.add_argument("--hidden", type=int, default=256)
     args = p.parse_args()
     if args.worker:
         _worker(args)
+        return
+    if args.fused_worker:
+        _fused_worker(args)
+        return
+    if args.fused_head:
+        _fused_head(args)
         return
     runs = [("new", ROOT / "src", "native"), ("new", ROOT / "src", "streaming")]
     if args.old_src is not None:

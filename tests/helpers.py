@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from klpenalty.ops import dispatch, streaming
@@ -39,6 +40,7 @@ __all__ = [
     "triton_interpreter_env",
     "backend_views",
     "views",
+    "transformed",
 ]
 
 
@@ -100,3 +102,19 @@ def backend_views(name: str) -> SimpleNamespace:
 
 
 views = SimpleNamespace(**{name: backend_views(name) for name in dispatch.REGISTRY})
+
+
+def transformed(h: Tensor, w: Tensor, b: Tensor | None, scale: float, cap) -> Tensor:
+    """The plain path's LM-head logits, with differentiable torch ops: ``F.linear`` in h's
+    dtype, then, with a scale or a soft-cap, the GEMM's output upcast to float32 (float64 for
+    float64 inputs) and scale·z, cap·tanh(z/cap) in that dtype (docs/numerics.md, "the logit
+    transform")."""
+    z = F.linear(h, w, b)
+    if scale == 1.0 and cap is None:
+        return z
+    z = z.to(torch.float64 if z.dtype == torch.float64 else torch.float32)
+    if scale != 1.0:
+        z = z * scale
+    if cap is not None:
+        z = torch.tanh(z / cap) * cap
+    return z

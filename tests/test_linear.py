@@ -3,7 +3,8 @@
 Shape letters: N rows, H hidden (H_p policy, H_r reference), V vocabulary.
 
 How the comparisons isolate the errors: the fast path computes each chunk's logits with
-``F.linear`` in the *input* dtype, then the engine. For float64 inputs everything is compared
+``F.linear`` in the *input* dtype, upcasts them to float32 before a scale or soft-cap (the plain
+path's rule, :func:`tests.helpers.transformed`), then the engine. For float64 inputs everything is compared
 with plain float64 autograd through ``F.linear`` and the reference formulas. For float32 and
 bfloat16 inputs the reference is evaluated on *the same logits the fast path saw* (the input-dtype
 logits, upcast exactly), while its derivatives still flow through a float64 ``F.linear`` graph
@@ -41,7 +42,7 @@ from klpenalty.ops.reference import (
     token_logprobs_reference,
 )
 
-from .helpers import GRAD_REL_TOL, tol, triton_interpreter_env
+from .helpers import GRAD_REL_TOL, tol, transformed, triton_interpreter_env
 
 BACKENDS = ["streaming", "native"]
 NAMES = ("hp", "wp", "bp", "hr", "wr", "br")
@@ -83,16 +84,6 @@ def call(t, **kw):
     return linear_kl(
         t["hp"], t["wp"], t["hr"], t["wr"], policy_bias=t["bp"], ref_bias=t["br"], **kw
     )
-
-
-def transformed(h, w, b, scale, cap):
-    """The logits scale·(h Wᵀ + b), soft-capped, with plain differentiable ops in h's dtype."""
-    z = F.linear(h, w, b)
-    if scale != 1.0:
-        z = z * scale
-    if cap is not None:
-        z = torch.tanh(z / cap) * cap
-    return z
 
 
 def reference(t, *, tokens=None, mask=None, temperature=1.0, logit_scale=1.0, softcap=None,

@@ -56,6 +56,7 @@ __all__ = [
     "check_sampler",
     "parse_support",
     "rows_of_support",
+    "ids_of_rows",
     "support_args",
     "op_sampler",
 ]
@@ -370,15 +371,19 @@ def rows_of_support(kind: str, payload: object, logits: Tensor, rows: Tensor) ->
     if kind == "keep":
         return support_args(kind, payload.reshape(-1, payload.shape[-1])[rows], logits)
     if kind == "ids":
-        ids, offsets = payload
-        starts = offsets[rows].long()  # (R,)
-        counts = offsets[rows + 1].long() - starts
-        new_offsets = torch.zeros(rows.shape[0] + 1, dtype=torch.long, device=offsets.device)
-        new_offsets[1:] = counts.cumsum(0)
-        # the position of each kept id of the chunk in ``ids``: its row's start + its rank
-        rank = torch.arange(int(new_offsets[-1]), device=ids.device) - torch.repeat_interleave(
-            new_offsets[:-1], counts
-        )
-        chunk_ids = ids[torch.repeat_interleave(starts, counts) + rank]
-        return support_args(kind, (chunk_ids, new_offsets), logits)
+        return support_args(kind, ids_of_rows(*payload, rows), logits)
     return support_args(kind, payload, logits)
+
+
+def ids_of_rows(ids: Tensor, offsets: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """The compact kept sets ``(ids, offsets)`` (validated) of the rows ``rows`` (R,) alone:
+    (their kept ids, (R + 1,) int64 offsets)."""
+    starts = offsets[rows].long()  # (R,)
+    counts = offsets[rows + 1].long() - starts
+    new_offsets = torch.zeros(rows.shape[0] + 1, dtype=torch.long, device=offsets.device)
+    new_offsets[1:] = counts.cumsum(0)
+    # the position of each kept id of the chunk in ``ids``: its row's start + its rank
+    rank = torch.arange(int(new_offsets[-1]), device=ids.device) - torch.repeat_interleave(
+        new_offsets[:-1], counts
+    )
+    return ids[torch.repeat_interleave(starts, counts) + rank], new_offsets

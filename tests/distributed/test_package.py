@@ -35,6 +35,7 @@ def test_every_worker_check_is_reported():
     reported = [
         *test_vocab_parallel.VALUE_CHECKS,
         *test_vocab_parallel.EXPECTED_ERRORS,
+        *test_vocab_parallel.ONE_RANK_ERRORS,
         *test_config.EXPECTED_ERRORS,
         *test_data_parallel.VALUE_CHECKS,
         *test_data_parallel.EXPECTED_ERRORS,

@@ -30,6 +30,9 @@ VALUE_CHECKS = [
     "check_linear_kl_float32_native",
     "check_linear_kl_float64_streaming",
     "check_linear_kl_float64_native",
+    "check_linear_kl_options_streaming",
+    "check_linear_kl_options_native",
+    "check_linear_kl_options_triton",
     "check_divergences_float32_streaming",
     "check_divergences_float32_native",
     "check_divergences_float64_native",
@@ -40,7 +43,11 @@ EXPECTED_ERRORS = {
     "check_err_nan": ("ValueError", "policy_logits hold NaN", True),
     "check_err_ref_all_neginf": ("ValueError", "ref_logits are -inf over the whole", True),
     "check_err_policy_all_neginf": ("ValueError", "policy_logits are -inf over the whole", True),
+    "check_err_linear_support_ids": ("ValueError", "support ids must lie in [0, 1001)", True),
 }
+
+# a worker error check with an assertion of its own (below)
+ONE_RANK_ERRORS = ["check_err_linear_bias_shard"]
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -61,6 +68,19 @@ def test_communication_cost_per_position(groups):
             }
         for r in results(groups, world, "check_token_stats_communication"):
             assert r["data"] == {"token_stats_bytes_per_position": 32.0}
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_fused_head_argument_error_on_one_rank(groups, world):
+    """A bias slice of the wrong width on the last rank: that rank names the argument, the
+    others name the rank, and the group stays in step."""
+    check, = ONE_RANK_ERRORS
+    needs_peers(world, check)
+    per_rank = [r["data"] for r in results(groups, world, check)]
+    assert {d["type"] for d in per_rank} == {"ValueError"}, per_rank
+    assert "policy_bias_shard must have shape" in per_rank[-1]["msg"], per_rank
+    assert all(f"invalid arguments on rank(s) [{world - 1}]" in d["msg"]
+               for d in per_rank[:-1]), per_rank
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

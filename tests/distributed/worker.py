@@ -549,6 +549,97 @@ def check_linear_kl_float64_native(ctx: Ctx):
     return _linear_kl_vs_whole_head(ctx, torch.float64, "native")
 
 
+def _linear_kl_options_vs_whole_head(ctx: Ctx, backend: str, only=None, chunk_rows=4) -> list:
+    """vocab_parallel_linear_kl with biases, logit scales, soft-caps and every kind of support
+    (``only``: the named cases) against linear_kl with the whole heads: values, and the
+    gradients of both hidden states, of each rank's weight slices and of its bias slices."""
+    g = _generator(41)
+    hidden_p, hidden_r, lead = 8, 6, (3, 5)
+    hp = torch.randn(*lead, hidden_p, generator=g)
+    hr = torch.randn(*lead, hidden_r, generator=g)
+    wp = torch.randn(VOCAB, hidden_p, generator=g) * 1.2
+    wr = wp[:, :hidden_r] + 0.4 * torch.randn(VOCAB, hidden_r, generator=g)
+    bp, br = torch.randn(VOCAB, generator=g) * 0.5, torch.randn(VOCAB, generator=g) * 0.5
+    mask = torch.ones(lead, dtype=torch.bool)
+    mask[2, 3] = False
+    w = torch.randn(4, *lead, generator=g)
+    transform = dict(logit_scale=1.3, softcap=6.0, ref_logit_scale=0.9, ref_softcap=8.0)
+    zp = 6.0 * torch.tanh(1.3 * torch.nn.functional.linear(hp, wp, bp) / 6.0)  # (3, 5, V)
+    tokens = zp.argmax(-1)  # the argmax: kept by every support
+    tokens[0, 2] = -100  # ignored
+    keep = torch.rand(zp.shape, generator=g) > 0.4
+    keep.scatter_(-1, tokens.clamp_min(0).unsqueeze(-1), True)
+    ids, offsets = [], [0]
+    for row in keep.reshape(-1, VOCAB):
+        kept = row.nonzero().flatten()
+        ids.append(kept)
+        offsets.append(offsets[-1] + kept.numel())
+    pair = (torch.cat(ids), torch.tensor(offsets))
+    cases = [
+        ("transforms", {}, {}),
+        ("top_k", {"top_k": 40}, {"top_k": 40}),
+        ("top_p_min_p", {"top_p": 0.8, "min_p": 0.02}, {"top_p": 0.8, "min_p": 0.02}),
+        ("support_mask", {"support": ctx.shard(keep)}, {"support": keep}),
+        ("support_ids", {"support": pair}, {"support": pair}),
+    ]
+    done = []
+    for name, vp_kw, kw in cases:
+        if only is not None and name not in only:
+            continue
+        leaves = [t.detach().clone().requires_grad_() for t in (hp, hr)]
+        shards = [t[ctx.start : ctx.end].detach().clone().requires_grad_()
+                  for t in (wp, wr, bp, br)]
+        got = kd.vocab_parallel_linear_kl(
+            leaves[0], shards[0], leaves[1], shards[1], vocab_start=ctx.start,
+            policy_bias_shard=shards[2], ref_bias_shard=shards[3], tokens=tokens, mask=mask,
+            entropy=True, temperature=0.8, chunk_rows=chunk_rows, backend=checked(backend),
+            **transform, **vp_kw,
+        )
+        sum((f * wi).sum() for f, wi in zip(got, w)).backward()
+        same = all(gather_equal(f) for f in got)
+        full = [t.detach().clone().requires_grad_() for t in (hp, wp, hr, wr, bp, br)]
+        ref = klpenalty.linear_kl(
+            *full[:4], policy_bias=full[4], ref_bias=full[5], tokens=tokens, mask=mask,
+            entropy=True, temperature=0.8, backend="streaming", **transform, **kw,
+        )
+        sum((f * wi).sum() for f, wi in zip(ref, w)).backward()
+        assert same, f"{name}: the results differ across ranks"
+        for field, a, b in zip(ref._fields, got, ref):
+            try:
+                assert_close(a, b, **tol(torch.float32))
+            except AssertionError as err:
+                raise AssertionError(f"{name} {field}: {err}") from None
+        rows = slice(ctx.start, ctx.end)
+        pairs = (
+            ("policy_hidden", leaves[0].grad, full[0].grad),
+            ("ref_hidden", leaves[1].grad, full[2].grad),
+            ("policy_weight_shard", shards[0].grad, full[1].grad[rows]),
+            ("ref_weight_shard", shards[1].grad, full[3].grad[rows]),
+            ("policy_bias_shard", shards[2].grad, full[4].grad[rows]),
+            ("ref_bias_shard", shards[3].grad, full[5].grad[rows]),
+        )
+        for what, grad, expected in pairs:
+            assert grad is not None, f"{name}: no gradient for {what}"
+            try:
+                assert_close(grad, expected, **grad_tol(torch.float32))
+            except AssertionError as err:
+                raise AssertionError(f"{name} grad {what}: {err}") from None
+        done.append(name)
+    return done
+
+
+def check_linear_kl_options_streaming(ctx: Ctx):
+    return _linear_kl_options_vs_whole_head(ctx, "streaming")
+
+
+def check_linear_kl_options_native(ctx: Ctx):
+    return _linear_kl_options_vs_whole_head(ctx, "native")
+
+
+def check_linear_kl_options_triton(ctx: Ctx):  # interpreted: the two ways a support reaches the op
+    return _linear_kl_options_vs_whole_head(ctx, "triton", ("top_p_min_p", "support_ids"), 8)
+
+
 def check_entropy_and_token_logprobs_every_backend(ctx: Ctx):
     x, _, g = _pair(22, (4,))
     tokens = torch.randint(0, VOCAB, (4,), generator=g)
@@ -770,6 +861,28 @@ def check_err_global_mean_local(ctx: Ctx):
     return _expect_error(lambda: kd.global_masked_mean(torch.ones(2, 3), mask))
 
 
+def _linear_heads(ctx: Ctx):
+    """(hidden (2, 3, 4), this rank's rows (V_r, 4) of a head) for the error checks."""
+    g = _generator(12)
+    h, w = torch.randn(2, 3, 4, generator=g), torch.randn(VOCAB, 4, generator=g)
+    return h, w[ctx.start : ctx.end]
+
+
+def check_err_linear_support_ids(ctx: Ctx):
+    h, w = _linear_heads(ctx)
+    ids = torch.tensor([0, VOCAB] * 6)  # an id past the whole vocabulary (on every rank)
+    offsets = torch.arange(0, 13, 2)
+    return _expect_error(lambda: kd.vocab_parallel_linear_kl(
+        h, w, h, w, vocab_start=ctx.start, support=(ids, offsets)))
+
+
+def check_err_linear_bias_shard(ctx: Ctx):
+    h, w = _linear_heads(ctx)
+    width = w.shape[0] + (ctx.rank == ctx.world - 1)  # the last rank's bias is one too wide
+    return _expect_error(lambda: kd.vocab_parallel_linear_kl(
+        h, w, h, w, vocab_start=ctx.start, policy_bias_shard=torch.zeros(width), softcap=30.0))
+
+
 def _divergences_vs_single(ctx: Ctx, dtype: torch.dtype, backend: str) -> list:
     """vocab_parallel_divergence (logits) and vocab_parallel_linear_divergence (heads) of every
     kind against klpenalty.divergence / linear_divergence on the whole vocabulary."""
@@ -782,6 +895,9 @@ def _divergences_vs_single(ctx: Ctx, dtype: torch.dtype, backend: str) -> list:
     ws = (torch.randn(VOCAB, 8, generator=g, dtype=torch.float64) * 0.7).to(dtype)
     ht = torch.randn(3, 4, 12, generator=g, dtype=torch.float64).to(dtype)
     wt = (torch.randn(VOCAB, 12, generator=g, dtype=torch.float64) * 0.7).to(dtype)
+    bs = (torch.randn(VOCAB, generator=g, dtype=torch.float64) * 0.5).to(dtype)
+    bt = (torch.randn(VOCAB, generator=g, dtype=torch.float64) * 0.5).to(dtype)
+    heads_kw = dict(logit_scale=1.2, softcap=5.0, teacher_logit_scale=0.8)
     done = []
     for kind in klpenalty.DIVERGENCES:
         kw = dict(mask=mask, temperature=0.8, beta=0.3, skew=0.2)
@@ -796,19 +912,24 @@ def _divergences_vs_single(ctx: Ctx, dtype: torch.dtype, backend: str) -> list:
         assert_close(xs.grad, xf.grad[..., ctx.start : ctx.end], **grad_tol(dtype))
         assert torch.all(xs.grad[1, 2] == 0), kind  # the masked row
         # the heads: each rank its rows of both
+        # (with biases, logit scales and a soft-cap)
         hl = hs.clone().requires_grad_()
-        wl = ws[ctx.start : ctx.end].clone().requires_grad_()
+        wl, bl = (t[ctx.start : ctx.end].clone().requires_grad_() for t in (ws, bs))
         got = kd.vocab_parallel_linear_divergence(
             hl, wl, ht, wt[ctx.start : ctx.end], kind, vocab_start=ctx.start, chunk_rows=5,
-            backend=backend, **kw)
+            student_bias_shard=bl, teacher_bias_shard=bt[ctx.start : ctx.end],
+            backend=backend, **heads_kw, **kw)
         (got.double() * w).sum().backward()
-        hf_, wf = hs.clone().requires_grad_(), ws.clone().requires_grad_()
-        ref = klpenalty.linear_divergence(hf_, wf, ht, wt, kind, backend="streaming", **kw)
+        hf_, wf, bf = (t.clone().requires_grad_() for t in (hs, ws, bs))
+        ref = klpenalty.linear_divergence(hf_, wf, ht, wt, kind, student_bias=bf,
+                                          teacher_bias=bt, backend="streaming", **heads_kw,
+                                          **kw)
         (ref.double() * w).sum().backward()
         assert gather_equal(got) and gather_equal(hl.grad), f"{kind}: differs across ranks"
         assert_close(got, ref, **tol(dtype))
         assert_close(hl.grad, hf_.grad, **grad_tol(dtype))
         assert_close(wl.grad, wf.grad[ctx.start : ctx.end], **grad_tol(dtype))
+        assert_close(bl.grad, bf.grad[ctx.start : ctx.end], **grad_tol(dtype))
         done.append(kind)
     return done
 

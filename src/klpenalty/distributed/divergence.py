@@ -78,6 +78,12 @@ def vocab_parallel_linear_divergence(
     skew: float = 0.1,
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
+    student_bias_shard: torch.Tensor | None = None,
+    teacher_bias_shard: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    teacher_logit_scale: float | None = None,
+    teacher_softcap: float | None = None,
     group: Any = None,
     chunk_rows: int | None = None,
     backend: str = "auto",
@@ -96,6 +102,10 @@ def vocab_parallel_linear_divergence(
         vocab_start: where this rank's rows start in the vocabulary (checked: the slices must
             tile [0, V) in rank order).
         kind, beta, skew, mask, temperature: as in :func:`klpenalty.divergence`.
+        student_bias_shard, teacher_bias_shard: optional (V_r,) this rank's entries of the
+            LM-head biases (the teacher's a constant).
+        logit_scale, softcap, teacher_logit_scale, teacher_softcap: as in
+            :func:`klpenalty.linear_divergence`, the same on every rank.
         chunk_rows: rows per chunk, the same on every rank (None: from the whole V).
         {backend}
         check: NaN in a counted position raises on every rank.
@@ -104,11 +114,13 @@ def vocab_parallel_linear_divergence(
         (...) float32 (float64 for float64 inputs), identical on every rank.
     """
     k, param = check_kind(kind, beta, skew)
+    const = [None if t is None else t.detach()
+             for t in (teacher_hidden, teacher_weight_shard, teacher_bias_shard)]
     stats = run_linear_kl(
-        student_hidden, student_weight_shard, teacher_hidden.detach(),
-        teacher_weight_shard.detach(), tokens=None, mask=mask, temperature=temperature,
-        policy_bias=None, ref_bias=None, logit_scale=1.0, softcap=None, ref_logit_scale=None,
-        ref_softcap=None, entropy=False, ignore_index=-100, chunk_rows=chunk_rows,
+        student_hidden, student_weight_shard, const[0], const[1], tokens=None, mask=mask,
+        temperature=temperature, policy_bias=student_bias_shard, ref_bias=const[2],
+        logit_scale=logit_scale, softcap=softcap, ref_logit_scale=teacher_logit_scale,
+        ref_softcap=teacher_softcap, entropy=False, ignore_index=-100, chunk_rows=chunk_rows,
         backend=backend, check=check,
         parallel=_slice_adapter("vocab_parallel_linear_divergence", group, vocab_start,
                                 student_hidden),

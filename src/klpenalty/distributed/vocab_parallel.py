@@ -23,13 +23,20 @@ from torch.autograd.function import once_differentiable
 
 from .. import _validation as v
 from ..functional import TokenStats
-from ..linear.chunks import IGNORE, NO_SAMPLER, ChunkAdapter, chunk_backward
+from ..linear.chunks import (
+    IGNORE,
+    NO_SAMPLER,
+    ChunkAdapter,
+    chunk_backward,
+    chunk_row_ids,
+    chunk_support,
+)
 from ..linear.kl import run_linear_kl
 from ..ops import contract, engine
 from ..ops.dispatch import get_backend as _op_backend  # the op backend (not c10d's)
 from ..ops.contract import Want
 from ..ops.streaming.threshold import RowReduce, threshold_rows
-from ..sampling import check_sampler
+from ..sampling import _check_compact, check_sampler, ids_of_rows
 from ._config import _CHECK_DOC, _TOK_MAX, _TOK_MIN, _VR, _check_vocab_start, _config_check
 from ._group import _all_reduce, _device_of, _group_info
 
@@ -111,23 +118,32 @@ def _local_keep(support, x: torch.Tensor, vocab_start: int | None, caller: str):
     if isinstance(support, (tuple, list)) and len(support) == 2:
         if vocab_start is None:
             raise ValueError(f"{caller}: support=(ids, offsets) needs vocab_start")
-        from ..sampling import _check_compact
-
         ids, offsets = support
-        leading, width = x.shape[:-1], x.shape[-1]
-        n = math.prod(leading)
-        _check_compact(ids, offsets, n, 1 << 62, x.device)
-        counts = offsets[1:] - offsets[:-1]  # (N,)
-        rows = torch.repeat_interleave(torch.arange(n, device=ids.device), counts)  # (K,)
-        local = ids.long() - vocab_start
-        here = (local >= 0) & (local < width)
-        keep = torch.zeros(n, width, dtype=torch.bool, device=x.device)
-        keep[rows[here], local[here]] = True
-        return keep.reshape(x.shape)
+        _check_compact(ids, offsets, math.prod(x.shape[:-1]), 1 << 62, x.device)
+        return _slice_keep(ids, offsets, vocab_start, x.shape)
     raise TypeError(
         f"{caller}: support must be a bool tensor (..., V_r) or a pair (ids, offsets), got "
         f"{type(support).__name__}"
     )
+
+
+def _slice_keep(ids: torch.Tensor, offsets: torch.Tensor, vocab_start: int, shape) -> torch.Tensor:
+    """This slice's (..., V_r) bool kept set (``shape``) of the validated global compact sets
+    ``(ids, offsets)`` of its N rows: True at the kept ids that fall in it."""
+    n, width = math.prod(shape[:-1]), shape[-1]
+    counts = offsets[1:] - offsets[:-1]  # (N,)
+    rows = torch.repeat_interleave(torch.arange(n, device=ids.device), counts)  # (K,)
+    local = ids.long() - vocab_start
+    here = (local >= 0) & (local < width)
+    keep = torch.zeros(n, width, dtype=torch.bool, device=ids.device)
+    keep[rows[here], local[here]] = True
+    return keep.reshape(shape)
+
+
+def _threshold_chunk(vocab: int) -> int:
+    """Rows per chunk of the thresholds across ranks, the same on every rank (~2M logits of
+    the whole vocabulary)."""
+    return max(1, (1 << 21) // max(vocab, 1))
 
 
 def _raise_if_nan(out, want: int, sums: dict[str, torch.Tensor], caller: str) -> None:
@@ -345,9 +361,9 @@ def _token_stats(
             total = torch.tensor([width], dtype=torch.float64, device=device)
             _all_reduce(total, dist.ReduceOp.SUM, group)
             vocab = int(total.item())
-        chunk = max(1, (1 << 21) // max(vocab, 1))  # the same row chunks on every rank
         tau = threshold_rows(x, sampler["top_k"], sampler["top_p"], sampler["min_p"],
-                             temperature, chunk, _RankReduce(group, world, vocab))
+                             temperature, _threshold_chunk(vocab),
+                             _RankReduce(group, world, vocab))
         if bool(torch.isneginf(tau).all()):
             tau = None  # nothing cut anywhere: the untruncated policy
     tok = owned = None
@@ -595,10 +611,25 @@ class _VocabParallelChunks(ChunkAdapter):
     :func:`klpenalty.linear.linear_kl`'s chunked Function: the chunk's (R, V_r) logits go
     through :func:`_merged_stats` (state op, all-reduce merge, finalize), the backward through
     the backend's backward op with the global stats and ``owned``; the hidden states' gradient
-    is all-reduced (SUM)."""
+    is all-reduced (SUM). Supports: a bool kept set is this slice's (..., V_r); compact ids are
+    global (this slice's share of each chunk's sets); sampler settings become the chunk's
+    thresholds across the ranks (:func:`~klpenalty.ops.streaming.threshold.threshold_rows` with
+    :class:`_RankReduce`, the same τ on every rank), handed to the state op."""
 
-    def __init__(self, impl, group, vocab_start: int, width: int):
+    def __init__(self, impl, group, world: int, vocab_start: int, width: int, vocab: int):
         self.impl, self.group, self.vocab_start, self.width = impl, group, vocab_start, width
+        self.reduce = _RankReduce(group, world, vocab)
+        self.threshold_chunk = _threshold_chunk(vocab)
+
+    def support(self, support, zp, rows, r0, r1, temperature):
+        kind, payload = support
+        if kind == "rule":  # collectives: every rank walks the same chunks in the same order
+            tau = threshold_rows(zp, *payload, temperature, self.threshold_chunk, self.reduce)
+            return None, tau, NO_SAMPLER
+        if kind == "ids":
+            ids, offsets = ids_of_rows(*payload, chunk_row_ids(rows, r0, r1, zp.device))
+            return _slice_keep(ids, offsets, self.vocab_start, zp.shape), None, NO_SAMPLER
+        return chunk_support(support, zp, rows, r0, r1)  # none, or this slice's bool mask
 
     def _local(self, tokens):
         """Global ids (R,) (or ``IGNORE``) → (local ids with :data:`_IGNORED`, owned (R,))."""
@@ -611,17 +642,17 @@ class _VocabParallelChunks(ChunkAdapter):
 
     def forward(self, zp, zr, tokens, temperature, want, keep=None, tau=None,
                 sampler=NO_SAMPLER):
-        # keep, tau, sampler: always unused (vocab_parallel_linear_kl takes no support)
+        # sampler: always NO_SAMPLER (self.support turns sampler settings into tau)
         tok, owned = self._local(tokens)
         opts = (temperature, int(want), self.impl, self.group, False, "", ())
-        out, stats, _ = _merged_stats(zp, zr, tok, owned, None, None, None, opts)
+        out, stats, _ = _merged_stats(zp, zr, tok, owned, None, keep, tau, opts)
         return out, stats
 
     def backward(self, grad_out, zp, zr, tokens, stats, temperature, need_p, need_r,
                  keep=None, tau=None):
         tok, owned = self._local(tokens)
         return chunk_backward(grad_out, zp, zr, tok, None, stats, temperature, need_p, need_r,
-                              self.impl, owned=owned, ignore=_IGNORED)
+                              self.impl, owned=owned, ignore=_IGNORED, keep=keep, tau=tau)
 
     def hidden_grad(self, grad):
         _all_reduce(grad, dist.ReduceOp.SUM, self.group)
@@ -649,7 +680,17 @@ def vocab_parallel_linear_kl(
     tokens: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     temperature: float = 1.0,
+    policy_bias_shard: torch.Tensor | None = None,
+    ref_bias_shard: torch.Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    ref_logit_scale: float | None = None,
+    ref_softcap: float | None = None,
     entropy: bool = False,
+    support: Any = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
     group: Any = None,
     ignore_index: int = -100,
     chunk_rows: int | None = None,
@@ -668,8 +709,17 @@ def vocab_parallel_linear_kl(
     with the global statistics. Every rank gets the same results, equal to
     :func:`klpenalty.linear_kl` with the whole heads.
 
-    Gradients: each weight slice gets its own (local) gradient, the rows of the whole head's
-    gradient. The hidden states' gradient is all-reduced (SUM) across ``group`` in the
+    The logit transforms are :func:`klpenalty.linear_kl`'s (z = scale·(h Wᵀ + b), soft-capped
+    as cap·tanh(z/cap), in float32 on the GEMM's output: docs/numerics.md); they act entrywise,
+    so each rank transforms its own (R, V_r) slice. A support (the policy that sampled, as in
+    :func:`klpenalty.linear_kl`): ``support`` this rank's slice (..., V_r) of the kept set as a
+    bool tensor, or the global ``(ids, offsets)`` (ids in the whole vocabulary, the same on
+    every rank); ``top_k``/``top_p``/``min_p``: each chunk's thresholds are computed across the
+    ranks (:func:`vocab_parallel_token_stats`'s rule: an all-gather of each rank's largest
+    logits for top-k/top-p, float64 sums and histograms all-reduced), the same on every rank.
+
+    Gradients: each weight slice and bias slice gets its own (local) gradient, the rows of the
+    whole head's gradient. The hidden states' gradient is all-reduced (SUM) across ``group`` in the
     backward, Megatron's column-parallel convention: every rank gets the whole ∂/∂h, as if it
     had run the whole head (do not all-reduce it again).
 
@@ -683,7 +733,13 @@ def vocab_parallel_linear_kl(
             the same on every rank: adds log π(token) and log ρ(token).
         mask: optional (...) bool, True = counts, the same on every rank (as in linear_kl).
         temperature: > 0.
-        entropy: also return H(π).
+        policy_bias_shard, ref_bias_shard: optional (V_r,) this rank's entries of the LM-head
+            biases, the dtype of the weight shards.
+        logit_scale, softcap, ref_logit_scale, ref_softcap: as in linear_kl, the same on
+            every rank.
+        entropy: also return H(π) (H(π̃) with a support).
+        support, top_k, top_p, min_p: the policy that sampled (above; sampler settings the
+            same on every rank).
         group: the process group the vocabulary is split over; None = the default group.
         ignore_index: negative int (as in linear_kl).
         chunk_rows: ≥ 1 rows per chunk, the same on every rank; None:
@@ -704,11 +760,12 @@ def vocab_parallel_linear_kl(
     """
     return run_linear_kl(
         policy_hidden, policy_weight_shard, ref_hidden, ref_weight_shard, tokens=tokens,
-        mask=mask, temperature=temperature, policy_bias=None, ref_bias=None, logit_scale=1.0,
-        softcap=None, ref_logit_scale=None, ref_softcap=None, entropy=entropy,
+        mask=mask, temperature=temperature, policy_bias=policy_bias_shard,
+        ref_bias=ref_bias_shard, logit_scale=logit_scale, softcap=softcap,
+        ref_logit_scale=ref_logit_scale, ref_softcap=ref_softcap, entropy=entropy,
         ignore_index=ignore_index, chunk_rows=chunk_rows, backend=backend, check=check,
         parallel=_slice_adapter("vocab_parallel_linear_kl", group, vocab_start, policy_hidden),
-        suffix="_shard",
+        suffix="_shard", support=support, top_k=top_k, top_p=top_p, min_p=min_p,
     )
 
 
@@ -750,7 +807,7 @@ def _slice_adapter(caller: str, group: Any, vocab_start: object, hidden: torch.T
                     f"{caller}: every rank must hold the same positions: rank {r} has "
                     f"{int(nr)} rows of hidden states, this rank {n}"
                 )
-        return _VocabParallelChunks(impl, group, start, width), at
+        return _VocabParallelChunks(impl, group, world, start, width, at), at
 
     return parallel
 

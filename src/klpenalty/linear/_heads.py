@@ -21,7 +21,6 @@ from torch import Tensor
 from .. import _validation as v
 from ..ops import contract
 from ..ops.dispatch import get_backend
-from ..sampling import rows_of_support, support_args
 from .chunks import IGNORE
 
 
@@ -178,12 +177,20 @@ def _plan_rows(chunk_rows: Optional[int], n_rows: int, vocab: int, *weights: Ten
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], scale: float, softcap) -> Tensor:
-    """(R, V) logits scale·(h Wᵀ + b), soft-capped as cap·tanh(z/cap), in the input dtype.
+    """(R, V) logits scale·(h Wᵀ + b), soft-capped as cap·tanh(z/cap).
 
-    h (R, H), weight (V, H), bias (V,) or None. The matmul accumulates in float32 (torch's
-    GEMM); the transforms run in place on the chunk.
+    h (R, H), weight (V, H), bias (V,) or None. The matmul runs in the input dtype with
+    float32 accumulation (torch's GEMM). Without a transform the logits stay in the input
+    dtype (what ``F.linear`` returns); with a scale or a cap the GEMM's output is upcast to the
+    compute dtype (float32; float64 for float64 inputs) *before* the transform, which then runs
+    in place in that dtype: a bf16/fp16 head is rounded once (the GEMM's output), as in the
+    plain ``F.linear(h, W, b).float()`` followed by the transform, never again after the scale
+    or the tanh (docs/numerics.md, "the logit transform").
     """
     z = F.linear(h, weight, bias)
+    if scale == 1.0 and softcap is None:
+        return z
+    z = z.to(v.compute_dtype(z))  # no copy for float32/float64
     if scale != 1.0:
         z.mul_(scale)
     if softcap is not None:
@@ -254,17 +261,6 @@ def _head_grads(dz: Tensor, h: Tensor, weight: Tensor, sel, grad_h, grad_w, grad
         _add_matmul(grad_w, dz.t(), h)
     if grad_b is not None:
         grad_b.add_(dz.sum(0, dtype=grad_b.dtype))
-
-
-def _chunk_support(support, zp: Tensor, rows: Optional[Tensor], r0: int, r1: int) -> tuple:
-    """The op's (keep, tau, sampler) of the chunk of counted rows r0:r1 (``rows`` None = all),
-    from its policy logits ``zp`` (R, V) and the parsed ``support`` (kind, payload)."""
-    kind, payload = support
-    if kind in ("none", "rule"):  # nothing per row to select
-        return support_args(kind, payload, zp)
-    flat = torch.arange(r0, r1, device=zp.device) if rows is None else rows[r0:r1]
-    return rows_of_support(kind, payload, zp, flat)
-
 
 
 # ------------------------------------------------------------------------------ validation

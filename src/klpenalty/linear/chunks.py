@@ -19,6 +19,7 @@ from torch import Tensor
 
 from ..ops.contract import OUT_KL, Want
 from ..ops.divergence import Divergence
+from ..sampling import rows_of_support, support_args
 
 __all__ = [
     "IGNORE",
@@ -28,6 +29,7 @@ __all__ = [
     "LocalChunks",
     "chunk_backward",
     "chunk_forward",
+    "chunk_support",
     "host_checks",
     "want_bits",
 ]
@@ -55,13 +57,39 @@ def want_bits(tokens: Optional[Tensor], want_entropy: bool) -> Want:
     return want
 
 
+def chunk_support(support: tuple, zp: Tensor, rows: Optional[Tensor], r0: int,
+                  r1: int) -> tuple:
+    """The op's (keep, tau, sampler) of the chunk of counted rows r0:r1 (``rows`` (M,) the
+    counted rows, None = all), from its policy logits ``zp`` (R, V) and the parsed ``support``
+    (:func:`klpenalty.sampling.parse_support`'s (kind, payload)): sampler settings stay settings
+    (the op computes the thresholds row by row), a kept set is cut to the chunk's rows."""
+    kind, payload = support
+    if kind in ("none", "rule"):  # nothing per row to select
+        return support_args(kind, payload, zp)
+    return rows_of_support(kind, payload, zp, chunk_row_ids(rows, r0, r1, zp.device))
+
+
+def chunk_row_ids(rows: Optional[Tensor], r0: int, r1: int, device) -> Tensor:
+    """(R,) the flat row indices of the chunk of counted rows r0:r1 (``rows`` None = all)."""
+    return torch.arange(r0, r1, device=device) if rows is None else rows[r0:r1]
+
+
 class ChunkAdapter(Protocol):
     """What a chunked Function of :mod:`klpenalty.linear` needs of the vocabulary it sees.
 
     ``tokens`` are the chunk's (R,) ids in [0, V) or :data:`IGNORE` (or None); ``want`` the
     token_stats op's bits (:func:`want_bits`); ``keep``, ``tau``, ``sampler`` the op's support
-    arguments (:func:`klpenalty.sampling.support_args`).
+    arguments (:func:`klpenalty.sampling.support_args`), from :meth:`support`.
     """
+
+    def support(self, support: tuple, zp: Tensor, rows: Optional[Tensor], r0: int, r1: int,
+                temperature: float) -> tuple:
+        """The op's (keep, tau, sampler) of the chunk of counted rows r0:r1 from its policy
+        logits ``zp`` (R, V), as :func:`chunk_support`. Called once per chunk in the forward
+        (in the same chunk order on every process) and, for a kept set (kind "keep" / "ids"),
+        again in the backward; sampler settings (kind "rule") are re-read from the forward's
+        stats (``ST_TAU``) there."""
+        ...
 
     def forward(self, zp: Tensor, zr: Tensor, tokens: Optional[Tensor], temperature: float,
                 want: int, keep: Optional[Tensor] = None, tau: Optional[Tensor] = None,
@@ -185,6 +213,9 @@ class LocalChunks(ChunkAdapter):
     def __init__(self, impl):
         self.impl = impl
 
+    def support(self, support, zp, rows, r0, r1, temperature):
+        return chunk_support(support, zp, rows, r0, r1)
+
     def forward(self, zp, zr, tokens, temperature, want, keep=None, tau=None,
                 sampler=NO_SAMPLER):
         return chunk_forward(zp, zr, tokens, None, temperature, want, self.impl, keep, tau,
@@ -217,6 +248,9 @@ class DivergenceChunks(ChunkAdapter):
     def __init__(self, inner: ChunkAdapter, kind: int, param: float):
         self.inner, self.kind, self.param = inner, int(kind), float(param)
         self.walk = self.kind != Divergence.REVERSE_KL
+
+    def support(self, support, zp, rows, r0, r1, temperature):
+        return self.inner.support(support, zp, rows, r0, r1, temperature)
 
     def forward(self, zp, zr, tokens, temperature, want, keep=None, tau=None,
                 sampler=NO_SAMPLER):

@@ -25,13 +25,19 @@ from ._heads import (
     _check_heads,
     _check_nan,
     _check_on_support,
-    _chunk_support,
     _flat_rows,
     _head_grads,
     _logits,
     _plan_rows,
 )
-from .chunks import ChunkAdapter, DivergenceChunks, LocalChunks, host_checks, want_bits
+from .chunks import (
+    ChunkAdapter,
+    DivergenceChunks,
+    LocalChunks,
+    chunk_row_ids,
+    host_checks,
+    want_bits,
+)
 
 __all__ = ["linear_kl", "run_linear_kl", "PLAN_RTOL"]
 
@@ -106,7 +112,8 @@ class _LinearKL(torch.autograd.Function):
             zp = _logits(hpc, wp, bp, opts.scale_p, opts.cap_p)  # (R, V)
             zr = _logits(hrc, wr, br, opts.scale_r, opts.cap_r)  # (R, V)
             tok = None if tokens is None else tokens[sel]
-            keep, tau, sampler = _chunk_support(opts.support, zp, rows, r0, r1)
+            keep, tau, sampler = opts.adapter.support(opts.support, zp, rows, r0, r1,
+                                                      opts.temperature)
             out, st = opts.adapter.forward(zp, zr, tok, opts.temperature, opts.want, keep, tau,
                                            sampler)
             if stats is None:
@@ -115,7 +122,7 @@ class _LinearKL(torch.autograd.Function):
             for col, o in enumerate(outs):
                 o[sel] = out[:, col]
             if held is not None:
-                flat = torch.arange(r0, r1, device=hp.device) if rows is None else sel
+                flat = chunk_row_ids(rows, r0, r1, hp.device)
                 grad_out = opts.plan(flat, out.detach()).to(out.dtype)  # (R, OUT_COLS)
                 held.planned[sel] = grad_out
                 if opts.support[0] == "rule":
@@ -163,7 +170,8 @@ class _LinearKL(torch.autograd.Function):
                 if opts.support[0] == "rule":  # the thresholds the forward's op computed
                     keep, tau = None, stats[r0:r1, contract.ST_TAU]
                 else:  # a kept set (or none), re-read for these rows
-                    keep, tau, _ = _chunk_support(opts.support, zp, rows, r0, r1)
+                    keep, tau, _ = opts.adapter.support(opts.support, zp, rows, r0, r1,
+                                                        opts.temperature)
                 _chunk_grads(buffers, (wp, wr), g_all[sel], zp, zr, hpc, hrc, sel, tok,
                              stats[r0:r1], opts, keep, tau)
                 del zp, zr, keep
@@ -368,6 +376,20 @@ def linear_kl(
     )
 
 
+# The vocabulary width the arguments of a vocabulary slice's head are parsed against where they
+# refer to the whole vocabulary (compact support ids, sampler settings): larger than any V.
+_WHOLE = 1 << 62
+
+
+def _check_ids_below(ids: Tensor, vocab: int) -> None:
+    """Compact support ids (K,) in [0, vocab) (one host read)."""
+    if ids.numel() and int(ids.max()) >= vocab:
+        raise ValueError(
+            f"support ids must lie in [0, {vocab}) (the whole vocabulary), got a maximum of "
+            f"{int(ids.max())} ({v.describe(ids)})"
+        )
+
+
 def run_linear_kl(
     policy_hidden, policy_weight, ref_hidden, ref_weight, *, tokens, mask, temperature,
     policy_bias, ref_bias, logit_scale, softcap, ref_logit_scale, ref_softcap, entropy,
@@ -381,7 +403,10 @@ def run_linear_kl(
     Otherwise a callable ``parallel(impl, vocab, error) -> (adapter, vocab)`` called on every
     process after the local validation (``error`` its TypeError/ValueError or None; it raises
     when any process of the group failed), returning the :class:`~.chunks.ChunkAdapter` and the
-    whole vocabulary V; ``suffix`` ends the weights' argument names in messages, ``roles``
+    whole vocabulary V (a bool ``support`` is then this process's slice (..., V_r), compact
+    ids and sampler settings refer to the whole V, and the adapter's ``support`` method turns
+    them into each chunk's op arguments); ``suffix`` ends the weights' and biases' argument
+    names in messages, ``roles``
     names the two models in them. ``divergence`` (kind, param): the KL column holds that
     divergence instead (:class:`~.chunks.DivergenceChunks`; the caller detaches the second
     model, a constant).
@@ -398,12 +423,12 @@ def run_linear_kl(
         )
         vocab, impl, leading = checked.vocab, checked.impl, checked.leading
         want = want_bits(tokens, _check_flag("entropy", entropy))
+        # a vocabulary slice: a bool support is this slice's (..., V_r), compact ids and the
+        # sampler settings refer to the whole V (known after the group's check, below)
+        width = vocab if parallel is None or isinstance(support, Tensor) else _WHOLE
         support = parse_support(
-            support, top_k, top_p, min_p, (*leading, vocab), policy_hidden.device
+            support, top_k, top_p, min_p, (*leading, width), policy_hidden.device
         )
-        if parallel is not None and support[0] != "none":
-            raise ValueError("the vocabulary-parallel fused head takes no support or sampler "
-                             "settings")
         if expected_grads is not None and not callable(expected_grads):
             raise TypeError(
                 f"expected_grads must be callable or None, got {type(expected_grads).__name__}"
@@ -416,6 +441,8 @@ def run_linear_kl(
         adapter = LocalChunks(impl)
     else:
         adapter, vocab = parallel(impl, vocab, error)
+        if support[0] == "ids":  # the global ids against the whole V (the same on every rank)
+            _check_ids_below(support[1][0], vocab)
     if divergence is not None:
         adapter = DivergenceChunks(adapter, *divergence)
 

@@ -25,12 +25,11 @@ from ._heads import (
     _check_on_support,
     _check_run,
     _check_transform,
-    _chunk_support,
     _flat_rows,
     _logits,
     _plan_rows,
 )
-from .chunks import chunk_forward, want_bits
+from .chunks import chunk_forward, chunk_support, want_bits
 
 __all__ = ["linear_logprobs"]
 
@@ -111,7 +110,7 @@ def linear_logprobs(
             r1 = min(m, r0 + chunk)
             sel = slice(r0, r1) if rows is None else rows[r0:r1]
             z = _logits(h[sel], weight, bias, scale, cap)  # (R, V)
-            keep, tau, sampler = _chunk_support(support, z, rows, r0, r1)
+            keep, tau, sampler = chunk_support(support, z, rows, r0, r1)
             out, st = chunk_forward(z, None, tok[sel], None, temperature, want, impl, keep, tau,
                                     sampler)
             for col, o in enumerate(outs):

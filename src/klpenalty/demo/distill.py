@@ -27,7 +27,6 @@ Shape letters: B batch, T generated tokens, V vocabulary.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -43,7 +42,7 @@ from klpenalty import divergence, token_logprobs
 from ._opd_terms import OPD_RECIPES, opd_terms
 from .compare import _round, _sd, load_run, save_run
 from .grammar import Recognizer, default_grammar
-from .model import GPTConfig, TinyGPT, sample
+from .model import GPTConfig, TinyGPT, sample, training_batch
 from .pretrain import load_checkpoint
 from .text import score_text
 
@@ -121,15 +120,6 @@ def make_student(teacher: TinyGPT, width: int, seed: int) -> TinyGPT:
     return TinyGPT(cfg)
 
 
-def _batch(tokens: torch.Tensor, mask: torch.Tensor, eos: int):
-    """Inputs (B, T), targets (B, T) and mask (B, T) of sampled texts, cut to the longest;
-    padding targets become ``<eos>`` (finite log-probs, masked out of every sum)."""
-    length = int(mask.sum(1).max())
-    tokens, mask = tokens[:, : length + 1], mask[:, :length]
-    tgt = torch.where(mask, tokens[:, 1:], torch.full_like(tokens[:, 1:], eos))
-    return tokens[:, :-1], tgt, mask
-
-
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` over the generated tokens (a 0-dim tensor, differentiable)."""
     return torch.where(mask, x, torch.zeros_like(x)).sum() / mask.sum()
@@ -197,11 +187,11 @@ def run_distill(
         cost = 0.0  # this step's training CPU time
         if train and recipe is None:  # sft: the training batch comes from the teacher
             c = clock()
-            t_inp, t_tgt, t_mask = _batch(*sample(teacher, n, cfg.max_new, vocab, teacher_gen),
+            t_inp, t_tgt, t_mask = training_batch(*sample(teacher, n, cfg.max_new, vocab, teacher_gen),
                                           vocab.eos)
             cost += clock() - c
         c = clock()
-        inp, tgt, mask = _batch(*sample(student, n, cfg.max_new, vocab, gen), vocab.eos)
+        inp, tgt, mask = training_batch(*sample(student, n, cfg.max_new, vocab, gen), vocab.eos)
         with torch.no_grad():
             t_logits = teacher(inp)  # (B, T, V)
         with torch.set_grad_enabled(on_policy):
@@ -252,7 +242,7 @@ def teacher_point(ref_path: str | Path | None, n: int, max_new: int, seed: int) 
     log-prob per token (minus its entropy rate), the fraction grammatical, the length."""
     teacher, vocab, _ = load_checkpoint(ref_path)
     gen = torch.Generator().manual_seed(seed + 7919)  # not the students' sampler stream
-    inp, tgt, mask = _batch(*sample(teacher, n, max_new, vocab, gen), vocab.eos)
+    inp, tgt, mask = training_batch(*sample(teacher, n, max_new, vocab, gen), vocab.eos)
     logits = teacher(inp)
     texts = [vocab.decode(row[m]) for row, m in zip(tgt, mask)]
     point = _measure(texts, tgt, mask, logits, logits, Recognizer(default_grammar()))
@@ -275,7 +265,8 @@ def _trailing_mean(xs: Sequence[float], k: int) -> list[float]:
 def summarize_distill(run: dict) -> dict:
     """One run's row: the final evaluation, how fast it got there, the spread and the cost.
 
-    ``steps_to_grammatical`` / ``cpu_to_grammatical``: the first step (and the training CPU
+    ``late_*``: the means of the batches of the last quarter of the training steps (steadier
+    than the final batch); ``steps_to_grammatical`` / ``cpu_to_grammatical``: the first step (and the training CPU
     seconds spent by then) where the mean fraction grammatical of the last :data:`SMOOTH`
     batches reaches :data:`GRAMMATICAL_TARGET` (None if never); ``grad_norm``: median of the
     norm before clipping over all training steps, ``grad_norm_sd`` its standard deviation over
@@ -291,12 +282,20 @@ def summarize_distill(run: dict) -> dict:
         "seed": cfg["seed"],
         **{k: last[k] for k in ("reverse_kl", "reverse_kl_seq", "forward_kl", "teacher_logprob",
                                 "grammatical", "length")},
+        **{f"late_{k}": statistics.fmean(series[k][n - max(1, n // 4): n]) if n else last[k]
+           for k in ("reverse_kl", "teacher_logprob", "grammatical")},
         "steps_to_grammatical": hit,
         "cpu_to_grammatical": None if hit is None else series["cpu_seconds"][hit],
         "grad_norm": statistics.median(norms) if norms else 0.0,
         "grad_norm_sd": _sd(norms[n // 2:]),
         "cpu_seconds": last["cpu_seconds"],
     }
+
+
+def cpu_budget(rows: Sequence[dict]) -> float:
+    """The equal training CPU budget the table compares the runs at: half the median of the
+    runs' totals (a run that collapses to one-token texts is cheap, so not the minimum)."""
+    return 0.5 * statistics.median(r["cpu_seconds"] for r in rows)
 
 
 def _at_cpu(run: dict, budget: float, key: str) -> float:
@@ -321,7 +320,7 @@ def distill_table(runs: Sequence[dict], teacher: dict) -> str:
     """Markdown: the final evaluation per recipe, then speed (per step and per CPU second) and
     spread; ``runs`` as distill.json holds them."""
     rows = [r["summary"] for r in runs]
-    budget = min(r["cpu_seconds"] for r in rows)
+    budget = cpu_budget(rows)
     lines = [
         "Final evaluation (fresh student texts after the last update; per generated token unless "
         "said): the teacher's own texts score log ν "
@@ -342,14 +341,16 @@ def distill_table(runs: Sequence[dict], teacher: dict) -> str:
         f"Speed and spread: the first step at which the last {SMOOTH} batches average ≥ "
         f"{GRAMMATICAL_TARGET:.0%} grammatical, and the training CPU seconds spent by then; the "
         f"reverse KL per token and the teacher's log-prob (means of the last {SMOOTH} batches) "
-        f"at an equal training CPU budget of {budget:.1f} s (the cheapest run's total); the "
+        f"at an equal training CPU budget of {budget:.1f} s (half the runs' median total; a run "
+        "that spent less: its last step); the "
         "gradient norm before clipping (median over all steps, standard deviation over the "
-        "second half); training CPU seconds in all.",
+        "second half); training CPU seconds in all; the means of the batches of the last "
+        "quarter of the steps.",
         "",
         f"| recipe | steps to {GRAMMATICAL_TARGET:.0%} | CPU s to {GRAMMATICAL_TARGET:.0%} "
         f"| KL(π‖ν) at {budget:.0f} CPU s | log ν at {budget:.0f} CPU s | grad norm (median) "
-        "| grad norm sd | CPU s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| grad norm sd | CPU s | last quarter: KL(π‖ν) / log ν / grammatical |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for run, r in zip(runs, rows):
         reach = "never" if r["steps_to_grammatical"] is None else str(r["steps_to_grammatical"])
@@ -357,7 +358,8 @@ def distill_table(runs: Sequence[dict], teacher: dict) -> str:
         lines.append(
             f"| {r['recipe']} | {reach} | {cpu} | {_at_cpu(run, budget, 'reverse_kl'):.3f} | "
             f"{_at_cpu(run, budget, 'teacher_logprob'):.3f} | {r['grad_norm']:.3g} | "
-            f"{r['grad_norm_sd']:.3g} | {r['cpu_seconds']:.1f} |")
+            f"{r['grad_norm_sd']:.3g} | {r['cpu_seconds']:.1f} | {r['late_reverse_kl']:.4f} / "
+            f"{r['late_teacher_logprob']:.3f} / {r['late_grammatical']:.0%} |")
     return "\n".join(lines)
 
 

@@ -155,6 +155,10 @@ def test_cli_distill_writes_and_resumes(tmp_path, capsys):
     assert load_distill_run(distill_run_file(out / "distill-runs", changed), changed) is None
 
 
-def test_distill_rejects_rlhf_options():
+def test_distill_options_are_checked():
     with pytest.raises(SystemExit, match="--distill has no KL coefficient"):
         main(["demo", "--distill", "--beta", "0.1"])
+    with pytest.raises(SystemExit, match="--width is the --distill student's"):
+        main(["demo", "--width", "16"])
+    with pytest.raises(SystemExit, match="--distill and --compare are separate demos"):
+        main(["demo", "--distill", "--compare"])

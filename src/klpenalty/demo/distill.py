@@ -348,7 +348,7 @@ def distill_table(runs: Sequence[dict], teacher: dict) -> str:
         "quarter of the steps.",
         "",
         f"| recipe | steps to {GRAMMATICAL_TARGET:.0%} | CPU s to {GRAMMATICAL_TARGET:.0%} "
-        f"| KL(π‖ν) at {budget:.0f} CPU s | log ν at {budget:.0f} CPU s | grad norm (median) "
+        f"| KL(π‖ν) at {budget:.1f} CPU s | log ν at {budget:.1f} CPU s | grad norm (median) "
         "| grad norm sd | CPU s | last quarter: KL(π‖ν) / log ν / grammatical |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

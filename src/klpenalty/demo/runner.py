@@ -82,8 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("klpenalty-demo"),
                    help="report folder (default ./klpenalty-demo)")
     p.add_argument("--jobs", type=int, default=None,
-                   help="parallel processes (default: one per run, with --compare one per "
-                        "CPU; 1 = in this process)")
+                   help="parallel processes (default: one per run, with --compare and "
+                        "--distill one per CPU; 1 = in this process)")
     p.add_argument("--sweep", action="store_true",
                    help=f"also run β in {list(SWEEP_BETAS)} and draw gold vs √KL for all runs")
     p.add_argument("--ref", type=Path, default=None,
@@ -255,16 +255,24 @@ def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the demo from parsed ``klpenalty demo`` options; returns the exit code."""
     import torch
 
+    from .distill import DistillConfig
     from .pretrain import load_checkpoint
     from .report import final_table, write_report
     from .rlhf import RunConfig
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     torch.set_num_threads(1)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
     if args.max_new > 32 or args.max_new < 1:
         raise SystemExit("--max-new must be in [1, 32] (the model's context)")
+    if args.distill:
+        if args.compare:
+            raise SystemExit("--distill and --compare are separate demos: pick one")
+        if args.adaptive is not None or args.beta is not None or args.sweep:
+            raise SystemExit("--distill has no KL coefficient: drop --beta / --adaptive / --sweep")
+    elif args.width != DistillConfig().width:
+        raise SystemExit("--width is the --distill student's: add --distill")
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
     ref_path = args.ref
     if args.pretrain or args.pretrain_only:
         ref_path = _pretrain(out, args.pretrain_steps, args.seed)
@@ -272,8 +280,6 @@ def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
             return 0
     _, _, ref_info = load_checkpoint(ref_path)
     if args.distill:
-        if args.compare:
-            raise SystemExit("--distill and --compare are separate demos: pick one")
         return _run_distill(args, argv, ref_path, ref_info, t0, cpu0)
 
     d = RunConfig()
@@ -377,8 +383,6 @@ def _run_distill(args, argv, ref_path, ref_info: dict, t0: float, cpu0: float) -
         write_distill,
     )
 
-    if args.adaptive is not None or args.beta is not None:
-        raise SystemExit("--distill has no KL coefficient: drop --beta / --adaptive")
     d = DistillConfig()
     base = DistillConfig(
         steps=_or(args.steps, d.steps), batch=_or(args.batch, d.batch), max_new=args.max_new,

@@ -73,7 +73,7 @@ test-triton-3.6: $(TRITON_DEVICE_STAMP)
 	PYTHONPATH=$(TRITON_DEVICE) KLPENALTY_EXPECT_TRITON=$(subst triton==,,$(TRITON_DEVICE_SPEC)) \
 		$(PY) -m pytest -q -p no:cacheprovider $(TRITON_TESTS)
 
-# `make demo DEMO_ARGS="--sweep"` passes options through to `klpenalty demo`
+# `make demo DEMO_ARGS="--sweep"` (or --compare, --distill) passes options through to `klpenalty demo`
 demo: $(STAMP)
 	$(VENV)/bin/klpenalty demo $(DEMO_ARGS)
 

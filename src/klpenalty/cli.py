@@ -13,8 +13,8 @@ __all__ = ["main"]
 # --help shows plain text: the module docstring above is reStructuredText for the docs
 DESCRIPTION = (
     "klpenalty: the exact KL penalty for RLHF. Commands: env (versions and backends), "
-    "bench (time the exact KL), demo (RLHF on a tiny language model), report (the exact KL "
-    "of saved logits next to the sampled estimators)."
+    "bench (time the exact KL), demo (RLHF and distillation on a tiny language model), "
+    "report (the exact KL of saved logits next to the sampled estimators)."
 )
 
 
@@ -162,9 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="RLHF on a tiny language model with and without the KL penalty (about a minute)",
+        help="RLHF on a tiny language model with and without the KL penalty (about a minute); "
+        "--distill: on-policy distillation of it",
         description="PPO on a tiny GPT whose reward counts 'helpful', for several KL "
-        "coefficients in parallel; writes demo.png, report.md and metrics.json.",
+        "coefficients in parallel; writes demo.png, report.md and metrics.json. --compare: "
+        "every KL recipe under PPO and GRPO over a β grid. --distill: on-policy distillation "
+        "of the tiny GPT into a smaller student, one run per recipe (sampled k1, vOPD, exact "
+        "reverse, forward and JS divergences, SFT); writes distill.png, distill.md and "
+        "distill.json.",
     )
     _demo_arguments(demo)
     demo.set_defaults(func=_demo)

@@ -5,6 +5,9 @@
 - :mod:`.model`: a 2-layer, 4-head, width-64 GPT (~107k parameters) and its sampler;
 - :mod:`.pretrain`: the deterministic pretraining of the reference (``ref.pt`` ships here);
 - :mod:`.rlhf`: PPO-clip with per-token KL shaping, built on klpenalty's public API only;
+- :mod:`.compare`: ``--compare``, every KL recipe under PPO and GRPO over a β grid;
+- :mod:`.distill`: ``--distill``, on-policy distillation of the reference into a smaller
+  student, one run per recipe;
 - :mod:`.report` and :mod:`.runner`: the parallel runs, the figures and the report.
 """
 

@@ -283,17 +283,17 @@ def run_file(folder: Path, cfg: RunConfig) -> Path:
     return Path(folder) / f"{cfg.update}-{kl}-b{cfg.beta:g}-s{cfg.seed}.json"
 
 
-def save_run(path: Path, run: dict) -> Path:
-    """Write one run as compare.json holds it."""
+def save_run(path: Path, run: dict, slim=_slim) -> Path:
+    """Write one run as compare.json holds it (``slim``: what of it is kept)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_slim(run), ensure_ascii=False))
+    path.write_text(json.dumps(slim(run), ensure_ascii=False))
     return path
 
 
-def load_run(path: Path, cfg: RunConfig) -> dict | None:
-    """The run saved at ``path`` if its config is ``cfg``'s (an interrupted ``--compare``
-    resumes from these), else None."""
+def load_run(path: Path, cfg) -> dict | None:
+    """The run saved at ``path`` if its config is ``cfg``'s (a dataclass; an interrupted
+    ``--compare`` or ``--distill`` resumes from these), else None."""
     from dataclasses import asdict
 
     path = Path(path)

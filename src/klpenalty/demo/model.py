@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["GPTConfig", "TinyGPT", "Vocab", "sample"]
+__all__ = ["GPTConfig", "TinyGPT", "Vocab", "sample", "training_batch"]
 
 PAD = "<pad>"
 BOS = "<bos>"
@@ -190,3 +190,23 @@ def sample(
         cur = nxt.unsqueeze(1)
     mask = tokens[:, 1:] != vocab.pad
     return tokens, mask
+
+
+def training_batch(
+    tokens: torch.Tensor, mask: torch.Tensor, eos: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs, targets and mask of :func:`sample`'s texts, cut to the longest one.
+
+    Args:
+        tokens, mask: as :func:`sample` returns them, (B, 1 + max_new) and (B, max_new).
+        eos: the ``<eos>`` id, the target put at padded positions so that every log-prob is
+            finite (``<pad>`` has probability 0); those positions are masked out of every sum.
+
+    Returns:
+        ``(inp, tgt, mask)``, each (B, T) with T the longest text's length: the model reads
+        ``inp`` and position t predicts ``tgt[:, t]``.
+    """
+    length = int(mask.sum(1).max())
+    tokens, mask = tokens[:, : length + 1], mask[:, :length]
+    tgt = torch.where(mask, tokens[:, 1:], torch.full_like(tokens[:, 1:], eos))
+    return tokens[:, :-1], tgt, mask

@@ -59,7 +59,7 @@ from klpenalty.rlhf import (
 )
 
 from .grammar import EOS, Recognizer, default_grammar
-from .model import sample
+from .model import sample, training_batch
 from .pretrain import load_checkpoint
 from .text import distinct_n, score_text
 
@@ -301,13 +301,8 @@ def run_rlhf(
     for step in range(cfg.steps + 1):
         t_step = time.perf_counter()
         n = cfg.batch if step < cfg.steps else max(cfg.batch, cfg.final_batch)
-        tokens, mask = sample(policy, n, cfg.max_new, vocab, gen)
-        length = int(mask.sum(1).max())
-        tokens, mask = tokens[:, : length + 1], mask[:, :length]  # (B, 1+T), (B, T)
-        inp = tokens[:, :-1]  # (B, T)
-        # padding targets are replaced by <eos> so every log-prob is finite (<pad> has
-        # probability 0); those positions are masked out of every sum below
-        tgt = torch.where(mask, tokens[:, 1:], torch.full_like(tokens[:, 1:], vocab.eos))
+        # (B, T) each; padding targets are <eos>, masked out of every sum below
+        inp, tgt, mask = training_batch(*sample(policy, n, cfg.max_new, vocab, gen), vocab.eos)
         with torch.no_grad():
             pol_logits = policy(inp)  # (B, T, V)
             ref_logits = ref(inp)  # (B, T, V)
@@ -318,7 +313,7 @@ def run_rlhf(
             split = full_kl_reward_and_loss(pol_logits, ref_logits, mask=mask)
             seq_kl = split.loss_kl.sum(-1)  # (B,) exact sequence KL along the sampled path, nats
 
-        texts = [vocab.decode(row[1:]) for row in tokens]
+        texts = [vocab.decode(row[m]) for row, m in zip(tgt, mask)]
         scores = [score_text(t, recognizer) for t in texts]
         proxy = torch.tensor([s.proxy for s in scores], dtype=torch.float32)  # (B,)
         n_tok = mask.sum()

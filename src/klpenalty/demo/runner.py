@@ -1,7 +1,8 @@
 """``klpenalty demo``: pretrain (optionally), run RLHF for several β in parallel, report.
 
 ``--compare`` runs the grid of :mod:`.compare` (every KL recipe under a PPO and a GRPO update,
-over a β grid) instead, with the same workers and progress lines."""
+over a β grid) instead, and ``--distill`` the distillation runs of :mod:`.distill` (one per
+recipe), with the same workers, progress lines and resumption."""
 
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ SWEEP_BETAS = (0.0, 0.03, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``klpenalty demo`` options."""
+    from .compare import COMPARE_BETAS
+    from .distill import DISTILL_RECIPES, DistillConfig
     from .rlhf import KL_MODES, UPDATES, RunConfig
 
-    d = RunConfig()
-    from .compare import COMPARE_BETAS
+    d, dd = RunConfig(), DistillConfig()
 
     p.add_argument("--beta", type=float, nargs="+", default=None,
                    help="KL coefficients, one run (process) each (default: 0 0.1 0.3; with "
@@ -47,29 +49,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run every KL recipe under PPO and GRPO over a β grid and write "
                         "compare.png, compare.md and compare.json (44 runs, docs/demo.md); "
                         "an interrupted grid resumes from OUT/compare-runs/")
+    p.add_argument("--distill", action="store_true",
+                   help="on-policy distillation instead of RLHF: the reference (teacher) into a "
+                        "smaller student trained from scratch, one run per recipe ("
+                        f"{', '.join(DISTILL_RECIPES)}); writes distill.png, distill.md and "
+                        "distill.json (docs/demo.md); an interrupted set resumes from "
+                        "OUT/distill-runs/")
+    p.add_argument("--width", type=int, default=dd.width,
+                   help=f"--distill: the student's hidden size (default {dd.width}; the "
+                        "teacher's is 64)")
     p.add_argument("--adaptive", type=float, metavar="TARGET", default=None,
                    help="use AdaptiveKLController aiming at TARGET nats for every β > 0 "
                         "(β is then its initial value; β = 0 stays an unpenalised baseline)")
     p.add_argument("--horizon", type=float, default=d.horizon,
                    help=f"adaptive controller horizon in samples (default {d.horizon:g})")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"PPO steps (default {d.steps})")
-    p.add_argument("--batch", type=int, default=d.batch,
-                   help=f"samples per step (default {d.batch})")
+    p.add_argument("--steps", type=int, default=None,
+                   help=f"PPO steps (default {d.steps}; with --distill, updates: {dd.steps})")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"samples per step (default {d.batch}; with --distill {dd.batch})")
     p.add_argument("--max-new", type=int, default=d.max_new,
                    help=f"generation length limit (default {d.max_new}, at most 32)")
-    p.add_argument("--lr", type=float, default=d.lr, help=f"Adam learning rate (default {d.lr:g})")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"Adam learning rate (default {d.lr:g}; with --distill {dd.lr:g})")
     p.add_argument("--epochs", type=int, default=d.epochs,
                    help=f"PPO epochs per batch (default {d.epochs})")
-    p.add_argument("--final-batch", type=int, default=d.final_batch,
-                   help=f"samples for the final evaluation (default {d.final_batch})")
+    p.add_argument("--final-batch", type=int, default=None,
+                   help=f"samples for the final evaluation (default {d.final_batch}; with "
+                        f"--distill {dd.final_batch})")
     p.add_argument("--reward-scale", type=float, default=d.reward_scale,
                    help="score = scale × count('helpful') (default 1)")
     p.add_argument("--seed", type=int, default=d.seed, help="random seed (default 0)")
     p.add_argument("--out", type=Path, default=Path("klpenalty-demo"),
                    help="report folder (default ./klpenalty-demo)")
     p.add_argument("--jobs", type=int, default=None,
-                   help="parallel processes (default: one per run, with --compare one per "
-                        "CPU; 1 = in this process)")
+                   help="parallel processes (default: one per run, with --compare and "
+                        "--distill one per CPU; 1 = in this process)")
     p.add_argument("--sweep", action="store_true",
                    help=f"also run β in {list(SWEEP_BETAS)} and draw gold vs √KL for all runs")
     p.add_argument("--ref", type=Path, default=None,
@@ -84,11 +98,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true", help="skip the figures")
 
 
+# what a run's progress line shows: (metric, name, format)
+RLHF_FIELDS = (("proxy", "proxy", "{:5.2f}"), ("gold", "gold", "{:5.2f}"),
+               ("grammatical", "gram", "{:4.0%}"), ("kl", "KL", "{:6.1f}"))
+
+
 class _Progress:
     """One status line per run; redrawn in place on a terminal, else printed every 10 steps."""
 
     def __init__(self, labels: list[str], steps: int, stream=None, every: int = 10,
-                 redraw: bool = True) -> None:
+                 redraw: bool = True, fields=RLHF_FIELDS) -> None:
+        self.fields = fields
         self.labels = labels
         self.steps = steps
         self.every = every
@@ -106,11 +126,8 @@ class _Progress:
         n = 20
         k = round(n * step / max(1, self.steps))
         bar = "#" * k + "-" * (n - k)
-        return (
-            f"{label:>{self.width}} [{bar}] {step:>3}/{self.steps}  "
-            f"proxy {m['proxy']:5.2f}  gold {m['gold']:5.2f}  gram {m['grammatical']:4.0%}  "
-            f"KL {m['kl']:6.1f}"
-        )
+        shown = "  ".join(f"{name} {fmt.format(m[key])}" for key, name, fmt in self.fields)
+        return f"{label:>{self.width}} [{bar}] {step:>3}/{self.steps}  {shown}"
 
     def update(self, i: int, step: int, m: dict) -> None:
         self.lines[i] = self._fmt(self.labels[i], step, m)
@@ -134,16 +151,27 @@ class _Progress:
         self.drawn = True
 
 
-def _worker(index: int, cfg: dict, ref_path, queue) -> None:
+def _task(name: str):
+    """``(config class, run function, progress fields)`` of a kind of run: "rlhf" or
+    "distill"."""
+    if name == "distill":
+        from .distill import PROGRESS_FIELDS, DistillConfig, run_distill
+
+        return DistillConfig, run_distill, PROGRESS_FIELDS
+    from .rlhf import RunConfig, run_rlhf
+
+    return RunConfig, run_rlhf, RLHF_FIELDS
+
+
+def _worker(index: int, cfg: dict, ref_path, queue, task: str = "rlhf") -> None:
     import torch
 
     torch.set_num_threads(1)
-    from .rlhf import RunConfig, run_rlhf
-
+    config, run, fields = _task(task)
     try:
-        slim = ("proxy", "gold", "grammatical", "kl")
-        result = run_rlhf(
-            RunConfig(**cfg), ref_path,
+        slim = [key for key, _, _ in fields]
+        result = run(
+            config(**cfg), ref_path,
             progress=lambda s, m: queue.put(("step", index, s, {k: m[k] for k in slim})),
         )
         queue.put(("done", index, result))
@@ -152,16 +180,16 @@ def _worker(index: int, cfg: dict, ref_path, queue) -> None:
 
 
 def _run_all(configs: list, ref_path, jobs: int, progress: _Progress,
-             on_done=None) -> list[dict]:
-    """Every run, ``jobs`` at a time in spawned processes (in this one if ``jobs <= 1``);
-    ``on_done(index, result)`` is called as each one finishes."""
-    from .rlhf import run_rlhf
-
+             on_done=None, task: str = "rlhf") -> list[dict]:
+    """Every run of ``task`` ("rlhf" or "distill"), ``jobs`` at a time in spawned processes
+    (in this one if ``jobs <= 1``); ``on_done(index, result)`` is called as each one
+    finishes."""
+    _, run, _ = _task(task)
     if jobs <= 1:
         results = []
         for i, cfg in enumerate(configs):
             slim = lambda s, m, i=i: progress.update(i, s, m)  # noqa: E731
-            results.append(run_rlhf(cfg, ref_path, progress=slim))
+            results.append(run(cfg, ref_path, progress=slim))
             if on_done is not None:
                 on_done(i, results[-1])
         return results
@@ -176,7 +204,8 @@ def _run_all(configs: list, ref_path, jobs: int, progress: _Progress,
         while pending or running:
             while pending and len(running) < jobs:
                 i, cfg = pending.pop(0)
-                proc = ctx.Process(target=_worker, args=(i, asdict(cfg), ref_path, queue))
+                proc = ctx.Process(target=_worker,
+                                   args=(i, asdict(cfg), ref_path, queue, task))
                 proc.start()
                 running[i] = proc
             msg = queue.get()
@@ -226,27 +255,40 @@ def run_demo(args: argparse.Namespace, argv: list[str] | None = None) -> int:
     """Run the demo from parsed ``klpenalty demo`` options; returns the exit code."""
     import torch
 
+    from .distill import DistillConfig
     from .pretrain import load_checkpoint
     from .report import final_table, write_report
     from .rlhf import RunConfig
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     torch.set_num_threads(1)
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
     if args.max_new > 32 or args.max_new < 1:
         raise SystemExit("--max-new must be in [1, 32] (the model's context)")
+    if args.distill:
+        if args.compare:
+            raise SystemExit("--distill and --compare are separate demos: pick one")
+        if args.adaptive is not None or args.beta is not None or args.sweep:
+            raise SystemExit("--distill has no KL coefficient: drop --beta / --adaptive / --sweep")
+    elif args.width != DistillConfig().width:
+        raise SystemExit("--width is the --distill student's: add --distill")
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
     ref_path = args.ref
     if args.pretrain or args.pretrain_only:
         ref_path = _pretrain(out, args.pretrain_steps, args.seed)
         if args.pretrain_only:
             return 0
     _, _, ref_info = load_checkpoint(ref_path)
+    if args.distill:
+        return _run_distill(args, argv, ref_path, ref_info, t0, cpu0)
 
+    d = RunConfig()
     base = RunConfig(
-        horizon=args.horizon, steps=args.steps, batch=args.batch, max_new=args.max_new,
-        lr=args.lr, epochs=args.epochs, reward_scale=args.reward_scale, seed=args.seed,
-        final_batch=args.final_batch, kl=args.kl, update=args.update, group=args.group,
+        horizon=args.horizon, steps=_or(args.steps, d.steps), batch=_or(args.batch, d.batch),
+        max_new=args.max_new, lr=_or(args.lr, d.lr), epochs=args.epochs,
+        reward_scale=args.reward_scale, seed=args.seed,
+        final_batch=_or(args.final_batch, d.final_batch), kl=args.kl, update=args.update,
+        group=args.group,
     )
     if args.compare:
         return _run_compare(args, argv, base, ref_path, ref_info, t0, cpu0)
@@ -320,7 +362,55 @@ def _run_compare(args, argv, base, ref_path, ref_info: dict, t0: float, cpu0: fl
     if args.adaptive is not None:
         raise SystemExit("--compare runs fixed β only: drop --adaptive")
     configs = compare_configs(base, betas)
-    runs_dir = args.out / "compare-runs"  # each finished run, written at once
+    runs, meta = _run_resumable(
+        "compare", configs, args.out / "compare-runs", run_file, load_run, save_run, args, argv,
+        base, ref_path, ref_info, t0, cpu0)
+    meta["config"] = {k: v for k, v in meta["config"].items() if k not in ("kl", "update")}
+    written = write_compare(out=args.out, runs=runs, meta=meta, plots=not args.no_plots)
+    return _finish(written, args.out, meta)
+
+
+def _run_distill(args, argv, ref_path, ref_info: dict, t0: float, cpu0: float) -> int:
+    """``--distill``: one distillation run per recipe (:func:`.distill.distill_configs`)."""
+    from .distill import (
+        DistillConfig,
+        PROGRESS_FIELDS,
+        distill_configs,
+        distill_run_file,
+        load_distill_run,
+        save_distill_run,
+        teacher_point,
+        write_distill,
+    )
+
+    d = DistillConfig()
+    base = DistillConfig(
+        steps=_or(args.steps, d.steps), batch=_or(args.batch, d.batch), max_new=args.max_new,
+        lr=_or(args.lr, d.lr), width=args.width, final_batch=_or(args.final_batch, d.final_batch),
+        seed=args.seed,
+    )
+    configs = distill_configs(base)
+    runs, meta = _run_resumable(
+        "distill", configs, args.out / "distill-runs", distill_run_file, load_distill_run,
+        save_distill_run, args, argv, base, ref_path, ref_info, t0, cpu0, task="distill",
+        fields=PROGRESS_FIELDS)
+    meta["config"] = {k: v for k, v in meta["config"].items() if k != "recipe"}
+    meta["teacher"] = teacher_point(ref_path, base.final_batch, base.max_new, base.seed)
+    written = write_distill(out=args.out, runs=runs, meta=meta, plots=not args.no_plots)
+    return _finish(written, args.out, meta)
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+def _run_resumable(name: str, configs: list, runs_dir: Path, run_file, load_run, save_run,
+                   args, argv, base, ref_path, ref_info: dict, t0: float, cpu0: float,
+                   task: str = "rlhf", fields=RLHF_FIELDS) -> tuple[list[dict], dict]:
+    """Every run of ``configs`` not already finished in ``runs_dir`` (each one is written
+    there as it finishes, so an interrupted grid resumes), one line per finished run; returns
+    the runs in order and the report's description: settings, wall and CPU seconds, load
+    average, runs read back."""
     done = {i: r for i, c in enumerate(configs)
             if (r := load_run(run_file(runs_dir, c), c)) is not None}
     todo = [i for i in range(len(configs)) if i not in done]
@@ -328,34 +418,35 @@ def _run_compare(args, argv, base, ref_path, ref_info: dict, t0: float, cpu0: fl
     jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(
-        f"compare: {len(configs)} run(s) × {base.steps} steps × {base.batch} samples, "
+        f"{name}: {len(configs)} run(s) × {base.steps} steps × {base.batch} samples, "
         f"{min(jobs, max(1, len(todo)))} process(es), 1 torch thread each, seed {base.seed}"
         + (f"; {len(done)} run(s) already in {runs_dir}" if done else "")
         + (f"; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}" if load else "")
     )
     pending = [configs[i] for i in todo]
     progress = _Progress([c.label for c in pending], base.steps, every=max(1, base.steps),
-                         redraw=False)
+                         redraw=False, fields=fields) if pending else None
     fresh = _run_all(pending, str(ref_path) if ref_path else None, jobs, progress,
-                     on_done=lambda i, r: save_run(run_file(runs_dir, pending[i]), r))
+                     on_done=lambda i, r: save_run(run_file(runs_dir, pending[i]), r), task=task)
     resumed = len(done)
     done.update(zip(todo, fresh))
     runs = [done[i] for i in range(len(configs))]
-    wall = time.perf_counter() - t0
-    meta = _meta(argv, wall, base, ref_path, ref_info)
-    meta["config"] = {k: v for k, v in meta["config"].items() if k not in ("kl", "update")}
+    meta = _meta(argv, time.perf_counter() - t0, base, ref_path, ref_info)
     end = os.getloadavg() if hasattr(os, "getloadavg") else None
     meta["load_average"] = " → ".join(
         " ".join(f"{x:.2f}" for x in la) for la in (load, end) if la is not None)
     # CPU time of this process and of the workers it waited for, so the wall time on an idle
     # machine can be estimated on a busy one (CPU seconds / cores)
     meta["cpu_seconds"] = time.process_time() - cpu0 + _children_cpu() - children0
-    meta["runs_resumed"] = resumed  # read back from compare-runs/, not timed here
-    written = write_compare(out=args.out, runs=runs, meta=meta, plots=not args.no_plots)
+    meta["runs_resumed"] = resumed  # read back from runs_dir, not timed here
+    return runs, meta
+
+
+def _finish(written: dict, out: Path, meta: dict) -> int:
     print()
     print(written["report"].read_text())
     print(f"\nreport: {written['report']}  ({', '.join(p.name for p in written.values())}) "
-          f"in {args.out}; {wall:.0f} s")
+          f"in {out}; {meta['wall_seconds']:.0f} s")
     return 0
 
 

@@ -37,9 +37,7 @@ import torch
 
 from klpenalty import divergence, token_logprobs
 
-# the recipes' per-token terms: replace this line by
-# ``from klpenalty.rlhf.distill import OPD_RECIPES, opd_terms`` and delete _opd_terms.py
-from ._opd_terms import OPD_RECIPES, opd_terms
+from klpenalty.rlhf.distill import OPD_RECIPES, opd_terms
 from .compare import _round, _sd, load_run, save_run
 from .grammar import Recognizer, default_grammar
 from .model import GPTConfig, TinyGPT, sample, training_batch

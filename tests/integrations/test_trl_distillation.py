@@ -30,7 +30,7 @@ from ..tolerances import GRAD_REL_TOL, tol
 import datasets
 import trl
 
-from klpenalty.integrations.trl import DistillationTrainer, divergence_of_beta
+from klpenalty.integrations.trl import DistillationTrainer, distillation, divergence_of_beta
 
 from .trl_setup import PROMPTS, make_tokenizer, student_and_teacher
 
@@ -196,3 +196,20 @@ def test_trains_with_a_teacher_of_another_hidden_size(models, tmp_path):
     assert len(losses) == 2 and all(0.0 < x < 1.0 for x in losses)  # a TVD lies in [0, 1]
     moved = {n: float((p - before[n]).abs().max()) for n, p in trainer.model.state_dict().items()}
     assert all(m > 0.0 for m in moved.values()), moved
+
+
+def test_the_sampler_settings_pass_through_where_the_divergence_takes_them(
+        models, tmp_path, monkeypatch):
+    # a causal_lm_divergence that takes the sampler's settings: the trainer hands them over
+    handed = []
+    real = distillation.causal_lm_divergence
+
+    def with_sampler(*args, top_k=None, top_p=None, min_p=None, **kwargs):
+        handed.append({"top_k": top_k, "top_p": top_p, "min_p": min_p})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(distillation, "causal_lm_divergence", with_sampler)
+    trainer = make_trainer(DistillationTrainer, models, tmp_path, top_p=0.9,
+                           generation_kwargs={"top_k": 4})
+    loss_and_grads(trainer, batch())
+    assert handed == [{"top_k": 4, "top_p": 0.9, "min_p": None}]

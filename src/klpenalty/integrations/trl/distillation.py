@@ -126,6 +126,7 @@ class DistillationTrainer(_TRLDistillationTrainer):
                  sampler_support: bool = True, **kwargs) -> None:
         if divergence is not None:
             v.check_choice("divergence", divergence, DIVERGENCES)
+        v.check_fraction("skew", skew)
         if not isinstance(sampler_support, bool):
             raise TypeError(f"sampler_support must be a bool, got {type(sampler_support).__name__}")
         self.sampler_support = sampler_support

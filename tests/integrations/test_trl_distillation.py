@@ -9,7 +9,8 @@ both trainers' ``compute_loss`` run on copies of the same models and the loss an
 student parameter's gradient are compared: for TRL's kinds (its ``beta`` 0, 1 and in
 between) against TRL's own loss, for every kind against the float64 reference
 (``klpenalty.ops.reference.divergence_reference``) on the models' own logits, reduced as TRL
-reduces. Tolerances: ``tests/tolerances.py``'s float32 entries (both trainers compute the
+reduces; in training the gradient comes from the fused head's forward (the planned
+gradient handed over), and a loss rescaled after ``compute_loss`` is recomputed. Tolerances: ``tests/tolerances.py``'s float32 entries (both trainers compute the
 divergence in float32 from the same float32 hidden states and heads, each within those bounds
 of the exact value; the model's own layers run the same float32 ops in every computation).
 The runs under torchrun (DDP, ZeRO-3, a LoRA student) are in ``test_trl_torchrun.py``.
@@ -112,14 +113,45 @@ def assert_same(got, expected):
                                    atol=rel * scale, msg=name)
 
 
+@pytest.fixture
+def handovers(monkeypatch):
+    """Whether each backward of the fused head found the gradients it received equal to the
+    plan (and handed over the gradient formed in the forward), in order."""
+    from klpenalty.linear import kl as lin
+
+    handed = []
+    matches = lin._Held.matches
+    monkeypatch.setattr(lin._Held, "matches",
+                        lambda self, *a: handed.append(matches(self, *a)) or handed[-1])
+    return handed
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_loss_and_gradients_equal_trls(models, tmp_path, beta, training):
+def test_loss_and_gradients_equal_trls(models, tmp_path, beta, training, handovers):
     inputs = batch()
     ours = make_trainer(DistillationTrainer, models, tmp_path / "ours", beta=beta)
     theirs = make_trainer(trl.DistillationTrainer, models, tmp_path / "trl", beta=beta)
     assert ours.divergence == divergence_of_beta(beta)
     assert_same(loss_and_grads(ours, inputs, training), loss_and_grads(theirs, inputs, training))
+    # training: the loss's gradient planned, formed in the forward and handed over; evaluation
+    # (no token count of the generation batch): no plan, recomputed
+    assert handovers == ([True] if training else [])
+
+
+def test_a_gradient_other_than_the_plan_is_recomputed(models, tmp_path, handovers):
+    inputs = batch()
+    ours = make_trainer(DistillationTrainer, models, tmp_path / "ours", beta=0.3)
+    theirs = make_trainer(trl.DistillationTrainer, models, tmp_path / "trl", beta=0.3)
+    results = []
+    for trainer in (ours, theirs):
+        trainer.model.train()
+        loss = trainer.compute_loss(trainer.model, dict(inputs))
+        (2.0 * loss).backward()  # as a loss scaled after compute_loss
+        results.append((2.0 * loss.detach(), {n: p.grad.clone() for n, p in
+                                              trainer.model.named_parameters()}))
+    assert handovers == [False]
+    assert_same(*results)
 
 
 def reference_loss_and_grads(models, inputs, kind: str, beta: float, training: bool = True):
@@ -185,12 +217,15 @@ def test_multimodal_inputs_raise(models, tmp_path):
         trainer.compute_loss(trainer.model, {**batch(), "pixel_values": torch.zeros(1, 3, 2, 2)})
 
 
-def test_trains_with_a_teacher_of_another_hidden_size(models, tmp_path):
+def test_trains_with_a_teacher_of_another_hidden_size(models, tmp_path, handovers):
     trainer = make_trainer(DistillationTrainer, models, tmp_path, max_steps=2,
-                           trainer_kwargs={"divergence": "tvd"})
+                           gradient_accumulation_steps=2, trainer_kwargs={"divergence": "tvd"})
     before = copy.deepcopy(trainer.model.state_dict())
     trainer.train()
     assert trainer.state.global_step == 2
+    # TRL's loss is normalised by the generation batch's tokens (transformers does not divide
+    # it by the accumulation steps): every loss call's planned gradient is the one received
+    assert handovers == [True] * 4
     assert trainer.teacher_model.config.hidden_size != trainer.model.config.hidden_size
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert len(losses) == 2 and all(0.0 < x < 1.0 for x in losses)  # a TVD lies in [0, 1]

@@ -126,6 +126,9 @@ def test_distillation_loss_is_the_batchs_divergence(case, world, tmp_path_factor
     atol, rtol = tol(torch.float32)["atol"], tol(torch.float32)["rtol"]  # float32 fast path
     for r in ranks:
         assert len(r["losses"]) == 2  # one loss call per step
+        # the loss's gradient planned and formed in the forward, received as planned through
+        # the wrapper's backward (DDP's all-reduce, ZeRO-3's reduce-scatter come after)
+        assert r["handed"] == [True, True]
         for loss, expected in r["losses"]:
             assert expected > 1e-3  # a divergence to get right
             assert loss == pytest.approx(expected, abs=atol, rel=rtol)

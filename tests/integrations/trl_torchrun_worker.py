@@ -32,7 +32,9 @@ step (gathered under ZeRO-3). After training each rank writes ``OUT/rank{r}.json
   change over the run (a parameter that never got a gradient does not move under AdamW);
 - ``batch``: the completion ids of each loss call, to show that the ranks trained on
   different batches (else equal weights would prove nothing about the all-reduce);
-- ``partitioned``: whether every parameter is an empty placeholder outside a forward (ZeRO-3).
+- ``partitioned``: whether every parameter is an empty placeholder outside a forward (ZeRO-3);
+- ``handed``: per backward of the fused head, whether the gradient it received was the planned
+  one (so the gradient formed in the forward was handed over).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ import trl
 
 from klpenalty import full_kl
 from klpenalty.integrations.trl import DistillationTrainer, GRPOTrainer
+from klpenalty.linear import kl as lin
 from klpenalty.ops.reference import divergence_reference
 
 from .trl_setup import (PROMPTS, llama_config, make_tokenizer, qwen2_config,
@@ -280,6 +283,9 @@ def main(case_name: str, out: Path, hang_s: float) -> None:
     )
     trainer = make_trainer(case, models, config, out, rank)
     trainer.records = []
+    handed = []  # per backward of the fused head: the planned gradient handed over
+    matches = lin._Held.matches
+    lin._Held.matches = lambda self, *a: handed.append(matches(self, *a)) or handed[-1]
     trainer.train()
 
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
@@ -307,6 +313,7 @@ def main(case_name: str, out: Path, hang_s: float) -> None:
         "ref_model": type(other).__name__ if other is not None else None,
         "partitioned": partitioned,
         "global_step": trainer.state.global_step,
+        "handed": handed,
         "gap": gap,
         "moved": {n: float((final[n] - first[n]).abs().max()) for n in sorted(trainable)},
         "frozen_moved": {

@@ -26,6 +26,13 @@ klpenalty's ``"jsd"`` with the same ``beta``. Given, it decides, ``DistillationC
 the β of ``"jsd"`` and ``skew`` the λ of ``"skew_forward_kl"`` / ``"skew_reverse_kl"``
 (docs/distillation.md has every formula).
 
+**The gradient in the forward.** In training the loss's gradient with respect to each
+token's divergence is 1 / TRL's token count; the trainer announces it to the fused head
+(``expected_grads``), which forms the student's gradients on the logits of its forward (4
+LM-head GEMMs in all instead of 6) and hands them over when the backward receives that
+gradient (TRL's loss is not rescaled for gradient accumulation, so it does); otherwise it
+recomputes, correct either way.
+
 **The sampler.** TRL samples with ``top_k`` / ``top_p`` / ``min_p`` (the config's, overridden
 by ``generation_kwargs``) but its loss compares the *untruncated* π with ν. With
 ``sampler_support=True`` (the default) the divergence is meant to score π̃, π renormalised on
@@ -179,10 +186,15 @@ class DistillationTrainer(_TRLDistillationTrainer):
         loss = self._divergence_loss(model, inputs, num_items_in_batch)
         return (loss, None) if return_outputs else loss
 
-    def divergence_per_token(self, model, inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def divergence_per_token(self, model, inputs, weight: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the divergence at each completion token (B, L) float32, 0 off the loss mask; the
         loss mask (B, L) bool: completion mask × tool mask) of a TRL micro-batch ``inputs``,
-        for the student ``model`` as the trainer holds it."""
+        for the student ``model`` as the trainer holds it. ``weight``: the loss's gradient
+        with respect to every completion token's divergence (a scalar tensor) where the loss
+        is their sum times it: the fused head then forms the student's gradient in its forward
+        (``expected_grads`` of :func:`klpenalty.hf.causal_lm_divergence`), and recomputes in
+        the backward if the gradients it receives are not those."""
         used = [k for k in _MULTIMODAL_KEYS if inputs.get(k) is not None]
         if used:
             raise ValueError(f"klpenalty's DistillationTrainer takes text-only inputs; got {used}")
@@ -196,6 +208,12 @@ class DistillationTrainer(_TRLDistillationTrainer):
         response, positions = scoring(input_ids, length)
         response[:, t - length :] = loss_mask  # only the loss's tokens are scored
         extra = sampler_settings(self) if self.sampler_support else {}
+        if weight is not None:  # the plan of the values' upstream gradients, (B, T - 1) rows
+            planned = torch.zeros(input_ids.size(0), t - 1, dtype=weight.dtype,
+                                  device=input_ids.device)
+            planned[:, t - 1 - length :] = weight
+            planned = planned.reshape(-1)
+            extra["expected_grads"] = lambda rows, values: planned[rows]
         self.teacher_model.eval()
         per_token = causal_lm_divergence(
             model,  # as wrapped: its own forward runs (DDP's reducer, ZeRO-3's gathers)
@@ -214,10 +232,15 @@ class DistillationTrainer(_TRLDistillationTrainer):
     def _divergence_loss(self, model, inputs, num_items_in_batch) -> torch.Tensor:
         """Σ of the divergence over the loss mask, divided as TRL divides it: by
         ``num_items_in_batch`` where given, else by the micro-batch's count (at least 1)."""
-        per_token, mask = self.divergence_per_token(model, inputs)
+        weight = None
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(inputs["completion_ids"].device)
+            if self.model.training and torch.is_grad_enabled():
+                # autograd's gradient of Σ / n with respect to each summand: 1 / n
+                weight = torch.ones((), dtype=torch.float32,
+                                    device=num_items_in_batch.device) / num_items_in_batch
+        per_token, mask = self.divergence_per_token(model, inputs, weight)
         total = per_token.sum()
         if num_items_in_batch is None:
             return total / mask.sum().clamp(min=1)
-        if isinstance(num_items_in_batch, torch.Tensor):
-            num_items_in_batch = num_items_in_batch.to(total.device)
         return total / num_items_in_batch

@@ -11,8 +11,8 @@ the trainer computes the exact KL through the model as accelerate wraps it. With
 TRL keeps no reference model: the reference is the policy with its adapters disabled.
 
 The KL term is β·KL_seq(π‖ρ), the exact KL over the whole vocabulary summed over each
-completion, with the gradient of that objective (see klpenalty/integrations/trl.py); TRL's own
-k3 estimate is logged next to it ("kl_seq/k3" against "kl_seq/exact"). Compare with
+completion, with the gradient of that objective (see klpenalty/integrations/trl/grpo.py);
+TRL's own k3 estimate is logged next to it ("kl_seq/k3" against "kl_seq/exact"). Compare with
 ``--kl-estimator trl`` (TRL's term) or ``k3_ratio``. The reward here is a toy (short
 completions that contain the letter "a"): put yours in ``reward``.
 """

@@ -17,6 +17,7 @@ NEEDS_EXTRAS = [
     "test_bench_trl_step.py",
     "test_bench_divergence_trl.py",
     "test_trl_torchrun.py",
+    "test_trl_distillation.py",
     "trl_setup.py",
     "trl_torchrun_worker.py",
     "test_stack_sources.py",

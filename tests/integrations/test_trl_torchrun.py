@@ -1,5 +1,6 @@
 """``GRPOTrainer(kl_estimator="exact")`` under torchrun: DDP (1 and 2 processes), gradient
-checkpointing, a LoRA policy with ``ref_model=None``, DeepSpeed ZeRO-3.
+checkpointing, a LoRA policy with ``ref_model=None``, DeepSpeed ZeRO-3; klpenalty's
+``DistillationTrainer`` (a teacher of another hidden size): DDP, a LoRA student, ZeRO-3.
 
 Each (case, world size) starts ``torchrun`` once (gloo on CPU; ``trl_torchrun_worker.py`` has
 the cases and what each rank records) for two training steps; the tests below read what the
@@ -11,7 +12,10 @@ Checked: training completes with the model as accelerate wraps it; after the ste
 parameter is equal on all ranks although the ranks trained on different batches (the gradient
 was all-reduced), every trainable parameter moved and no frozen one did; the logged
 ``kl_exact`` of each step equals the exact KL of that step's batch over all ranks, computed
-independently with :func:`klpenalty.full_kl` on float64 copies of the models' own logits.
+independently with :func:`klpenalty.full_kl` on float64 copies of the models' own logits;
+the distillation loss of every loss call on every rank equals TRL's reduction of the float64
+reference divergence of that rank's batch (``divergence_reference`` on float64 copies of both
+models' logits), as a single process computes it.
 """
 
 from __future__ import annotations
@@ -33,8 +37,11 @@ ROOT = Path(__file__).resolve().parents[2]  # holds the ``tests`` package
 RUN_TIMEOUT_S = 240
 # (case, world size): DDP with one process too (accelerate wraps the model whenever torchrun
 # sets up a process group), there with gradient checkpointing
-RUNS = [("checkpointing", 1), ("ddp", 2), ("peft", 2), ("zero3", 2)]
-WRAPPER = {"zero3": "DeepSpeedEngine"}  # the others: DistributedDataParallel
+GRPO_RUNS = [("checkpointing", 1), ("ddp", 2), ("peft", 2), ("zero3", 2)]
+# klpenalty's DistillationTrainer: a teacher of another hidden size, two processes
+DISTILL_RUNS = [("distill-ddp", 2), ("distill-peft", 2), ("distill-zero3", 2)]
+RUNS = GRPO_RUNS + DISTILL_RUNS
+WRAPPER = {"zero3": "DeepSpeedEngine", "distill-zero3": "DeepSpeedEngine"}  # else DDP
 _RESULTS: dict[tuple[str, int], list[dict]] = {}
 
 
@@ -85,19 +92,20 @@ def test_trains_and_the_ranks_weights_stay_equal(case, world, tmp_path_factory):
     for r in ranks:
         assert r["world"] == world and r["global_step"] == 2
         assert r["wrapped"] == WRAPPER.get(case, "DistributedDataParallel")
-        assert r["partitioned"] == (case == "zero3")  # ZeRO-3 shards every parameter
-        # TRL's reference: none with PEFT (the adapter disabled), else a separate model
+        assert r["partitioned"] == case.endswith("zero3")  # ZeRO-3 shards every parameter
+        # TRL's reference: none with a PEFT policy (the adapter disabled), else a separate
+        # model; the distillation's teacher: always a separate model
         assert (r["ref_model"] is None) == (case == "peft")
         assert r["gap"] and all(g == 0.0 for g in r["gap"].values()), r["gap"]
         assert r["moved"] and all(m > 0.0 for m in r["moved"].values()), r["moved"]
         assert all(m == 0.0 for m in r["frozen_moved"].values()), r["frozen_moved"]
-    if case == "peft":  # only the adapter trains
+    if case.endswith("peft"):  # only the adapter trains
         assert all("lora_" in n for n in ranks[0]["moved"]) and ranks[0]["frozen_moved"]
     if world > 1:  # equal weights after different batches: the gradients were all-reduced
         assert ranks[0]["batch"] != ranks[1]["batch"]
 
 
-@pytest.mark.parametrize("case, world", RUNS, ids=[f"{c}-{w}" for c, w in RUNS])
+@pytest.mark.parametrize("case, world", GRPO_RUNS, ids=[f"{c}-{w}" for c, w in GRPO_RUNS])
 def test_logged_kl_exact_is_the_batchs_kl(case, world, tmp_path_factory):
     ranks = results(case, world, tmp_path_factory)
     logged = ranks[0]["logged"]
@@ -109,3 +117,18 @@ def test_logged_kl_exact_is_the_batchs_kl(case, world, tmp_path_factory):
         expected = total / tokens  # kl_exact: per completion token, over every rank's batch
         assert expected > 1e-3  # a KL to get right
         assert value == pytest.approx(expected, abs=atol, rel=rtol)
+
+
+@pytest.mark.parametrize("case, world", DISTILL_RUNS,
+                         ids=[f"{c}-{w}" for c, w in DISTILL_RUNS])
+def test_distillation_loss_is_the_batchs_divergence(case, world, tmp_path_factory):
+    ranks = results(case, world, tmp_path_factory)
+    atol, rtol = tol(torch.float32)["atol"], tol(torch.float32)["rtol"]  # float32 fast path
+    for r in ranks:
+        assert len(r["losses"]) == 2  # one loss call per step
+        # the loss's gradient planned and formed in the forward, received as planned through
+        # the wrapper's backward (DDP's all-reduce, ZeRO-3's reduce-scatter come after)
+        assert r["handed"] == [True, True]
+        for loss, expected in r["losses"]:
+            assert expected > 1e-3  # a divergence to get right
+            assert loss == pytest.approx(expected, abs=atol, rel=rtol)

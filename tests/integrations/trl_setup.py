@@ -52,3 +52,24 @@ def reference_and_policy(ref_dir, perturb: bool = True):
             policy.lm_head.weight.add_(0.5 * torch.randn_like(policy.lm_head.weight))
             policy.lm_head.weight[1] += 0.6 * policy.lm_head.weight[1].abs()  # some early EOS
     return policy
+
+
+def qwen2_config(hidden_size: int = 16):
+    """A one-layer Qwen2 over WORDS (its LM head untied, as the larger Qwen2s have it)."""
+    return transformers.Qwen2Config(
+        vocab_size=len(WORDS), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=32, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
+        bos_token_id=None,
+    )
+
+
+def student_and_teacher(teacher_hidden: int = 24):
+    """A seeded random one-layer Qwen2 student (hidden size 16) and teacher (``teacher_hidden``),
+    the teacher's head scaled up so that the two distributions differ clearly."""
+    torch.manual_seed(0)
+    student = transformers.Qwen2ForCausalLM(qwen2_config())
+    teacher = transformers.Qwen2ForCausalLM(qwen2_config(teacher_hidden))
+    with torch.no_grad():
+        teacher.lm_head.weight.mul_(3.0)
+    return student, teacher

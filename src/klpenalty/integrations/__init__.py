@@ -7,8 +7,9 @@ computed, what its default optimises and the one-line change.
 
 - :mod:`~klpenalty.integrations.verl`: ``kl_penalty(logprob, ref_logprob, kl_penalty)``.
 - :mod:`~klpenalty.integrations.openrlhf`: ``compute_approx_kl(log_probs, log_probs_base, ...)``.
-- :mod:`~klpenalty.integrations.trl`: ``GRPOTrainer`` with ``kl_estimator="exact"``; needs the
-  optional extra (``pip install 'klpenalty[trl]'``) and is imported only on request.
+- :mod:`~klpenalty.integrations.trl`: ``GRPOTrainer`` with ``kl_estimator="exact"`` and
+  ``DistillationTrainer`` with klpenalty's divergences; needs the optional extra (``pip install
+  'klpenalty[trl]'``) and is imported only on request.
 
 Shape letters: B batch, T sequence, V vocabulary.
 """

@@ -112,11 +112,12 @@ from dataclasses import dataclass
 import torch
 from trl import GRPOTrainer as _TRLGRPOTrainer
 
-from .. import _validation as v
-from ..hf import ReferenceStates, causal_lm_kl, causal_lm_logprobs, reference_states
-from ..rlhf.estimators import sampled_kl
-from ..rlhf.gradients import k3_ratio_loss, next_token_kl
-from ._common import exact_kl_term
+from ... import _validation as v
+from ...hf import ReferenceStates, causal_lm_kl, causal_lm_logprobs, reference_states
+from ...rlhf.estimators import sampled_kl
+from ...rlhf.gradients import k3_ratio_loss, next_token_kl
+from .._common import exact_kl_term
+from ._shared import sampler_settings, scoring
 
 __all__ = ["GRPOTrainer", "KL_ESTIMATORS"]
 
@@ -239,15 +240,6 @@ def _text_only(compute_aux_loss: bool, multimodal: dict) -> None:
             'kl_estimator="exact" supports text-only models without an MoE auxiliary loss; '
             f"got {used or ['compute_aux_loss=True']}"
         )
-
-
-def _scoring(input_ids: torch.Tensor, logits_to_keep: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(response mask (B, T): the last L = ``logits_to_keep`` tokens, position ids (B, T):
-    0..T-1, as TRL's own log-prob pass numbers them (so its old and ref log-probs))."""
-    b, t = input_ids.shape
-    response = torch.zeros(b, t, dtype=torch.bool, device=input_ids.device)
-    response[:, t - logits_to_keep :] = True
-    return response, torch.arange(t, device=input_ids.device).expand(b, t)
 
 
 def _kept_sets(mask) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,7 +405,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
             return out
         _text_only(compute_aux_loss, multimodal)
         b, t = input_ids.shape
-        response, positions = _scoring(input_ids, logits_to_keep)
+        response, positions = scoring(input_ids, logits_to_keep)
         reference = self.ref_model  # None: the PEFT policy with its adapters disabled
         if capture.ref_hidden is not None:  # the generation batch's reference pass, cached
             weight, bias, scale, softcap = self._ref_head
@@ -448,21 +440,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
     def _sampler(self) -> dict:
         """The generation's truncating settings as ``top_k`` / ``top_p`` / ``min_p`` keywords
         (those that cut; empty when none does), read where TRL's generation reads them."""
-        args = self.args
-        extra = args.generation_kwargs if isinstance(args.generation_kwargs, dict) else {}
-        config = getattr(self, "generation_config", None)
-        if config is not None and not self.use_vllm:  # transformers' generate: its config
-            k, p, m = config.top_k, config.top_p, config.min_p
-        else:
-            k, p, m = (extra.get(n, getattr(self, n)) for n in ("top_k", "top_p", "min_p"))
-        out = {}
-        if k is not None and k > 0:
-            out["top_k"] = int(k)
-        if p is not None and p < 1.0:
-            out["top_p"] = float(p)
-        if m is not None and m > 0.0:
-            out["min_p"] = float(m)
-        return out
+        return sampler_settings(self)
 
     def _truncated(self) -> bool:
         """Whether the policy's log-prob passes score π̃ rather than π."""
@@ -495,7 +473,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
             ids, mask = input_ids[rows], attention_mask[rows]
-            response, positions = _scoring(ids, logits_to_keep)
+            response, positions = scoring(ids, logits_to_keep)
             replayed = self._sampling_pending is not None
             kept = self._sampling_pending[rows] if replayed else None
             stats = causal_lm_logprobs(
@@ -528,7 +506,7 @@ class GRPOTrainer(_TRLGRPOTrainer):
         logps = []
         for start in range(0, input_ids.size(0), batch_size):
             ids, mask = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
-            response, positions = _scoring(ids, logits_to_keep)
+            response, positions = scoring(ids, logits_to_keep)
             states = reference_states(
                 model, ids, mask, response_mask=response, position_ids=positions,
                 temperature=self.temperature,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "bench_divergence_trl.py"
-PROVIDERS = ("klpenalty", "trl", "torch")
+PROVIDERS = ("klpenalty", "klpenalty_planned", "trl", "torch")
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 SETTINGS = {("trl", "forward_kl"): "beta=0.0", ("trl", "reverse_kl"): "beta=1.0",
             ("trl", "jsd"): "beta=0.5"}
@@ -48,9 +48,9 @@ def test_quick_run_has_every_row_and_float32_agrees_with_float64(tmp_path):
         assert float(r["peak_mib"]) > 0, r
         if (r["provider"], r["kind"]) in SETTINGS:
             assert r["setting"] == SETTINGS[(r["provider"], r["kind"])]
-        if r["dtype"] == "fp32" and r["provider"] in ("klpenalty", "trl"):
+        if r["dtype"] == "fp32" and r["provider"] in ("klpenalty", "klpenalty_planned", "trl"):
             assert float(r["value_err"]) <= 1e-4, r
             if r["provider"] == "trl":
                 assert float(r["diff_vs_klpenalty"]) <= 1e-4, r
-        if r["provider"] == "klpenalty":
+        if r["provider"] in ("klpenalty", "klpenalty_planned"):
             assert float(r["time_x_trl"]) > 0 and float(r["time_x_torch"]) > 0

@@ -38,6 +38,7 @@ __all__ = [
     "tol",
     "make_logits",
     "temperature_tie_cases",
+    "min_p_boundary",
     "triton_interpreter_env",
     "backend_views",
     "views",
@@ -98,6 +99,16 @@ def temperature_tie_cases(vocab: int, seed: int) -> list[tuple[Tensor, dict]]:
         ratio = math.exp(key_b - keys.max().item())
         cases.append((row, dict(min_p=ratio * (1.0 - 1e-9), temperature=temperature)))
     return cases
+
+
+def min_p_boundary(d: float) -> float:
+    """The largest float64 min_p with log(min_p) ≤ d (the keys' difference k_v − k_max)."""
+    ratio = math.exp(d)
+    while math.log(ratio) > d:
+        ratio = math.nextafter(ratio, 0.0)
+    while math.log(math.nextafter(ratio, 2.0)) <= d:
+        ratio = math.nextafter(ratio, 2.0)
+    return ratio
 
 
 def _tiles(x: Tensor, chunk_rows, vocab_chunk, tile_elements) -> tuple[int, int]:

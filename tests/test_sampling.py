@@ -12,7 +12,7 @@ import torch
 from klpenalty.sampling import resolve_support, sampling_threshold, support_from_ids
 
 import klpenalty as klp
-from .helpers import make_logits, temperature_tie_cases, tol
+from .helpers import make_logits, min_p_boundary, temperature_tie_cases, tol
 from klpenalty.bench import alloc_profile
 from klpenalty.ops.contract import sampler_keys
 from klpenalty.ops.reference import full_kl_reference, kept_set_reference
@@ -244,6 +244,18 @@ def test_ties_made_by_the_temperature_are_kept_whole(vocab, backend):
             torch.testing.assert_close(got.double(), ref, **tol(torch.float32))
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_logits_are_left_as_they_are(dtype, backend):
+    """At T = 1 the keys are the logits themselves (no copy): no step writes into them."""
+    x, _ = make_logits((4, 300), dtype, seed=5)
+    before = x.clone()
+    for t in (1.0, 0.7):
+        for kw in (dict(min_p=0.05), dict(top_p=0.9), dict(top_k=5, top_p=0.8, min_p=0.05)):
+            sampling_threshold(x, **kw, temperature=t, backend=backend)
+            assert torch.equal(x, before), (t, kw)
+
+
 def test_the_keys_are_the_float32_quotient():
     """The rule's keys: the IEEE float32 quotient by float32(T) (torch's x / T on CPU), exactly
     the logits at T = 1, float64 for float64 logits, bf16 upcast first."""
@@ -256,12 +268,13 @@ def test_the_keys_are_the_float32_quotient():
 
 
 def test_min_p_boundary():
+    """Kept iff k_v − k_max ≥ log(min_p) in float64 (π_v ≥ min_p·π_max on the keys)."""
     x = torch.tensor([[3.0, 2.0, 0.5, -4.0]], dtype=torch.float64)
     t = 1.3
-    ratio = torch.exp((x - x.max()) / t)  # π_v / π_max
     for j, want in ((1, 2), (2, 3)):
-        assert int(_kept_by_tau(x, sampling_threshold(x, min_p=ratio[0, j].item(), temperature=t)).sum()) == want
-        above = math.nextafter(ratio[0, j].item(), 2.0)
+        ratio = min_p_boundary(x[0, j].item() / t - 3.0 / t)
+        assert int(_kept_by_tau(x, sampling_threshold(x, min_p=ratio, temperature=t)).sum()) == want
+        above = math.nextafter(ratio, 2.0)
         assert int(_kept_by_tau(x, sampling_threshold(x, min_p=above, temperature=t)).sum()) == want - 1
 
 

@@ -164,7 +164,7 @@ def _chunk_threshold(
         # π_v ≥ min_p·π_max ⟺ k_v − k_max ≥ log(min_p), in float64
         top = reduce.amax(xc)  # (R, 1)
         key_top = contract.sampler_keys(top, temperature).double()
-        kept_min = keys.double().sub_(key_top) >= math.log(min_p)
+        kept_min = keys.double() - key_top >= math.log(min_p)  # (keys may be the logits)
         smallest = reduce.amin(torch.where(kept_min, xc, math.inf))  # (R,); +inf if none kept
         tau = torch.maximum(tau, torch.minimum(smallest, top.squeeze(-1)))
     # a row holding NaN keeps nothing, so that the NaN is reported, never silently cut away

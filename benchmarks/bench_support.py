@@ -14,7 +14,7 @@ x = 2·N(0, 1) (top-p 0.9 keeps thousands of tokens per row), y = x + 0.3·N(0, 
 ``benchmarks/results/bench_support.{md,csv}`` with the 1-minute load average and the CPU model.
 
     .venv/bin/python benchmarks/bench_support.py [--n 2048] [--vocab 32000] [--threads 2]
-        [--repeats 7] [--clock wall|cpu]
+        [--repeats 7] [--clock wall|cpu] [--temperature 1.0]
 """
 
 from __future__ import annotations
@@ -64,22 +64,25 @@ def main() -> None:
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall: perf_counter; cpu: the process's CPU time (all its threads), "
                         "steadier on a loaded machine")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="the sampler's temperature (every variant, the kept sets' too)")
     p.add_argument("--out", default=os.path.join(HERE, "results", "bench_support"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.n, args.vocab, generator=g) * 2
     y = x + 0.3 * torch.randn(args.n, args.vocab, generator=g)
-    kept = x >= sampling_threshold(x, top_p=0.9).unsqueeze(-1)
+    T = args.temperature
+    kept = x >= sampling_threshold(x, top_p=0.9, temperature=T).unsqueeze(-1)
     ids, offsets = compact(kept)
     cases = {
-        "plain": {},
-        "top_k=50": dict(top_k=50),
-        "top_p=0.9": dict(top_p=0.9),
-        "min_p=0.05": dict(min_p=0.05),
-        "top_k=50, top_p=0.9": dict(top_k=50, top_p=0.9),
-        "support=bool mask": dict(support=kept),
-        "support=(ids, offsets)": dict(support=(ids, offsets)),
+        "plain": dict(temperature=T),
+        "top_k=50": dict(top_k=50, temperature=T),
+        "top_p=0.9": dict(top_p=0.9, temperature=T),
+        "min_p=0.05": dict(min_p=0.05, temperature=T),
+        "top_k=50, top_p=0.9": dict(top_k=50, top_p=0.9, temperature=T),
+        "support=bool mask": dict(support=kept, temperature=T),
+        "support=(ids, offsets)": dict(support=(ids, offsets), temperature=T),
     }
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     times = {name: [] for name in cases}
@@ -99,7 +102,7 @@ def main() -> None:
         rows.append({"variant": name, "clock": args.clock, "median_ms": round(med * 1e3, 1),
                      "x_plain": round(med / base, 2), "loadavg": round(load, 2)})
         print(rows[-1], flush=True)
-    shape = (f"({args.n}, {args.vocab}) fp32, {args.threads} threads, median of "
+    shape = (f"({args.n}, {args.vocab}) fp32, T = {T}, {args.threads} threads, median of "
              f"{args.repeats} interleaved rounds, {args.clock} clock")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".csv", "w", newline="") as f:

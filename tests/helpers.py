@@ -8,6 +8,7 @@ forward op, with the streaming tile options of the tests.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -37,6 +38,8 @@ __all__ = [
     "grad_tol",
     "tol",
     "make_logits",
+    "temperature_tie_cases",
+    "min_p_boundary",
     "triton_interpreter_env",
     "backend_views",
     "views",
@@ -53,6 +56,61 @@ def make_logits(
     y = x + torch.randn(shape, generator=g, dtype=torch.float64) * (scale / 2)
     return x.to(dtype), y.to(dtype)
 
+
+
+def _key(v: float, temperature: float) -> float:
+    """The sampler rule's key of one float32 logit (ops.contract.sampler_keys)."""
+    return (torch.tensor(v, dtype=torch.float32) / torch.tensor(temperature)).item()
+
+
+def temperature_tie_cases(vocab: int, seed: int) -> list[tuple[Tensor, dict]]:
+    """Rows (1, vocab) float32 holding two distinct adjacent float32 logits b > lo whose keys
+    x/T round equal (a tie made by the temperature), each with the sampler setting that puts the
+    pair where a rule that splits it would go wrong: at the top-p boundary (p halfway through
+    b's mass: the mass before the pair is < p, the mass before lo counted from b is > p),
+    inside the kept prefix, as the k-th largest for top-k (alone and before top-p), and at the
+    min-p boundary. x = 2·N(0, 1) with lo written over the row's smallest logit; T from
+    0.7, 1.3, 3.0 (each merges some neighbours, x/2 merges none)."""
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for temperature in (0.7, 1.3, 3.0):
+        for _ in range(50):
+            x = torch.randn(vocab, generator=g) * 2.0
+            order = x.argsort(descending=True)
+            rank = int(torch.randint(1, max(2, min(vocab - 1, vocab // 3)), (1,), generator=g))
+            b = x[order[rank]].item()
+            lo = torch.nextafter(x[order[rank]], torch.tensor(-math.inf)).item()  # in float32
+            if _key(lo, temperature) != _key(b, temperature):
+                continue
+            x[order[-1]] = lo  # the row's smallest logit becomes b's neighbour
+            break
+        else:
+            raise AssertionError("no tie made by the temperature found")  # (not reached)
+        keys = (x / torch.tensor(temperature)).double()
+        key_b = _key(b, temperature)
+        mass = torch.softmax(keys, -1)
+        before = mass[keys > key_b].sum().item()  # the tokens before the pair
+        pair = mass[keys == key_b].sum().item()
+        row = x.unsqueeze(0)
+        cases.append((row, dict(top_p=before + 0.25 * pair, temperature=temperature)))
+        if before + pair + 0.05 < 1.0:
+            cases.append((row, dict(top_p=before + pair + 0.05, temperature=temperature)))
+        k = int((keys > key_b).sum()) + 1  # b is the k-th largest, lo the (k+1)-th
+        cases.append((row, dict(top_k=k, temperature=temperature)))
+        cases.append((row, dict(top_k=k + 3, top_p=0.95, temperature=temperature)))
+        ratio = math.exp(key_b - keys.max().item())
+        cases.append((row, dict(min_p=ratio * (1.0 - 1e-9), temperature=temperature)))
+    return cases
+
+
+def min_p_boundary(d: float) -> float:
+    """The largest float64 min_p with log(min_p) ≤ d (the keys' difference k_v − k_max)."""
+    ratio = math.exp(d)
+    while math.log(ratio) > d:
+        ratio = math.nextafter(ratio, 0.0)
+    while math.log(math.nextafter(ratio, 2.0)) <= d:
+        ratio = math.nextafter(ratio, 2.0)
+    return ratio
 
 
 def _tiles(x: Tensor, chunk_rows, vocab_chunk, tile_elements) -> tuple[int, int]:

@@ -11,9 +11,11 @@ import torch
 
 from klpenalty.sampling import resolve_support, sampling_threshold, support_from_ids
 
-from .helpers import make_logits
+import klpenalty as klp
+from .helpers import make_logits, min_p_boundary, temperature_tie_cases, tol
 from klpenalty.bench import alloc_profile
-from klpenalty.ops.reference import kept_set_reference
+from klpenalty.ops.contract import sampler_keys
+from klpenalty.ops.reference import full_kl_reference, kept_set_reference
 from klpenalty.ops.streaming.threshold import CHUNK_ELEMENTS, LOCAL, threshold_rows
 
 
@@ -194,13 +196,85 @@ def test_top_p_boundaries(backend):
     assert kept(1.0) == 6
 
 
+# ------------------------------------------------------- ties made by the temperature
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_tie_made_by_the_temperature_inside_the_top_p_prefix(backend):
+    """Two distinct float32 logits whose x/0.7 round equal, the larger first in index order:
+    the pair is one tie group, kept whole (the mass before it is 0), so τ is the smaller."""
+    x = torch.tensor([[0.9999879598617554, 0.9999880194664001, -5.0]])
+    y = torch.tensor([[0.3, -0.2, 0.1]])
+    kw = dict(top_p=0.7, temperature=0.7)
+    keys = sampler_keys(x, 0.7)
+    assert x[0, 0] < x[0, 1] and keys[0, 0] == keys[0, 1]
+    tau = sampling_threshold(x, **kw, backend=backend)
+    assert tau.item() == x[0, 0].item()
+    kept = _kept_by_tau(x, tau)
+    assert kept.tolist() == [[True, True, False]]
+    assert torch.equal(kept, kept_set_reference(x, **kw))
+    want = full_kl_reference(torch.where(kept, x.double(), -math.inf), y, 0.7)  # 0.4709
+    got = klp.full_kl(x, y, **kw, backend=backend)
+    torch.testing.assert_close(got.double(), want, **tol(torch.float32))
+    lp = klp.token_logprobs(x, torch.tensor([0]), **kw, backend=backend)
+    torch.testing.assert_close(lp.double(), torch.tensor([math.log(0.5)], dtype=torch.float64),
+                               **tol(torch.float32))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("vocab", [8, 50, 300, 4096, 32000])
+def test_ties_made_by_the_temperature_are_kept_whole(vocab, backend):
+    """Rows holding two adjacent float32 logits whose keys x/T round equal, at the top-p
+    boundary, inside the prefix, as top-k's k-th and at the min-p boundary (sorted candidates,
+    the histogram walk of wide rows, the native kernel's bracket): the kept set of the float64
+    rule with the keys' rounding, τ its smallest logit, the same τ from every CPU backend; the
+    KL on it against float64 (rows of at most 300)."""
+    for x, kw in temperature_tie_cases(vocab, seed=vocab):
+        want = kept_set_reference(x, **kw)
+        if not ("top_k" in kw and "top_p" in kw):  # the pair is kept (the last kept group)
+            kept_keys = sampler_keys(x[want], kw["temperature"])
+            assert kept_keys.unique().numel() < x[want].unique().numel(), kw
+        tau = sampling_threshold(x, **kw, backend=backend)
+        assert torch.equal(_kept_by_tau(x, tau), want), kw
+        assert tau.item() == x[want].min().item(), kw
+        assert torch.equal(tau, sampling_threshold(x, **kw, backend="streaming")), kw
+        if vocab <= 300:
+            y = x + 0.5 * torch.randn(x.shape, generator=torch.Generator().manual_seed(vocab))
+            ref = full_kl_reference(torch.where(want, x.double(), -math.inf), y,
+                                    kw["temperature"])
+            got = klp.full_kl(x, y, **kw, backend=backend)
+            torch.testing.assert_close(got.double(), ref, **tol(torch.float32))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_logits_are_left_as_they_are(dtype, backend):
+    """At T = 1 the keys are the logits themselves (no copy): no step writes into them."""
+    x, _ = make_logits((4, 300), dtype, seed=5)
+    before = x.clone()
+    for t in (1.0, 0.7):
+        for kw in (dict(min_p=0.05), dict(top_p=0.9), dict(top_k=5, top_p=0.8, min_p=0.05)):
+            sampling_threshold(x, **kw, temperature=t, backend=backend)
+            assert torch.equal(x, before), (t, kw)
+
+
+def test_the_keys_are_the_float32_quotient():
+    """The rule's keys: the IEEE float32 quotient by float32(T) (torch's x / T on CPU), exactly
+    the logits at T = 1, float64 for float64 logits, bf16 upcast first."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3)) * 4
+    for t in (0.7, 1.3, 3.0):
+        assert torch.equal(sampler_keys(x, t), x / t)
+        assert torch.equal(sampler_keys(x.double(), t), x.double() / t)
+        assert torch.equal(sampler_keys(x.bfloat16(), t), x.bfloat16().float() / t)
+    assert torch.equal(sampler_keys(x, 1.0), x)
+
+
 def test_min_p_boundary():
+    """Kept iff k_v − k_max ≥ log(min_p) in float64 (π_v ≥ min_p·π_max on the keys)."""
     x = torch.tensor([[3.0, 2.0, 0.5, -4.0]], dtype=torch.float64)
     t = 1.3
-    ratio = torch.exp((x - x.max()) / t)  # π_v / π_max
     for j, want in ((1, 2), (2, 3)):
-        assert int(_kept_by_tau(x, sampling_threshold(x, min_p=ratio[0, j].item(), temperature=t)).sum()) == want
-        above = math.nextafter(ratio[0, j].item(), 2.0)
+        ratio = min_p_boundary(x[0, j].item() / t - 3.0 / t)
+        assert int(_kept_by_tau(x, sampling_threshold(x, min_p=ratio, temperature=t)).sum()) == want
+        above = math.nextafter(ratio, 2.0)
         assert int(_kept_by_tau(x, sampling_threshold(x, min_p=above, temperature=t)).sum()) == want - 1
 
 

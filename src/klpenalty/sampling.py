@@ -3,33 +3,48 @@ kept sets that inference engines return, as the ``keep`` / ``tau`` of the token_
 
 Shape letters: N rows (positions, the product of the leading dims), V vocabulary, K kept ids.
 
-**The rule of** :func:`sampling_threshold`, the one a sampler applies, in this order:
+**The rule of** :func:`sampling_threshold`, the one a sampler applies. Every decision is made
+on the token's *key*, its logit divided by the temperature as the sampler divides it:
+k_v = x_v / T rounded to the compute dtype (float32: the IEEE quotient of the float32 logit by
+float32(T), what ``logits / T`` computes in float32 on CPU and vLLM's division by a temperature
+tensor; float64 for float64 logits; T = 1 gives k = x). Distinct logits may share a key (x/T
+rounds them together); a *tie group* is the set of tokens with one key. In this order:
 
-1. temperature first: the distribution is softmax(x/T);
-2. top-k: keep the k largest logits, *and every logit tied with the k-th* (x ≥ x_(k));
-3. top-p, on the top-k distribution renormalised: in decreasing order, keep a token when the
-   mass of the tokens strictly before it is < p (the smallest prefix whose mass reaches p),
-   again with every token tied with the last one kept;
-4. min-p: keep tokens with π(v) ≥ min_p·max π (a ratio, so the renormalisation of the steps
-   before does not change it).
+1. top-k: keep the tokens whose key is ≥ the k-th largest key (counted with multiplicity): the
+   k largest and every token tied with the k-th;
+2. top-p, on the top-k distribution renormalised: masses e_v = exp(k_v − log Z) in float64,
+   log Z = m + log Σ exp(k_u − m) over the top-k survivors (m their largest key; float64 sums);
+   in decreasing key order, a tie group is kept, whole, when the mass of the tokens before it
+   (those with larger keys) is < p. The first group is always kept; a group is never split;
+3. min-p: keep the tokens with k_v − k_max ≥ log(min_p) (in float64: π_v ≥ min_p·π_max of
+   the renormalised distribution, which the renormalisation does not change).
 
-Each step keeps an upper set of the logits, so the kept set is {v : x_v ≥ τ} with τ (one per
-row) the smallest kept logit: the op compares the logits with τ tile by tile, and nothing of
-size (N, V) is kept. At least one token is always kept (the largest logit passes every step:
-k ≥ 1, the mass before it is 0 < p, and π_max ≥ min_p·π_max).
+Each step keeps the tokens whose key is at least some key, and x ↦ k(x) is non-decreasing
+(a correctly rounded division by T > 0 is), so the kept set is {v : x_v ≥ τ} with τ (one per
+row) the smallest kept *logit* — the smallest logit of the last kept tie group, so that the
+comparison of the original logits with τ keeps every token whose key ties with a kept one.
+The ops compare the logits with τ tile by tile, and nothing of size (N, V) is kept. At least
+one token is always kept (the largest key passes every step).
 
-*Ties are kept.* A sampler that breaks a tie at a boundary by its sort order keeps a set that
-is not a function of the logits (it depends on the sort's tie order, i.e. on the
-implementation and the device), so the distribution it sampled from cannot be recomputed from
-the logits; keeping all tied tokens is the only rule that can be, and it is Hugging Face's
-for top-k (``TopKLogitsWarper`` removes only logits < the k-th). When an engine breaks ties
-its own way, pass its kept set (``support=(ids, offsets)``): that is exact whatever its rule.
+*Ties are kept.* A sampler that breaks a tie at a boundary by its sort order (Hugging Face's
+``TopPLogitsWarper`` and vLLM's top-p cut a sorted cumulative sum, and may split a tie group,
+by position in their sort) keeps a set that is not a function of the logits (it depends on the
+sort's tie order, i.e. on the implementation and the device), so the distribution it sampled
+from cannot be recomputed from the logits; keeping each tie group whole is the only rule that
+can be, and it is Hugging Face's for top-k (``TopKLogitsWarper`` removes only the scores below
+the k-th, after the temperature's division, so ties made by the division are kept). When an
+engine breaks ties its own way, pass its kept set (``support=(ids, offsets)``): that is exact
+whatever its rule.
 
-The masses of top-p and min-p are computed from the logits in the compute dtype (float32, or
-float64 for float64 logits), accumulated in float64; a sampler working in float32 can decide
-differently for a token whose mass-before is within float32 rounding of p (again: its own kept
-set is then the exact answer), and where p lies within float64 rounding of a prefix's mass the
-order of the float64 sum decides (each backend documents its own).
+The rule is stated exactly, in float64 with the keys' float32 rounding, by
+:func:`klpenalty.ops.reference.kept_set_reference`; every backend's τ is that set's smallest
+logit, bit for bit, except where p lies within the masses' rounding of a group's cumulative
+mass (relative 1e-6: the backends sum Z in different orders, and the native kernel's large
+rows sum float32 exponentials in float64; there the order of the sums decides), or where
+k_v − k_max is within float64 rounding of log(min_p) (each backend documents its sums).
+A sampler that divides differently (Hugging Face's ``scores / T`` on CUDA multiplies by
+float32(1/T)) can make or break a tie at one ulp of x/T: its own kept set is then the exact
+answer.
 
 **Where it is computed.** By the backend's ``sampling_threshold`` op (:mod:`klpenalty.ops`):
 inside the native and Triton kernels' pass over a row (the forward given ``top_k``/``top_p``/
@@ -82,8 +97,8 @@ def sampling_threshold(
 ) -> Tensor:
     """Per-position threshold τ of top-k → top-p → min-p sampling: kept(v) iff x_v ≥ τ.
 
-    The rule (temperature first, ties at a boundary all kept, at least one token kept) is in
-    the module docstring. Not differentiable (the support is a fixed set; gradients flow
+    The rule (decisions on the keys x/T as the sampler rounds them, tie groups of keys kept
+    or dropped whole, at least one token kept) is in the module docstring. Not differentiable (the support is a fixed set; gradients flow
     through the truncated softmax, in :func:`klpenalty.token_stats`).
 
     Args:
@@ -97,7 +112,7 @@ def sampling_threshold(
 
     Returns:
         τ (...) in the compute dtype (float32; float64 for float64 logits): the smallest kept
-        logit of each row, exactly one of the logits (−inf where nothing is cut; NaN for a
+        logit of each row (of its last kept tie group), exactly one of the logits (−inf where nothing is cut; NaN for a
         row holding NaN, which then keeps nothing and is reported by the checks).
 
     Raises:

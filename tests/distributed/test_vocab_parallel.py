@@ -26,6 +26,7 @@ VALUE_CHECKS = [
     "check_entropy_and_token_logprobs_every_backend",
     "check_token_stats_communication",
     "check_thresholds_on_wide_rows",
+    "check_thresholds_with_ties_made_by_the_temperature",
     "check_linear_kl_float32_streaming",
     "check_linear_kl_float32_native",
     "check_linear_kl_float64_streaming",

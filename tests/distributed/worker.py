@@ -301,6 +301,45 @@ def check_thresholds_on_wide_rows(ctx: Ctx):
 
 
 
+def check_thresholds_with_ties_made_by_the_temperature(ctx: Ctx):
+    """Rows holding two adjacent float32 logits whose keys x/T round equal (tests/helpers.py's
+    cases at V = 1001: the top-p boundary, inside the prefix, top-k's k-th, min-p): the
+    threshold across the ranks (the portable rule's reductions, the vocabulary-parallel path's)
+    is the same on every rank and bit for bit the single-process τ of every backend that runs
+    here, its kept set the float64 rule's; the vocabulary-parallel KL on it against float64."""
+    from klpenalty.distributed.vocab_parallel import _RankReduce
+    from klpenalty.ops.reference import kept_set_reference
+    from klpenalty.ops.streaming.threshold import threshold_rows
+    from klpenalty.sampling import sampling_threshold
+
+    from ..helpers import temperature_tie_cases
+
+    device = torch.get_default_device()
+    cases = [(x.to(device), kw) for x, kw in temperature_tie_cases(VOCAB, seed=5)]
+    reduce = _RankReduce(None, ctx.world, VOCAB)
+    g = _generator(43)
+    taus, kls = [], []
+    for x, kw in cases:
+        taus.append(threshold_rows(ctx.shard(x), kw.get("top_k"), kw.get("top_p"),
+                                   kw.get("min_p"), kw["temperature"], None, reduce))
+        y = x + torch.randn(x.shape, generator=g)
+        kl = kd.vocab_parallel_full_kl(ctx.shard(x), ctx.shard(y), vocab_start=ctx.start, **kw)
+        kls.append((kl, y))
+    same = all(gather_equal(t) for t in taus)
+    assert same
+    backends = ["streaming", "triton"] if device.type == "cuda" else ["streaming",
+                                                                       checked("native"), "triton"]
+    for (x, kw), tau, (kl, y) in zip(cases, taus, kls):
+        for backend in backends:
+            one = sampling_threshold(x, **kw, backend=backend)
+            assert torch.equal(tau, one), (backend, kw, tau.item(), one.item())
+        want = kept_set_reference(x.cpu(), **kw).to(device)
+        assert torch.equal(x >= tau.unsqueeze(-1), want), kw
+        ref = full_kl_reference(torch.where(want, x.double(), -math.inf), y, kw["temperature"])
+        assert_close(kl.double(), ref, **tol(torch.float32))
+    return len(cases)
+
+
 def _count_collectives():
     calls = []
     originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}

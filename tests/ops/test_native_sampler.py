@@ -16,7 +16,7 @@ from klpenalty.ops.streaming.threshold import LOCAL, threshold_rows
 from klpenalty.ops import native
 from klpenalty.ops.contract import OUT_COLS, ST_TAU, STATS_COLS, Want
 from klpenalty.ops.reference import token_stats_reference
-from tests.helpers import grad_tol, make_logits, tol
+from tests.helpers import grad_tol, make_logits, min_p_boundary, tol
 from tests.ops.cases import ref_token_stats_grads
 from klpenalty.ops.reference import kept_set_reference
 
@@ -183,10 +183,12 @@ def test_nothing_cut_nan_inf_and_tiny_rows():
 
 
 def test_min_p_boundary():
+    """Kept iff k_v − k_max ≥ log(min_p) (float64 keys x/T of float64 logits): the largest
+    min_p whose log is ≤ the keys' difference keeps the token, the next float drops it."""
     x = torch.tensor([[3.0, 2.0, 0.5, -4.0]], dtype=torch.float64)
     t = 1.3
     for j, want in ((1, 2), (2, 3), (3, 4)):
-        ratio = math.exp((x[0, j].item() - 3.0) / t)  # π_v / π_max
+        ratio = min_p_boundary(x[0, j].item() / t - 3.0 / t)
         assert int(kept_by(x, threshold(x, 0, 1.0, ratio, t)).sum()) == want
         above = math.nextafter(ratio, 2.0)
         assert int(kept_by(x, threshold(x, 0, 1.0, above, t)).sum()) == want - 1

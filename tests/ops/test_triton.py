@@ -28,7 +28,7 @@ from klpenalty.ops.contract import Want
 from klpenalty.ops.reference import entropy_reference, full_kl_reference
 from klpenalty.ops.triton import threshold as th
 from klpenalty.ops.triton import token_stats as ts
-from tests.helpers import grad_tol, make_logits, tol, triton_interpreter_env
+from tests.helpers import grad_tol, make_logits, temperature_tie_cases, tol, triton_interpreter_env
 from tests.helpers import views
 from tests.ops.cases import (
     TOKEN_STATS_SCENARIOS,
@@ -683,6 +683,40 @@ def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
         op(_on(row), 0, 1.5, 0.0, 1.0)
     with pytest.raises(ValueError, match="top_k"):
         op(_on(row), -2, 1.0, 0.0, 1.0)
+
+
+@pytest.mark.parametrize("vocab", [8, 300, 4096])
+def test_sampling_threshold_kernel_keeps_ties_made_by_the_temperature(vocab):
+    """Rows holding two adjacent float32 logits whose keys x/T (``div_rn``) round equal, at the
+    top-p boundary, inside the prefix, as top-k's k-th and at the min-p boundary: the portable
+    rule's τ bit for bit (tests/test_sampling.py holds the native kernel to it) and the float64
+    rule's kept set."""
+    from klpenalty.ops.reference import kept_set_reference
+
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    cases = temperature_tie_cases(vocab, seed=vocab)
+    if vocab > 300:  # the interpreter's seconds: the wide rows' top-p cases (the mass search)
+        cases = [(x, kw) for x, kw in cases if "top_k" not in kw and "top_p" in kw]
+    for x, kw in cases:
+        args = (kw.get("top_k", 0), kw.get("top_p", 1.0), kw.get("min_p", 0.0), kw["temperature"])
+        tau = op(_on(x), *args).cpu()
+        assert torch.equal(tau, _threshold_rule(x, *args)), kw
+        assert torch.equal(x >= tau.unsqueeze(-1), kept_set_reference(x, **kw)), kw
+
+
+def test_a_tie_made_by_the_temperature_in_the_forward():
+    """The forward's own threshold keeps the pair whose x/0.7 round equal (the larger logit
+    first): the KL and log-prob of the float64 rule's kept set."""
+    x = torch.tensor([[0.9999879598617554, 0.9999880194664001, -5.0]])
+    y = torch.tensor([[0.3, -0.2, 0.1]])
+    kw = dict(top_p=0.7, temperature=0.7, backend="triton")
+    kept = torch.tensor([[True, True, False]])
+    want = full_kl_reference(torch.where(kept, x.double(), NINF), y, 0.7)
+    torch.testing.assert_close(klpenalty.full_kl(_on(x), _on(y), **kw).cpu().double(), want,
+                               **tol(torch.float32))
+    lp = klpenalty.token_logprobs(_on(x), _on(torch.tensor([0])), **kw).cpu().double()
+    torch.testing.assert_close(lp, torch.tensor([math.log(0.5)], dtype=torch.float64),
+                               **tol(torch.float32))
 
 
 @pytest.mark.parametrize("dtype,vocab_chunk", [(torch.float32, 0), (torch.bfloat16, 16)],

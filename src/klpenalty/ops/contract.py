@@ -64,6 +64,7 @@ __all__ = [
     "check_finished",
     "outside_support_error",
     "sampler_cuts",
+    "sampler_keys",
     "combined_tau",
     "constant_result",
 ]
@@ -451,6 +452,18 @@ def sampler_cuts(vocab: int, top_k: int, top_p: float, min_p: float) -> bool:
     """Whether the op arguments ``top_k`` / ``top_p`` / ``min_p`` cut anything at ``vocab``
     columns: 1 ≤ top_k < V, top_p < 1, min_p > 0 (top_k = 0, top_p = 1, min_p = 0: unused)."""
     return 0 < top_k < vocab or top_p < 1.0 or min_p > 0.0
+
+
+def sampler_keys(x: Tensor, temperature: float) -> Tensor:
+    """The sampler's keys of logits ``x`` (...): x/T as the sampler rule of
+    :mod:`klpenalty.sampling` rounds it, the IEEE quotient of x in the compute dtype by T in
+    that dtype (float32(T) for float32, bf16 and fp16 logits). The divisor is a 0-dim tensor on
+    x's device: a true division on every device (torch multiplies by a rounded reciprocal for a
+    Python-number divisor on CUDA, which differs at one ulp)."""
+    xc = x.to(compute_dtype(x))
+    if temperature == 1.0:
+        return xc
+    return xc / torch.full((), temperature, dtype=xc.dtype, device=xc.device)
 
 
 def check_sampler_args(top_k: int, top_p: float, min_p: float, temperature: float) -> None:

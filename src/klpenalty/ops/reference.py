@@ -149,38 +149,51 @@ def kept_set_reference(
     logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None,
     min_p: float | None = None, temperature: float = 1.0,
 ) -> torch.Tensor:
-    """The kept set of top-k → top-p → min-p sampling, (..., V) bool, as a sampler builds it,
-    step by step in float64 (the rule of :func:`klpenalty.sampling.sampling_threshold`):
-    sort, cut, renormalise, sort again; ties at each boundary are kept.
+    """The kept set of top-k → top-p → min-p sampling, (..., V) bool: the rule of
+    :mod:`klpenalty.sampling` stated literally, step by step, sorted, in float64 but for the
+    keys.
+
+    - the key of a token is x/T rounded to the compute dtype
+      (:func:`klpenalty.ops.contract.sampler_keys`: float32 for float32, bf16 and fp16 logits,
+      float64 for float64 ones); a tie group is the tokens of one key;
+    - top-k keeps the keys ≥ the k-th largest key;
+    - top-p: the masses exp(k − log Z) of the top-k survivors in float64 (log Z = m +
+      log Σ exp(k − m), m their largest key), sorted by decreasing key, the mass before each token
+      their exclusive cumulative sum; a group is kept whole when the mass before its first
+      token is < p (the first group always; −inf keys only where no other is live);
+    - min-p keeps the keys with k − k_max ≥ log(min_p) in float64 (k_max the row's largest).
 
     Args:
         logits: (..., V), any float dtype; each row on its own (a Python loop: small rows).
         top_k, top_p, min_p: the sampler's settings (None: not used).
-        temperature: > 0; the masses of top-p and min-p are those of softmax(x/T).
+        temperature: > 0, the sampler's.
     """
-    rows = logits.detach().double().reshape(-1, logits.shape[-1])
-    kept = torch.stack([_kept_row(r, top_k, top_p, min_p, temperature) for r in rows])
+    from .contract import sampler_keys  # the rule's keys, one copy
+
+    keys = sampler_keys(logits.detach(), temperature).double().reshape(-1, logits.shape[-1])
+    kept = torch.stack([_kept_row(k, top_k, top_p, min_p) for k in keys])
     return kept.reshape(logits.shape)
 
 
-def _kept_row(x: torch.Tensor, top_k, top_p, min_p, temperature: float) -> torch.Tensor:
-    kept = torch.ones_like(x, dtype=torch.bool)
-    if top_k is not None and top_k < x.numel():
-        kth = x.sort(descending=True).values[top_k - 1]
-        kept &= x >= kth
+def _kept_row(k: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
+    """The kept set (V,) of one row of keys ``k`` (V,) float64 (:func:`kept_set_reference`)."""
+    kept = torch.ones_like(k, dtype=torch.bool)
+    if top_k is not None and top_k < k.numel():
+        kept &= k >= k.sort(descending=True).values[top_k - 1]
     if top_p is not None and top_p < 1.0:
-        probs = torch.softmax(torch.where(kept, x / temperature, -math.inf), -1)
-        mass, last = 0.0, None
-        for i in torch.argsort(x, descending=True).tolist():
-            if not kept[i]:
-                continue
-            if mass < top_p:
-                last = x[i]
-            mass += probs[i].item()
-        kept &= x >= last
+        live = torch.where(kept, k, -math.inf)
+        m = live.max()
+        if m > -math.inf:
+            mass = torch.exp(live - (m + torch.log(torch.exp(live - m).sum())))
+            order = torch.argsort(live, descending=True, stable=True)
+            key, mass = live[order], mass[order]
+            before = torch.cat([mass.new_zeros(1), mass.cumsum(0)[:-1]])
+            first = torch.cat([key.new_ones(1, dtype=torch.bool), key[1:] != key[:-1]])
+            starts = first & (before < top_p) & (key > -math.inf)
+            starts[0] = True
+            kept &= k >= key[starts].min()
     if min_p is not None and min_p > 0.0:
-        probs = torch.softmax(torch.where(kept, x / temperature, -math.inf), -1)
-        kept &= probs >= min_p * probs.max()
+        kept &= (k - k.max()) >= math.log(min_p)
     return kept
 
 

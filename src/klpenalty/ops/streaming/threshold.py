@@ -1,8 +1,13 @@
 """The portable form of the sampler threshold (top-k → top-p → min-p) in PyTorch ops, with the
 row reductions pluggable: the streaming backend's ``sampling_threshold`` op and the
 vocabulary-parallel thresholds (:mod:`klpenalty.distributed.vocab_parallel`, whose reductions
-run across ranks). The rule itself is stated in :mod:`klpenalty.sampling`; the native and
-Triton backends compute the same one in their kernels.
+run across ranks). The rule itself (decisions on the keys x/T of
+:func:`..contract.sampler_keys`, tie groups kept whole, τ the smallest logit of the last kept
+group) is stated in :mod:`klpenalty.sampling`; the native and Triton backends compute the same
+τ in their kernels. Here each step finds a kept token at its boundary and τ is then the
+smallest logit whose key is at least that token's (:func:`_group_floor`, one more row
+reduction). The sums: Z of float64 exponentials of the keys (``torch.sum`` in float64, across
+ranks the ranks' sums added), the masses before a token a float64 cumulative sum.
 
 Shape letters: N rows (positions), C the columns held here (V, or one rank's slice of it).
 """
@@ -116,24 +121,28 @@ def _chunk_threshold(
 ) -> Tensor:
     """τ (R,) float64 of a chunk of rows x (R, C): the smallest logit kept by the three steps.
 
-    No full sort: top-k reads the k-th largest logit (``topk``); top-p weighs the logits by
-    their masses exp(x/T − log Z) in float64 (log Z: the max plus the log of a
-    float64-accumulated sum of exp over the live logits), sorting only the largest 256 (rows
-    whose kept prefix ends inside them) and otherwise the logits of one bucket of a histogram
-    of the mass (:func:`_bucketed_top_p`); min-p is an elementwise test against the row's
-    maximum.
+    No full sort: top-k reads the k-th largest logit (``topk``; the keys are non-decreasing in
+    the logits, so its key is the k-th largest key); top-p weighs the keys by their masses
+    exp(k − log Z) in float64 (log Z: the max plus the log of the float64 sum of the float64
+    exp(k − max) over the live keys), sorting only the largest 256 (rows whose kept prefix ends
+    inside them) and otherwise the keys of one bucket of a histogram of the mass
+    (:func:`_bucketed_top_p`); min-p is an elementwise test of the keys against the largest.
+    Each step's boundary token is lowered to its tie group's smallest logit
+    (:func:`_group_floor`).
     """
     xc = x.to(compute_dtype(x))  # (R, C), no copy for float32/float64 logits
+    keys = contract.sampler_keys(xc, temperature)  # (R, C): x/T as the sampler rounds it
     r = xc.shape[0]
-    tau = torch.full((r,), -math.inf, dtype=torch.float64, device=x.device)
+    tau = torch.full((r,), -math.inf, dtype=xc.dtype, device=x.device)
     if top_k is not None:
-        tau = reduce.topk(xc, xc, top_k)[0][:, -1].double()  # ties with the k-th kept: x ≥ τ
+        kth = reduce.topk(xc, xc, top_k)[0][:, -1]  # the k-th largest logit
+        tau = _group_floor(xc, keys, kth, temperature, reduce)
     if top_p is not None:
-        scaled = xc / temperature  # (R, C)
+        scaled = keys
         if top_k is not None:
-            scaled = scaled.masked_fill_(xc < tau.to(xc.dtype).unsqueeze(-1), -math.inf)
+            scaled = keys.masked_fill(xc < tau.unsqueeze(-1), -math.inf)
         m = finite_or_zero(reduce.amax(scaled))  # (R, 1)
-        log_z = m.double() + reduce.sum64(torch.exp(scaled - m)).log()
+        log_z = m.double() + reduce.sum64(torch.exp(scaled.double() - m.double())).log()
         tau_p = torch.empty(r, dtype=xc.dtype, device=x.device)
         k = min(vocab, SORTED_CANDIDATES if top_k is None else top_k)
         if k <= SORTED_CANDIDATES:  # a few candidates: one sorted walk settles most rows
@@ -150,15 +159,26 @@ def _chunk_threshold(
         elif rest.numel():
             tau_p[rest] = _bucketed_top_p(scaled[rest], xc[rest], m[rest], log_z[rest], top_p,
                                           vocab, reduce)
-        tau = torch.maximum(tau, tau_p.double())
+        tau = torch.maximum(tau, _group_floor(xc, keys, tau_p, temperature, reduce))
     if min_p is not None:
-        # π_v ≥ min_p·π_max ⟺ exp((x_v − x_max)/T) ≥ min_p
+        # π_v ≥ min_p·π_max ⟺ k_v − k_max ≥ log(min_p), in float64
         top = reduce.amax(xc)  # (R, 1)
-        kept_min = torch.exp((xc - top) / temperature) >= min_p
+        key_top = contract.sampler_keys(top, temperature).double()
+        kept_min = keys.double() - key_top >= math.log(min_p)  # (keys may be the logits)
         smallest = reduce.amin(torch.where(kept_min, xc, math.inf))  # (R,); +inf if none kept
-        tau = torch.maximum(tau, torch.minimum(smallest, top.squeeze(-1)).double())
+        tau = torch.maximum(tau, torch.minimum(smallest, top.squeeze(-1)))
     # a row holding NaN keeps nothing, so that the NaN is reported, never silently cut away
-    return tau.masked_fill(reduce.any(torch.isnan(xc)), math.nan)
+    return tau.double().masked_fill(reduce.any(torch.isnan(xc)), math.nan)
+
+
+def _group_floor(xc: Tensor, keys: Tensor, at: Tensor, temperature: float,
+                 reduce: RowReduce) -> Tensor:
+    """(R,) the smallest logit of ``xc`` (R, C) whose key (``keys``) is at least that of the
+    logit ``at`` (R,) (one of the row's, or −inf): the smallest logit of ``at``'s tie group, so
+    that x ≥ it keeps the group whole. −inf and NaN stay."""
+    key = contract.sampler_keys(at, temperature).unsqueeze(-1)  # (R, 1)
+    low = reduce.amin(torch.where(keys >= key, xc, math.inf))  # (R,)
+    return torch.where(at > -math.inf, low, at)
 
 
 def _walk(vals: Tensor, above: Tensor, log_z: Tensor, top_p: float) -> tuple[Tensor, Tensor]:

@@ -123,6 +123,27 @@ def _mass_at(x_row, V, key, m_s, temperature, offs, KEY_SHIFT: tl.constexpr):
 
 
 @_device
+def _group_floor(x_row, V, t, temperature, offs):
+    """The smallest logit of the row whose key x/T (``div_rn``: the rule's float32 quotient) is
+    at least t's (t one of the row's logits): t where the float just below it has another key
+    (the keys are non-decreasing: no lower logit has t's), else one read of the row. ±inf and
+    NaN stay."""
+    BLOCK: tl.constexpr = offs.shape[0] * offs.shape[1]
+    key = tl.math.div_rn(t, temperature)
+    below = _key_value(_order_key(t, 0).to(tl.int64) - 1, 0)
+    out = t
+    if (t > float("-inf")) & (t < float("inf")) & (tl.math.div_rn(below, temperature) == key):
+        low = tl.full(offs.shape, float("inf"), tl.float32)
+        for start in range(0, V, BLOCK):
+            col = start + offs
+            x = tl.load(x_row + col, mask=col < V, other=float("nan")).to(tl.float32)
+            low = tl.minimum(low, tl.where(tl.math.div_rn(x, temperature) >= key, x,
+                                           float("inf")))
+        out = tl.min(tl.min(low, 1), 0)
+    return out
+
+
+@_device
 def _pick(v, bins, j):
     """v[j] of a [F] vector (0 where j is outside)."""
     return tl.sum(tl.where(bins == j, v, 0 * v), 0)
@@ -136,7 +157,8 @@ def threshold_kernel(
     BLOCK: tl.constexpr, BT: tl.constexpr, F: tl.constexpr,
 ):
     """τ of one row (program) for top-k → top-p → min-p sampling (:mod:`klpenalty.sampling`'s
-    rule: temperature first, ties kept), written to ``tau[row]`` as a float32 logit of the row;
+    rule: decisions on the keys x/T, ``div_rn``, the float32 quotient by float32(T); tie groups
+    of keys kept whole), written to ``tau[row]`` as a float32 logit of the row;
     HAS_TAU: max(tau_in[row], τ) (NaN if either is). −inf where nothing is cut (an all −inf
     row), NaN for a row holding NaN. ``top_p``, ``log min_p`` and ``window`` come as the int64
     bits of their float64 values (a float argument would be rounded to float32).
@@ -150,16 +172,18 @@ def threshold_kernel(
     searches blocks of BT (the threads: one column each).
 
     - pass 0: the row's max M, min, smallest logit > −inf, and whether it holds NaN;
-    - top-k (TOP_K): the k-th largest key by counts (the elements above the interval carried
-      along): τ_k, and the ties with it kept (x ≥ τ_k); for k ≤ BLOCK the search starts at
+    - top-k (TOP_K): the k-th largest logit by counts (the elements above the interval carried
+      along), lowered to its tie group's smallest logit (:func:`_group_floor`): τ_k; for k ≤ BLOCK the search starts at
       the smallest of pass 0's BLOCK partial maxima (a lower bound of τ_k);
     - one read for Z = Σ exp(x/T − M/T) (float64) over x ≥ τ_k, x > −inf, and for min-p
-      (MIN_P): τ_m = min{x : (x − M)/T ≥ log min_p} (the float32 (x − M)/T against a float64
-      log), at most M;
+      (MIN_P): τ_m = min{x : k_x − k_M ≥ log min_p} (the keys' float64 difference against a
+      float64 log), at most M;
     - top-p (TOP_P): the smallest key K among x ≥ τ_k, x > −inf with mass(keys > K) < p·Z
       (:func:`_mass_search`), searched with float32 masses and checked in one float64 read
       (:func:`_mass_at`): mass(keys > K) < p·Z ≤ mass(keys ≥ K), or K the lowest candidate;
-      where the check fails the search runs again with float64 masses. The search starts at
+      where the check fails the search runs again with float64 masses. The logit K (the last
+      kept in the order of the logits) is lowered to its tie group's smallest (the group's mass
+      before it is at most K's, so it is kept whole). The search starts at
       x ≥ (M/T + window)·T (``window`` = log((1 − p)/V) − 2, rounded down): the logits below
       hold less than 1 − p of the mass together, so each has more than p before it.
     """
@@ -210,7 +234,7 @@ def threshold_kernel(
             above = _pick(at_least, bins, j) - _pick(c, bins, j)
             lo = lo + (j.to(tl.int64) << s)
             hi = tl.minimum(hi, lo + (((s * 0) + 1) << s) - 1)
-        tau_k = _key_value(lo, KEY_SHIFT)
+        tau_k = _group_floor(x_row, V, _key_value(lo, KEY_SHIFT), temperature, offs)
         tau = tau_k
     if TOP_P or MIN_P:
         m_s = tl.math.div_rn(top, temperature).to(tl.float64)
@@ -225,7 +249,7 @@ def threshold_kernel(
                 e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
                 z_acc += tl.where(valid & (x >= floor), e, 0.0)
             if MIN_P:
-                u = tl.math.div_rn(x - top, temperature).to(tl.float64)
+                u = tl.math.div_rn(x, temperature).to(tl.float64) - m_s
                 kept_min = tl.minimum(kept_min, tl.where(valid & (u >= log_min_p), x,
                                                          float("inf")))
         if MIN_P:
@@ -252,7 +276,8 @@ def threshold_kernel(
                 if (above_k >= target) | ((above_k + at_k < target) & (lo > lo0)):
                     lo, hi, above_m = _mass_search(x_row, V, lo0, hi0, zero, target, m_s,
                                                    temperature, 2, KEY_SHIFT, BT, F)
-            tau = tl.maximum(tau, _key_value(lo, KEY_SHIFT))
+            tau = tl.maximum(tau, _group_floor(x_row, V, _key_value(lo, KEY_SHIFT), temperature,
+                                               offs))
     tau = tl.where(has_nan, float("nan"), tau)
     if HAS_TAU:
         given = tl.load(tau_in_ptr + row).to(tl.float32)

@@ -20,17 +20,60 @@
 namespace klpenalty_native {
 namespace {  // each source its own copies (internal linkage), inlined freely
 
-// The top-p walk over candidates c[0, n) (in any order): sorted decreasing, token j kept iff
-// before_j < p, before_0 = above (the mass above the candidates, normalised), before_{j+1} =
-// before_j + exp(c_j/T − log_z); the smallest kept candidate (at least the first; −inf never).
-inline double top_p_walk(double* c, int64_t n, double p, double T, double above, double log_z) {
+// The top-p walk over candidates c[0, n) (in any order) of a float (f32) or double row: sorted
+// decreasing (their keys key_of then non-increasing), a tie group of keys kept whole iff
+// before < p at its first member, before_0 = above (the mass above the candidates, normalised),
+// before += exp(key_j − log_z) per candidate; the smallest kept candidate (at least the first;
+// −inf never).
+inline double top_p_walk(double* c, int64_t n, const Sampler& s, bool f32, double above,
+                         double log_z) {
   std::sort(c, c + n, std::greater<>());
-  double before = above, last = n ? c[0] : -kInf;
-  for (int64_t j = 0; j < n && before < p && c[j] > -kInf; ++j) {
-    last = c[j];
-    before += std::exp(c[j] / T - log_z);
+  double before = above, last = n ? c[0] : -kInf, last_key = kNaN;
+  for (int64_t j = 0; j < n && c[j] > -kInf; ++j) {
+    const double k = key_of(c[j], s, f32);
+    if (!(before < s.top_p) && k != last_key) break;  // (the first member: last_key is NaN)
+    last = c[j], last_key = k;
+    before += std::exp(k - log_z);
   }
   return last;
+}
+
+// The smallest logit of a row whose key is at least that of t (one of its logits, or ±inf): t
+// itself where the value just below t (in float, or in double for a double row) has another key
+// (the keys are non-decreasing: no lower logit has t's), else one pass over the row (the
+// vectorised quotients of a float, bf16 or fp16 row).
+template <typename T>
+double group_floor(const T* x, int64_t V, double t, const Sampler& s) {
+  if (s.T == 1.0 || !(t > -kInf && t < kInf)) return t;
+  constexpr bool f32 = !std::is_same_v<T, double>;
+  const double key = key_of(t, s, f32);
+  const double below = f32 ? static_cast<double>(std::nextafter(static_cast<float>(t), -HUGE_VALF))
+                           : std::nextafter(t, -kInf);
+  if (key_of(below, s, f32) != key) return t;
+  double best = t;
+  int64_t i = 0;
+  if constexpr (f32) {
+    constexpr float finf = std::numeric_limits<float>::infinity();
+    const VF vk(static_cast<float>(key)), vT(s.Tf), vinf(finf);
+    VF acc(finf);
+    for (; i + VF::size() <= V; i += VF::size()) {
+      const VF v = load1(x + i);
+      acc = at::vec::clamp_max(acc, select(lanes_ge(v / vT, vk), v, vinf));
+    }
+    float f[VF::size()];
+    acc.store(f);
+    for (int l = 0; l < VF::size(); ++l) best = std::min<double>(best, f[l]);
+  }
+  for (; i < V; ++i) {
+    double v;
+    if constexpr (f32) {
+      v = static_cast<float>(x[i]);
+    } else {
+      v = x[i];
+    }
+    if (v < best && key_of(v, s, f32) >= key) best = v;
+  }
+  return best;
 }
 
 // Appends the logits x[i0, i1) >= ft of a float row to b[n...] in index order; returns the new n.
@@ -412,7 +455,11 @@ double pick(const T* x, int64_t V, double M, const Sampler& s, const Bracket& br
     std::nth_element(cand, cand + at, cand + nc, std::greater<>());
     return cand[at];
   } else {
-    return top_p_walk(cand, nc, s.top_p, s.T, br.above / br.z, M / s.T + std::log(br.z));
+    const double t = top_p_walk(cand, nc, s, true, br.above / br.z,
+                                key_of(M, s, true) + std::log(br.z));
+    // the last kept group reaches below the members (x > lo) only if lo has its key
+    return br.lo > -kInf && key_of(br.lo, s, true) == key_of(t, s, true) ? group_floor(x, V, t, s)
+                                                                          : t;
   }
 }
 

@@ -109,14 +109,15 @@ std::pair<double, double> row_max_min(const T* x, int64_t V, float* lane_max = n
   }
 }
 
-// top-p over the candidates c[0, n) alone (index order): Z in float64 in that order.
-inline double top_p_small(double* c, int64_t n, double p, double T) {
+// top-p over the candidates c[0, n) alone (index order) of a float (f32) or double row: Z of their
+// keys in float64 in that order. The candidates hold every logit of the last kept group.
+inline double top_p_small(double* c, int64_t n, const Sampler& s, bool f32) {
   double m = -kInf;
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, c[j] / T);
+  for (int64_t j = 0; j < n; ++j) m = std::max(m, key_of(c[j], s, f32));
   if (m == -kInf) return -kInf;
   double z = 0.0;
-  for (int64_t j = 0; j < n; ++j) z += std::exp(c[j] / T - m);
-  return top_p_walk(c, n, p, T, 0.0, m + std::log(z));
+  for (int64_t j = 0; j < n; ++j) z += std::exp(key_of(c[j], s, f32) - m);
+  return top_p_walk(c, n, s, f32, 0.0, m + std::log(z));
 }
 
 // The same for a float row whose lane maxima lm (row_max_min's, `lanes` of them) are known and
@@ -175,12 +176,17 @@ double kth_largest(const T* x, int64_t V, double M, double row_min, const Sample
   return w.cand[s.top_k - 1];
 }
 
-// The smallest logit with exp((x − M)/T) >= min_p (M finite: the max, always kept).
+// The smallest logit with key_of(x) − key_of(M) >= log(min_p) in double (M finite: the max, always
+// kept). Outside x = c ± δ the exact quotients decide as the keys do (δ: 1e-6 relative, the keys'
+// rounding is 6e-8).
 template <typename T>
 double min_p_threshold(const T* x, int64_t V, double M, const Sampler& s) {
-  const double c = M + s.T * std::log(s.min_p);
-  const double delta = 1e-9 * (std::fabs(M) + std::fabs(c) + s.T);
-  auto rule = [&](double v) { return std::exp((v - M) / s.T) >= s.min_p; };
+  const double log_min_p = std::log(s.min_p);
+  const double c = M + s.T * log_min_p;
+  const double delta = 1e-6 * (std::fabs(M) + std::fabs(c) + s.T);
+  constexpr bool f32 = !std::is_same_v<T, double>;
+  const double key_max = key_of(M, s, f32);
+  auto rule = [&](double v) { return key_of(v, s, f32) - key_max >= log_min_p; };
   double best = M;
   if constexpr (std::is_same_v<T, double>) {
     for (int64_t j = 0; j < V; ++j) {
@@ -244,7 +250,11 @@ double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& 
   if (M == -kInf) return -kInf;    // every logit −inf: every step keeps them all
   double tau = -kInf;
   w.survivors = -1;
-  if (s.cut_k) tau = kth_largest(x, V, M, row_min, s, w, lanes);
+  if (s.cut_k) {
+    const double kth = kth_largest(x, V, M, row_min, s, w, lanes);
+    tau = group_floor(x, V, kth, s);
+    if (tau != kth) w.survivors = -1;  // (they may miss the group's logits below th0)
+  }
   if ((s.cut_p || s.cut_min) && M == kInf) return kInf;  // only the +inf logits
   if (s.cut_p) {
     double tp;
@@ -258,7 +268,8 @@ double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& 
       } else {
         gather_at_least(x, V, tau, w);  // the candidates x >= τ_k, in index order
       }
-      tp = top_p_small(w.cand.data(), static_cast<int64_t>(w.cand.size()), s.top_p, s.T);
+      tp = top_p_small(w.cand.data(), static_cast<int64_t>(w.cand.size()), s,
+                       !std::is_same_v<T, double>);
     } else {
       const double lo = s.cut_k ? std::nextafter(static_cast<float>(tau), -std::numeric_limits<float>::infinity())
                                 : -kInf;

@@ -248,8 +248,8 @@ def record(case: dict) -> list[tuple]:
 
             stats = torch.zeros(ROWS, contract.STATS_COLS)
             kind = case["divergence"]
-            _, gbar = ops.triton_divergence(x, y, stats, None, 1.0, kind, 0.5)
-            ops.triton_divergence_backward(torch.ones(ROWS), x, y, stats, gbar, None, 1.0, kind,
+            _, gbar = ops.triton_divergence(x, y, stats, None, None, None, 1.0, kind, 0.5)
+            ops.triton_divergence_backward(torch.ones(ROWS), x, y, stats, gbar, None, None, None, 1.0, kind,
                                            0.5)
             return log
         want = case["want"]

@@ -87,16 +87,16 @@ def _float64_walk(x, y, mask, grad, kind):
     """The streaming op and its backward in float64 on the same values."""
     xd, yd = x.double(), y.double()
     st = _stats(xd, yd, mask, "streaming")
-    value, gbar = ops.streaming_divergence(xd, yd, st, mask, TEMPERATURE, kind, PARAM)
-    gx = ops.streaming_divergence_backward(grad.double(), xd, yd, st, gbar, mask, TEMPERATURE,
+    value, gbar = ops.streaming_divergence(xd, yd, st, mask, None, None, TEMPERATURE, kind, PARAM)
+    gx = ops.streaming_divergence_backward(grad.double(), xd, yd, st, gbar, mask, None, None, TEMPERATURE,
                                            kind, PARAM)
     return value, gbar, gx
 
 
 def _check_against_float64(x, y, mask, kind, grad):
     st = _stats(x, y, mask)
-    value, gbar = ops.triton_divergence(x, y, st, mask, TEMPERATURE, kind, PARAM)
-    gx = ops.triton_divergence_backward(grad, x, y, st, gbar, mask, TEMPERATURE, kind, PARAM)
+    value, gbar = ops.triton_divergence(x, y, st, mask, None, None, TEMPERATURE, kind, PARAM)
+    gx = ops.triton_divergence_backward(grad, x, y, st, gbar, mask, None, None, TEMPERATURE, kind, PARAM)
     want_v, want_g, want_x = _float64_walk(x, y, mask, grad, kind)
     assert value.dtype == gbar.dtype == torch.float32 and gx.dtype == x.dtype
     assert value.shape == gbar.shape == x.shape[:-1] and gx.shape == x.shape
@@ -138,7 +138,7 @@ def test_split_rows_match_whole_rows(kind, monkeypatch):
     x, y, mask = _pair(torch.float32, 100, seed=4)
     grad = torch.linspace(-1.0, 1.0, 12).reshape(3, 4).to(DEVICE)
     st = _stats(x, y, mask)
-    whole = ops.triton_divergence(x, y, st, mask, TEMPERATURE, kind, PARAM)
+    whole = ops.triton_divergence(x, y, st, mask, None, None, TEMPERATURE, kind, PARAM)
     launches = _Launches(monkeypatch)
     monkeypatch.setattr(tdiv, "split_columns", lambda n, vocab, device: (16, 32))
     value, _ = _check_against_float64(x, y, mask, kind, grad)
@@ -156,11 +156,11 @@ def test_identical_inputs_give_exactly_zero(dtype):
     x[0, 1, ::4] = NINF
     st = _stats(x, x, None)
     for kind in KINDS:
-        value, gbar = ops.triton_divergence(x, x, st, None, TEMPERATURE, kind, PARAM)
+        value, gbar = ops.triton_divergence(x, x, st, None, None, None, TEMPERATURE, kind, PARAM)
         assert torch.all(value == 0), (kind, value)
         if kind in (Divergence.REVERSE_KL, Divergence.JSD):
             gx = ops.triton_divergence_backward(torch.ones(2, 3, device=DEVICE), x, x, st, gbar,
-                                                None, TEMPERATURE, kind, PARAM)
+                                                None, None, None, TEMPERATURE, kind, PARAM)
             assert torch.all(gbar == 0) and torch.all(gx == 0), kind
 
 
@@ -181,16 +181,16 @@ def test_float64_inputs_and_the_empty_batch():
     x, y, mask = _pair(torch.float64, 33)
     st = _stats(x, y, mask)
     for kind in (Divergence.JSD, Divergence.TVD):
-        got = ops.triton_divergence(x, y, st, mask, TEMPERATURE, kind, PARAM)
-        want = ops.streaming_divergence(x, y, st, mask, TEMPERATURE, kind, PARAM)
+        got = ops.triton_divergence(x, y, st, mask, None, None, TEMPERATURE, kind, PARAM)
+        want = ops.streaming_divergence(x, y, st, mask, None, None, TEMPERATURE, kind, PARAM)
         assert got[0].dtype == torch.float64
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
     e = torch.zeros(0, 7, device=DEVICE)
     st = torch.zeros(0, contract.STATS_COLS, device=DEVICE)
-    value, gbar = ops.triton_divergence(e, e, st, None, 1.0, int(Divergence.JSD), PARAM)
+    value, gbar = ops.triton_divergence(e, e, st, None, None, None, 1.0, int(Divergence.JSD), PARAM)
     assert value.shape == gbar.shape == (0,) and value.dtype == torch.float32
-    gx = ops.triton_divergence_backward(value, e, e, st, gbar, None, 1.0, int(Divergence.JSD),
+    gx = ops.triton_divergence_backward(value, e, e, st, gbar, None, None, None, 1.0, int(Divergence.JSD),
                                         PARAM)
     assert gx.shape == (0, 7) and gx.dtype == torch.float32
 
@@ -199,10 +199,10 @@ def test_an_unknown_kind_is_a_value_error():
     x, y, _ = _pair(torch.float32, 7)
     st = _stats(x, y, None)
     with pytest.raises(ValueError, match="kind must be one of"):
-        ops.triton_divergence(x, y, st, None, 1.0, 6, PARAM)
+        ops.triton_divergence(x, y, st, None, None, None, 1.0, 6, PARAM)
     with pytest.raises(ValueError, match="kind must be one of"):
         ops.triton_divergence_backward(torch.ones(3, 4, device=DEVICE), x, y, st,
-                                       torch.zeros(3, 4, device=DEVICE), None, 1.0, -1, PARAM)
+                                       torch.zeros(3, 4, device=DEVICE), None, None, None, 1.0, -1, PARAM)
 
 
 def test_host_side_no_sync_and_the_gradient_read_in_place(monkeypatch):
@@ -215,20 +215,20 @@ def test_host_side_no_sync_and_the_gradient_read_in_place(monkeypatch):
     st = _stats(x.contiguous(), y.contiguous(), mask)
     counter = _CountSyncs(monkeypatch)
     launches = _Launches(monkeypatch, counter)
-    (value, gbar), fwd_ops = _count(tdiv.divergence_op, x, y, st, mask, TEMPERATURE,
+    (value, gbar), fwd_ops = _count(tdiv.divergence_op, x, y, st, mask, None, None, TEMPERATURE,
                                     int(Divergence.JSD), PARAM)
     grad = torch.ones((), device=DEVICE).expand(2, 4)
-    gx, bwd_ops = _count(tdiv.divergence_backward_op, grad, x, y, st, gbar, mask, TEMPERATURE,
+    gx, bwd_ops = _count(tdiv.divergence_backward_op, grad, x, y, st, gbar, mask, None, None, TEMPERATURE,
                          int(Divergence.JSD), PARAM)
     assert counter.syncs == 0
     assert launches.names() == ["divergence_kernel", "divergence_grad_kernel"]
     assert "clone" not in fwd_ops + bwd_ops and "copy_" not in fwd_ops + bwd_ops, (fwd_ops, bwd_ops)
     assert len(fwd_ops) <= 8 and len(bwd_ops) <= 8, (fwd_ops, bwd_ops)
-    want = tdiv.divergence_op(x.contiguous(), y.contiguous(), st, mask, TEMPERATURE,
+    want = tdiv.divergence_op(x.contiguous(), y.contiguous(), st, mask, None, None, TEMPERATURE,
                               int(Divergence.JSD), PARAM)
     assert torch.equal(value, want[0]) and torch.equal(gbar, want[1])
     want_x = tdiv.divergence_backward_op(torch.ones(2, 4, device=DEVICE), x.contiguous(),
-                                         y.contiguous(), st, gbar, mask, TEMPERATURE,
+                                         y.contiguous(), st, gbar, mask, None, None, TEMPERATURE,
                                          int(Divergence.JSD), PARAM)
     assert torch.equal(gx, want_x)
 

@@ -120,7 +120,7 @@ def test_non_finite_entries_are_the_streaming_ops(kind, dtype):
         for temperature in TEMPERATURES:
             for m in (None, mask):
                 stats = _stats("native", x, y, m, temperature)
-                args = (stats, m, temperature, kind, PARAM)
+                args = (stats, m, None, None, temperature, kind, PARAM)
                 vn, gn = OPS.native_divergence(x, y, *args)
                 vs, gs = OPS.streaming_divergence(x, y, *args)
                 grad = torch.randn(ROWS, generator=torch.Generator().manual_seed(2))
@@ -140,11 +140,11 @@ def test_non_finite_entries_are_the_streaming_ops(kind, dtype):
 def test_masked_rows_and_rows_without_gradient_are_exactly_zero(kind, dtype):
     x, y, mask = _rows(1001, dtype, seed=2)
     stats = _stats("native", x, y, mask, 0.9)
-    value, gbar = OPS.native_divergence(x, y, stats, mask, 0.9, kind, PARAM)
+    value, gbar = OPS.native_divergence(x, y, stats, mask, None, None, 0.9, kind, PARAM)
     assert value[MASKED] == 0 and gbar[MASKED] == 0  # NaN logits there
     grad = torch.ones(ROWS)
     grad[6] = 0.0  # NaN logits, no upstream gradient
-    gx = OPS.native_divergence_backward(grad, x, y, stats, gbar, mask, 0.9, kind, PARAM)
+    gx = OPS.native_divergence_backward(grad, x, y, stats, gbar, mask, None, None, 0.9, kind, PARAM)
     assert (gx[MASKED] == 0).all() and (gx[6] == 0).all()
     assert gx[6].isnan().sum() == 0 and gx[MASKED].isnan().sum() == 0
 
@@ -161,7 +161,7 @@ def test_identical_models_give_exactly_zero(kind, dtype):
             x[1, ::3] = NINF
         for temperature in TEMPERATURES:
             stats = _stats("native", x, x, None, temperature)
-            value, _ = OPS.native_divergence(x, x.clone(), stats, None, temperature, kind, PARAM)
+            value, _ = OPS.native_divergence(x, x.clone(), stats, None, None, None, temperature, kind, PARAM)
             assert (value == 0).all(), (kind.name, dtype, vocab, temperature, value)
             public = klpenalty.divergence(x, x.clone(), kind.name.lower(),
                                           temperature=temperature, backend="native")
@@ -193,13 +193,13 @@ def test_argument_errors():
     x, y, mask = _rows(7, torch.float32)
     stats = _stats("native", x, y, mask, 1.0)
     with pytest.raises(ValueError, match="kind must be one of"):
-        OPS.native_divergence(x, y, stats, mask, 1.0, 6, PARAM)
+        OPS.native_divergence(x, y, stats, mask, None, None, 1.0, 6, PARAM)
     with pytest.raises(ValueError, match="stats must have shape"):
-        OPS.native_divergence(x, y, stats[:, :4], mask, 1.0, 1, PARAM)
+        OPS.native_divergence(x, y, stats[:, :4], mask, None, None, 1.0, 1, PARAM)
     with pytest.raises(ValueError, match="same shape"):
-        OPS.native_divergence(x, y[:, :5], stats, mask, 1.0, 1, PARAM)
+        OPS.native_divergence(x, y[:, :5], stats, mask, None, None, 1.0, 1, PARAM)
     with pytest.raises(ValueError, match="temperature"):
         OPS.native_divergence(x, y, stats, mask, 0.0, 1, PARAM)
-    value, gbar = OPS.native_divergence(x, y, stats, mask, 1.0, 1, PARAM)
+    value, gbar = OPS.native_divergence(x, y, stats, mask, None, None, 1.0, 1, PARAM)
     with pytest.raises(ValueError, match="grad must have shape"):
-        OPS.native_divergence_backward(value[:3], x, y, stats, gbar, mask, 1.0, 1, PARAM)
+        OPS.native_divergence_backward(value[:3], x, y, stats, gbar, mask, None, None, 1.0, 1, PARAM)

@@ -118,7 +118,8 @@ def test_the_student_on_a_support_is_divergence_on_the_logits(kind, backend, sup
         if support == "mask":
             kwargs = dict(support=kept)
         else:
-            offsets = torch.cat([torch.zeros(1, dtype=torch.long), kept.sum(-1).reshape(-1).cumsum(0)])
+            counts = kept.sum(-1).reshape(-1)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
             kwargs = dict(support=(kept.reshape(-1, V).nonzero()[:, 1], offsets))
     student = [t[k].clone().requires_grad_(True) for k in ("hs", "ws", "bs")]
     got = klpenalty.linear_divergence(

@@ -88,15 +88,16 @@ def _float64_walk(x, y, mask, grad, kind):
     xd, yd = x.double(), y.double()
     st = _stats(xd, yd, mask, "streaming")
     value, gbar = ops.streaming_divergence(xd, yd, st, mask, None, None, TEMPERATURE, kind, PARAM)
-    gx = ops.streaming_divergence_backward(grad.double(), xd, yd, st, gbar, mask, None, None, TEMPERATURE,
-                                           kind, PARAM)
+    gx = ops.streaming_divergence_backward(grad.double(), xd, yd, st, gbar, mask, None, None,
+                                           TEMPERATURE, kind, PARAM)
     return value, gbar, gx
 
 
 def _check_against_float64(x, y, mask, kind, grad):
     st = _stats(x, y, mask)
     value, gbar = ops.triton_divergence(x, y, st, mask, None, None, TEMPERATURE, kind, PARAM)
-    gx = ops.triton_divergence_backward(grad, x, y, st, gbar, mask, None, None, TEMPERATURE, kind, PARAM)
+    gx = ops.triton_divergence_backward(grad, x, y, st, gbar, mask, None, None, TEMPERATURE, kind,
+                                        PARAM)
     want_v, want_g, want_x = _float64_walk(x, y, mask, grad, kind)
     assert value.dtype == gbar.dtype == torch.float32 and gx.dtype == x.dtype
     assert value.shape == gbar.shape == x.shape[:-1] and gx.shape == x.shape
@@ -245,8 +246,8 @@ def test_float64_inputs_and_the_empty_batch():
     st = torch.zeros(0, contract.STATS_COLS, device=DEVICE)
     value, gbar = ops.triton_divergence(e, e, st, None, None, None, 1.0, int(Divergence.JSD), PARAM)
     assert value.shape == gbar.shape == (0,) and value.dtype == torch.float32
-    gx = ops.triton_divergence_backward(value, e, e, st, gbar, None, None, None, 1.0, int(Divergence.JSD),
-                                        PARAM)
+    gx = ops.triton_divergence_backward(value, e, e, st, gbar, None, None, None, 1.0,
+                                        int(Divergence.JSD), PARAM)
     assert gx.shape == (0, 7) and gx.dtype == torch.float32
 
 
@@ -257,7 +258,8 @@ def test_an_unknown_kind_is_a_value_error():
         ops.triton_divergence(x, y, st, None, None, None, 1.0, 6, PARAM)
     with pytest.raises(ValueError, match="kind must be one of"):
         ops.triton_divergence_backward(torch.ones(3, 4, device=DEVICE), x, y, st,
-                                       torch.zeros(3, 4, device=DEVICE), None, None, None, 1.0, -1, PARAM)
+                                       torch.zeros(3, 4, device=DEVICE), None, None, None, 1.0,
+                                       -1, PARAM)
 
 
 def test_host_side_no_sync_and_the_gradient_read_in_place(monkeypatch):
@@ -273,8 +275,8 @@ def test_host_side_no_sync_and_the_gradient_read_in_place(monkeypatch):
     (value, gbar), fwd_ops = _count(tdiv.divergence_op, x, y, st, mask, None, None, TEMPERATURE,
                                     int(Divergence.JSD), PARAM)
     grad = torch.ones((), device=DEVICE).expand(2, 4)
-    gx, bwd_ops = _count(tdiv.divergence_backward_op, grad, x, y, st, gbar, mask, None, None, TEMPERATURE,
-                         int(Divergence.JSD), PARAM)
+    gx, bwd_ops = _count(tdiv.divergence_backward_op, grad, x, y, st, gbar, mask, None, None,
+                         TEMPERATURE, int(Divergence.JSD), PARAM)
     assert counter.syncs == 0
     assert launches.names() == ["divergence_kernel", "divergence_grad_kernel"]
     assert "clone" not in fwd_ops + bwd_ops and "copy_" not in fwd_ops + bwd_ops, (fwd_ops, bwd_ops)

@@ -231,8 +231,8 @@ class _VocabParallelDivergence(torch.autograd.Function):
     """The second walk across ranks: the merged stats (:func:`_merged_stats`, want KL: both
     normalisers, the student on the support ``keep`` / ``tau``: this rank's slice of the kept
     set, the threshold computed across ranks), each rank's value and ḡ over its slice (the
-    backend's divergence op), one all-reduce SUM of both; the backward is local (the backend's divergence backward op with
-    the global stats and ḡ). out (N, OUT_COLS) with the value in the KL column."""
+    backend's divergence op), one all-reduce SUM of both; the backward is local (the backend's
+    divergence backward op with the global stats and ḡ). out (N, OUT_COLS) with the value in the KL column."""
 
     @staticmethod
     def forward(ctx, x, y, mask, keep, tau, opts, kind, param):

@@ -143,7 +143,8 @@ SCHEMAS = {
         "{b}_support_from_ids(Tensor x, Tensor ids, Tensor offsets, int chunk_rows) "
         "-> (Tensor, Tensor)"
     ),
-    # the second walk: a statistic that needs both normalisers first (ops/divergence.py)
+    # the second walk: a statistic that needs both normalisers first (ops/divergence.py), the
+    # student on the support keep / tau (kept_mask; log π̃ = −inf and π·g = 0 off it)
     "divergence": (
         "{b}_divergence(Tensor x, Tensor y, Tensor stats, Tensor? mask, Tensor? keep, "
         "Tensor? tau, float temperature, int kind, float param) -> (Tensor, Tensor)"

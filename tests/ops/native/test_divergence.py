@@ -163,7 +163,8 @@ def test_identical_models_give_exactly_zero(kind, dtype):
             x[1, ::3] = NINF
         for temperature in TEMPERATURES:
             stats = _stats("native", x, x, None, temperature)
-            value, _ = OPS.native_divergence(x, x.clone(), stats, None, None, None, temperature, kind, PARAM)
+            value, _ = OPS.native_divergence(x, x.clone(), stats, None, None, None, temperature,
+                                             kind, PARAM)
             assert (value == 0).all(), (kind.name, dtype, vocab, temperature, value)
             public = klpenalty.divergence(x, x.clone(), kind.name.lower(),
                                           temperature=temperature, backend="native")
@@ -249,4 +250,5 @@ def test_argument_errors():
                               1, PARAM)
     value, gbar = OPS.native_divergence(x, y, stats, mask, None, None, 1.0, 1, PARAM)
     with pytest.raises(ValueError, match="grad must have shape"):
-        OPS.native_divergence_backward(value[:3], x, y, stats, gbar, mask, None, None, 1.0, 1, PARAM)
+        OPS.native_divergence_backward(value[:3], x, y, stats, gbar, mask, None, None, 1.0, 1,
+                                       PARAM)

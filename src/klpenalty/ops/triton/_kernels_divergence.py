@@ -22,7 +22,8 @@ support and π·g = 0 there (:func:`_support_log_probs`), so ḡ sums the kept e
 gradient is exactly 0 off it; the teacher is never truncated.
 
 The kind is a ``tl.constexpr`` (one specialisation per kind, only its own terms compiled), as
-are whether the kernel reads a mask, a keep or a threshold, and the stats columns (:func:`._host.column_constexprs`).
+are whether the kernel reads a mask, a keep or a threshold, and the stats columns
+(:func:`._host.column_constexprs`).
 β or λ comes as ``w`` and ``1 − w`` (``wc``), rounded from float64 on the host. Full blocks are
 read (and written) unmasked, each row's last partial one masked; columns past the row read
 x = y = −inf, whose terms are exactly 0.

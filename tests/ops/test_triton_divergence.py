@@ -164,13 +164,14 @@ def _support(x, which):
     return keep, tau
 
 
-@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 @pytest.mark.parametrize("which", ["keep", "tau", "both"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name.lower())
-def test_the_student_on_a_support_matches_float64(kind, dtype, which, split, monkeypatch):
+def test_the_student_on_a_support_matches_float64(kind, dtype, which, monkeypatch):
     """keep / tau: value, ḡ and ∂/∂x against the float64 streaming op with the same support
-    (the forward's stats over it), a masked row 0; the gradient exactly 0 off the support."""
+    (the forward's stats over it), a masked row 0; the gradient exactly 0 off the support. In
+    float32 with both, rows split into programs of 32 columns (the merge kernel)."""
+    split = which == "both" and dtype == torch.float32
     x, y = make_logits((3, 4, 70), dtype, seed=8)
     x, y = x.to(DEVICE), y.to(DEVICE)
     mask = torch.ones(3, 4, dtype=torch.bool, device=DEVICE)

@@ -248,9 +248,9 @@ def record(case: dict) -> list[tuple]:
 
             stats = torch.zeros(ROWS, contract.STATS_COLS)
             kind = case["divergence"]
-            _, gbar = ops.triton_divergence(x, y, stats, None, 1.0, kind, 0.5)
-            ops.triton_divergence_backward(torch.ones(ROWS), x, y, stats, gbar, None, 1.0, kind,
-                                           0.5)
+            _, gbar = ops.triton_divergence(x, y, stats, None, None, None, 1.0, kind, 0.5)
+            ops.triton_divergence_backward(torch.ones(ROWS), x, y, stats, gbar, None, None, None,
+                                           1.0, kind, 0.5)
             return log
         want = case["want"]
         top_k, top_p, min_p = case.get("sampler", (0, 1.0, 0.0))

@@ -12,7 +12,7 @@ import torch
 
 import klpenalty
 from klpenalty.ops import dispatch
-from klpenalty.ops.reference import divergence_reference
+from klpenalty.ops.reference import divergence_reference, kept_set_reference
 from tests.helpers import grad_tol, make_logits, tol
 
 KINDS = klpenalty.DIVERGENCES
@@ -223,3 +223,116 @@ def test_mismatched_logits_name_both():
         klpenalty.divergence(x, x[:, :8])
     with pytest.raises(TypeError, match="teacher_logits must be a floating-point"):
         klpenalty.divergence(x, torch.zeros(2, 9, dtype=torch.long))
+
+
+# ---------------------------------------------------------------- the student's sampler support
+SAMPLERS = {
+    "top_k": dict(top_k=7),
+    "top_p": dict(top_p=0.8),
+    "min_p": dict(min_p=0.05),
+    "top_k_top_p": dict(top_k=20, top_p=0.9),
+    "support": None,  # a bool kept set (not a threshold set: a few of the largest dropped)
+}
+
+
+def _support_case(name, x, temperature):
+    """(the public arguments, the kept set (..., V) bool) of a sampler case for student x."""
+    if SAMPLERS[name] is not None:
+        kwargs = SAMPLERS[name]
+        return kwargs, kept_set_reference(x, temperature=temperature, **kwargs)
+    g = torch.Generator().manual_seed(11)
+    kept = torch.rand(x.shape, generator=g) < 0.4
+    kept[..., 0] = True  # every row keeps something
+    return dict(support=kept), kept
+
+
+@pytest.mark.parametrize("sampler", list(SAMPLERS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_truncated_student_matches_float64(kind, backend, dtype, sampler):
+    x, y = make_logits((2, 3, 61), dtype, seed=12)
+    temperature = 0.8
+    kwargs, kept = _support_case(sampler, x, temperature)
+    xs = x.clone().requires_grad_(True)
+    got = klpenalty.divergence(xs, y, kind, temperature=temperature, backend=backend, **PARAMS,
+                               **kwargs)
+    want = divergence_reference(x, y, kind, PARAMS["beta"], PARAMS["skew"], temperature,
+                                support=kept)
+    torch.testing.assert_close(got.double(), want, **tol(dtype))
+    # the gradient of the finite part (KL(ν‖π̃) is +inf where the teacher has mass off the
+    # support; its gradient is that of the kept terms), 0 off the support
+    w = torch.randn(got.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    xr = x.double().requires_grad_(True)
+    (g,) = torch.autograd.grad((got.double() * w).sum(), xs)
+    ref = divergence_reference(xr, y, kind, PARAMS["beta"], PARAMS["skew"], temperature,
+                               support=kept)
+    (g_ref,) = torch.autograd.grad((ref * w).sum(), xr)
+    assert torch.isfinite(g).all() and torch.equal(g[~kept], torch.zeros_like(g[~kept]))
+    torch.testing.assert_close(g.double(), g_ref, **grad_tol(dtype))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_truncated_edges(backend):
+    x, y = make_logits((3, 61), torch.float32, seed=13)
+    rev = klpenalty.divergence(x, y, "reverse_kl", top_k=5, backend=backend)
+    # the reverse KL is the KL column of the truncated policy, the same τ as full_kl's
+    torch.testing.assert_close(rev, klpenalty.full_kl(x, y, top_k=5, backend=backend))
+    # the teacher has mass off the support: KL(ν‖π̃) = +inf; the mixtures and the TVD finite
+    assert torch.isposinf(klpenalty.divergence(x, y, "forward_kl", top_k=5, backend=backend)).all()
+    for kind in ("jsd", "skew_forward_kl", "skew_reverse_kl", "tvd"):
+        assert torch.isfinite(klpenalty.divergence(x, y, kind, top_k=5, backend=backend)).all()
+    # a support that cuts nothing is the untruncated student; a teacher without mass off the
+    # support gives a finite forward KL
+    for kind in KINDS:
+        torch.testing.assert_close(
+            klpenalty.divergence(x, y, kind, top_k=61, top_p=1.0, backend=backend),
+            klpenalty.divergence(x, y, kind, backend=backend),
+        )
+    kept = kept_set_reference(x, top_k=5)
+    y_on = torch.where(kept, y, -math.inf)
+    fwd = klpenalty.divergence(x, y_on, "forward_kl", top_k=5, backend=backend)
+    torch.testing.assert_close(
+        fwd.double(), divergence_reference(x, y_on, "forward_kl", support=kept),
+        **tol(torch.float32),
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_truncated_engine_ids_and_double_backward(kind):
+    # an engine's kept set (ids, offsets) is the threshold set of top_k: the same values;
+    # the double backward recomputes on the support
+    x, y = make_logits((2, 13), torch.float64, seed=14)
+    kept = kept_set_reference(x, top_k=4)
+    ids = kept.nonzero()[:, 1]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), kept.sum(-1).cumsum(0)])
+    by_ids = klpenalty.divergence(x, y, kind, support=(ids, offsets), **PARAMS)
+    torch.testing.assert_close(by_ids, klpenalty.divergence(x, y, kind, top_k=4, **PARAMS))
+    xs = x.clone().requires_grad_(True)
+    got = klpenalty.divergence(xs, y, kind, temperature=1.3, support=kept, **PARAMS)
+    (g,) = torch.autograd.grad(got.sum(), xs, create_graph=True)
+    (g_ref,) = torch.autograd.grad(
+        divergence_reference(xs, y, kind, PARAMS["beta"], PARAMS["skew"], 1.3, support=kept).sum(),
+        xs, create_graph=True,
+    )
+    torch.testing.assert_close(g, g_ref, **grad_tol(torch.float64))
+    v = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    (h,) = torch.autograd.grad((g * v).sum(), xs)
+    (h_ref,) = torch.autograd.grad((g_ref * v).sum(), xs)
+    torch.testing.assert_close(h, h_ref, **grad_tol(torch.float64))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(top_p=0.0), ValueError, "top_p"),
+        (dict(min_p=1.5), ValueError, "min_p"),
+        (dict(top_k=3, support=torch.ones(2, 9, dtype=torch.bool)), ValueError, "both given"),
+        (dict(support=torch.ones(2, 8, dtype=torch.bool)), ValueError, "support must have"),
+    ],
+)
+def test_bad_sampler_arguments_name_themselves(kwargs, error, match):
+    x, y = make_logits((2, 9), torch.float32)
+    with pytest.raises(error, match=match):
+        klpenalty.divergence(x, y, "jsd", **kwargs)

@@ -64,6 +64,35 @@ def test_matches_the_materialised_logits(pair, kind):
     assert all(p.grad is None for p in teacher.parameters())
 
 
+@pytest.mark.parametrize("kind", ["forward_kl", "jsd", "tvd"])
+def test_the_sampled_support_matches_the_materialised_logits(pair, kind):
+    """top_p / min_p on the student (the sampler's, with its temperature): the same truncated
+    π̃ as klpenalty.divergence on the student's own logits, values and every student
+    parameter's gradient; a top_k that cuts everything but one token: KL(ν‖π̃) = +inf."""
+    student, teacher, ids, attention = pair
+    student.zero_grad()
+    got = causal_lm_divergence(student, teacher, ids, attention, kind, temperature=0.9,
+                               beta=0.3, top_p=0.8, min_p=0.02)
+    w = torch.linspace(0.5, 1.5, got.numel(), dtype=torch.float64).reshape(got.shape)
+    (got * w).sum().backward()
+    fused = {n: p.grad.clone() for n, p in student.named_parameters()}
+    student.zero_grad()
+    pos = generate_position_ids(attention)
+    zs = student(input_ids=ids, attention_mask=attention, position_ids=pos).logits[:, :-1]
+    with torch.no_grad():
+        zt = teacher(input_ids=ids, attention_mask=attention, position_ids=pos).logits[:, :-1]
+    counted = (attention[:, 1:] * attention[:, :-1]).bool()
+    want = klpenalty.divergence(zs, zt, kind, mask=counted, temperature=0.9, beta=0.3,
+                                top_p=0.8, min_p=0.02)
+    torch.testing.assert_close(got, want.detach(), **tol(torch.float64))
+    (want * w).sum().backward()
+    for name, p in student.named_parameters():
+        torch.testing.assert_close(fused[name], p.grad, **grad_tol(torch.float64), msg=name)
+    with torch.no_grad():
+        one = causal_lm_divergence(student, teacher, ids, attention, "forward_kl", top_k=1)
+    assert torch.isposinf(one[counted]).all() and torch.all(one[~counted] == 0)
+
+
 def test_bad_kind_raises_before_the_models_run(pair):
     student, teacher, ids, attention = pair
     with pytest.raises(ValueError, match="kind must be one of"):

@@ -130,3 +130,50 @@ def test_expected_grads_must_return_one_gradient_per_row():
     with pytest.raises(ValueError, match=r"expected_grads\(rows, values\) must return .* shape \(4,\)"):
         klpenalty.linear_divergence(hs, t["ws"], t["ht"], t["wt"], chunk_rows=4,
                                     expected_grads=lambda rows, values: torch.ones(3))
+
+
+LINEAR_SUPPORTS = ["top_k", "top_p_min_p", "mask", "ids"]
+
+
+@pytest.mark.parametrize("support", LINEAR_SUPPORTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", klpenalty.DIVERGENCES)
+def test_the_student_on_a_support_is_divergence_on_the_logits(kind, backend, support):
+    """The sampler's settings or a kept set (a bool mask, an engine's (ids, offsets)) applied
+    to the student chunk by chunk: klpenalty.divergence on the materialised logits, values and
+    every student gradient, in float64 (the same support whatever the GEMM's blocking)."""
+    t = heads(torch.float64, seed=2)
+    mask = torch.ones(LEADING, dtype=torch.bool)
+    mask[0, 3] = False
+    zs0 = F.linear(t["hs"], t["ws"], t["bs"])
+    kwargs = dict(top_k=9) if support == "top_k" else dict(top_p=0.9, min_p=0.02)
+    if support in ("mask", "ids"):
+        g = torch.Generator().manual_seed(4)
+        kept = torch.rand(zs0.shape, generator=g) < 0.5
+        kept[..., 3] = True
+        if support == "mask":
+            kwargs = dict(support=kept)
+        else:
+            counts = kept.sum(-1).reshape(-1)
+            offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+            kwargs = dict(support=(kept.reshape(-1, V).nonzero()[:, 1], offsets))
+    student = [t[k].clone().requires_grad_(True) for k in ("hs", "ws", "bs")]
+    got = klpenalty.linear_divergence(
+        student[0], student[1], t["ht"], t["wt"], kind, student_bias=student[2],
+        teacher_bias=t["bt"], temperature=0.8, mask=mask, chunk_rows=4, backend=backend,
+        beta=0.3, skew=0.2, **kwargs,
+    )
+    leaves = [t[k].clone().requires_grad_(True) for k in ("hs", "ws", "bs")]
+    zs = F.linear(*leaves)
+    zt = F.linear(t["ht"], t["wt"], t["bt"])
+    want = klpenalty.divergence(zs, zt, kind, mask=mask, temperature=0.8, beta=0.3, skew=0.2,
+                                backend=backend, **kwargs)
+    torch.testing.assert_close(got, want.detach(), **tol(torch.float64))
+    w = torch.linspace(-1.0, 2.0, got.numel(), dtype=torch.float64).reshape(LEADING)
+    grads = torch.autograd.grad((got * w).sum(), student)
+    wants = torch.autograd.grad((want * w).sum(), leaves)
+    for g, gw in zip(grads, wants):
+        assert torch.isfinite(g).all()
+        torch.testing.assert_close(g, gw, **tol(torch.float64))
+    if kind == "forward_kl":  # the teacher has mass off the support
+        assert torch.isposinf(got[mask]).all()

@@ -21,6 +21,13 @@ The reverse KL is the token_stats op's KL column (one read of both logits); ever
 is a second walk over the logits once both log-normalisers are known (the op contract's
 ``divergence`` op), so it reads them twice forward and once backward, without any (..., V)
 temporary beyond the gradient.
+
+The student that sampled with top-k / top-p / min-p (or an engine's kept set) is π̃, π
+renormalised on its support, exactly as :func:`klpenalty.full_kl` truncates the policy
+(:mod:`klpenalty.sampling`; the same threshold τ): every kind then compares π̃ with the
+teacher, which is never truncated. Off the support π̃ = 0, so KL(ν‖π̃) is +inf wherever the
+teacher puts mass there (the mixtures and the TVD stay finite), and no gradient reaches those
+logits.
 """
 
 from __future__ import annotations
@@ -29,9 +36,10 @@ import torch
 
 from . import _validation as v
 from .ops import dispatch
-from .ops.contract import OUT_KL, Want
+from .ops.contract import OUT_KL, ST_TAU, Want, sampler_cuts
 from .ops.divergence import KINDS, Divergence, needs_param
 from .ops.dispatch import get_backend
+from .sampling import parse_support, support_args
 
 __all__ = ["divergence", "DIVERGENCES", "check_kind"]
 
@@ -61,6 +69,10 @@ def divergence(
     temperature: float = 1.0,
     backend: str = "auto",
     check: bool = True,
+    support: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """The divergence of ``kind`` between student and teacher at every position.
 
@@ -84,15 +96,22 @@ def divergence(
         backend: as in :func:`klpenalty.full_kl`.
         check: raise ValueError for NaN in a counted position's logits (one host read per
             call, inside the op); ``check=False`` gives NaN there instead.
+        support, top_k, top_p, min_p: the student that sampled, truncated: π̃ in place of π
+            in every kind, as :func:`klpenalty.full_kl` truncates the policy (a bool (..., V)
+            kept set or an engine's ``(ids, offsets)``, or the sampler's settings with its
+            ``temperature``; see :func:`klpenalty.token_stats`). The teacher is never
+            truncated.
 
     Returns:
         (...) float32 (float64 for float64 logits), 0 where masked; +inf where a KL's first
-        argument has mass its second lacks (a finite logit against −inf). Differentiable with
-        respect to ``student_logits`` (also twice).
+        argument has mass its second lacks (a finite logit against −inf, or with a support a
+        teacher's token off it in KL(ν‖π̃)). Differentiable with respect to
+        ``student_logits`` (also twice); 0 off the support.
 
     Raises:
         TypeError / ValueError: invalid arguments (named, with shape and dtype), an unknown
-            kind, beta or skew outside (0, 1), and with ``check`` NaN logits.
+            kind, beta or skew outside (0, 1), an invalid support or sampler setting, and with
+            ``check`` NaN logits.
     """
     v.check_logits_pair(student_logits, teacher_logits, ("student_logits", "teacher_logits"))
     k, param = check_kind(kind, beta, skew)
@@ -100,13 +119,19 @@ def divergence(
     if mask is not None:
         mask = v.check_mask(mask, student_logits.shape[:-1], student_logits.device)
     impl = get_backend(backend, student_logits.device)
+    keep, tau, sampler = support_args(
+        *parse_support(support, top_k, top_p, min_p, student_logits.shape,
+                       student_logits.device), student_logits,
+    )
     teacher = teacher_logits.detach()
     if k == Divergence.REVERSE_KL:  # the KL column, in one read of both
-        out = dispatch.token_stats(impl, student_logits, teacher, None, mask, None, None,
-                                   temperature, want=Want.KL, check=check)
+        out = dispatch.token_stats(impl, student_logits, teacher, None, mask, keep, tau,
+                                   temperature, want=Want.KL, check=check, sampler=sampler)
         return out[..., OUT_KL].contiguous()
-    _, stats = impl.forward(student_logits.detach(), teacher, mask=mask,
-                            temperature=temperature, want=Want.KL, check=check)
-    value, _ = impl.divergence(student_logits, teacher, stats, mask, temperature=temperature,
-                               kind=k, param=param)
+    _, stats = impl.forward(student_logits.detach(), teacher, mask=mask, keep=keep, tau=tau,
+                            temperature=temperature, want=Want.KL, check=check, sampler=sampler)
+    if sampler_cuts(student_logits.shape[-1], *sampler):  # the threshold the forward computed
+        tau = stats[..., ST_TAU]
+    value, _ = impl.divergence(student_logits, teacher, stats, mask, keep, tau,
+                               temperature=temperature, kind=k, param=param)
     return value

@@ -37,6 +37,7 @@ VALUE_CHECKS = [
     "check_divergences_float32_streaming",
     "check_divergences_float32_native",
     "check_divergences_float64_native",
+    "check_divergences_on_the_student_support",
 ]
 
 # worker error check -> (type, text every message holds, identical on every rank)

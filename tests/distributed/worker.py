@@ -986,6 +986,50 @@ def check_divergences_float64_native(ctx: Ctx):
     return _divergences_vs_single(ctx, torch.float64, "native")
 
 
+def check_divergences_on_the_student_support(ctx: Ctx):
+    """vocab_parallel_divergence with the student's support, every kind, streaming and native:
+    the sampler's settings (the threshold across ranks), this rank's slice of a bool kept set
+    and an engine's global (ids, offsets), against klpenalty.divergence on the whole
+    vocabulary with the same support; the gradient 0 off it."""
+    x, y, g = _pair(33, (3, 4), torch.float32, spread=2.0)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[2, 1] = False
+    kept = torch.rand(x.shape, generator=g) < 0.3
+    kept[..., 5] = True
+    ids = kept.reshape(-1, VOCAB).nonzero()[:, 1]
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), kept.sum(-1).reshape(-1).cumsum(0)])
+    w = torch.randn(3, 4, generator=g, dtype=torch.float64)
+    cases = {
+        "top_k": (dict(top_k=40), dict(top_k=40)),
+        "top_p_min_p": (dict(top_p=0.8, min_p=0.01), dict(top_p=0.8, min_p=0.01)),
+        "keep": (dict(support=ctx.shard(kept)), dict(support=kept)),
+        "ids": (dict(support=(ids, offsets), vocab_start=ctx.start), dict(support=(ids, offsets))),
+    }
+    done = []
+    for backend in ("streaming", "native"):
+        for name, (local, whole) in cases.items():
+            for kind in klpenalty.DIVERGENCES:
+                kw = dict(mask=mask, temperature=0.8, beta=0.3, skew=0.2)
+                xs = ctx.shard(x, True)
+                got = kd.vocab_parallel_divergence(xs, ctx.shard(y), kind,
+                                                   backend=checked(backend), **kw, **local)
+                (got.double() * w).sum().backward()
+                xf = x.clone().requires_grad_()
+                ref = klpenalty.divergence(xf, y, kind, backend="streaming", **kw, **whole)
+                (ref.double() * w).sum().backward()
+                where = f"{backend} {name} {kind}"
+                assert gather_equal(got), f"{where}: the values differ across ranks"
+                assert_close(got, ref, **tol(torch.float32))
+                assert_close(xs.grad, xf.grad[..., ctx.start : ctx.end],
+                             **grad_tol(torch.float32))
+                assert torch.isfinite(xs.grad).all(), where
+                assert (xs.grad == 0).sum() > xs.grad.numel() // 2, where  # 0 off the support
+                if kind == "forward_kl":  # the teacher's mass off the support
+                    assert torch.isposinf(got[mask]).all(), where
+                done.append(where)
+    return done
+
+
 CHECKS = [name for name in dict(globals()) if name.startswith("check_")]
 
 

@@ -76,14 +76,14 @@ def test_opcheck_every_op(name, support):
         ids[4] = int(x.detach().reshape(6, 33)[1].argmin())
         offsets = torch.arange(0, 19, 3)
         torch.library.opcheck(backend._op("support_from_ids"), (x.detach(), ids, offsets, 0))
-        # the second walk and its backward, every kind
+        # the second walk and its backward, every kind (the student on the forward's support)
         for kind in range(6):
-            div = (x, y.detach(), stats.detach(), mask, 0.9, kind, 0.3)
+            div = (x, y.detach(), stats.detach(), mask, keep, tau, 0.9, kind, 0.3)
             torch.library.opcheck(backend._op("divergence"), div)
             value, gbar = backend._op("divergence")(*div)
             torch.library.opcheck(backend._op("divergence_backward"), (
                 torch.randn(2, 3), x.detach(), y.detach(), stats.detach(), gbar.detach(), mask,
-                0.9, kind, 0.3))
+                keep, tau, 0.9, kind, 0.3))
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -87,16 +87,17 @@ def _float64_walk(x, y, mask, grad, kind):
     """The streaming op and its backward in float64 on the same values."""
     xd, yd = x.double(), y.double()
     st = _stats(xd, yd, mask, "streaming")
-    value, gbar = ops.streaming_divergence(xd, yd, st, mask, TEMPERATURE, kind, PARAM)
-    gx = ops.streaming_divergence_backward(grad.double(), xd, yd, st, gbar, mask, TEMPERATURE,
-                                           kind, PARAM)
+    value, gbar = ops.streaming_divergence(xd, yd, st, mask, None, None, TEMPERATURE, kind, PARAM)
+    gx = ops.streaming_divergence_backward(grad.double(), xd, yd, st, gbar, mask, None, None,
+                                           TEMPERATURE, kind, PARAM)
     return value, gbar, gx
 
 
 def _check_against_float64(x, y, mask, kind, grad):
     st = _stats(x, y, mask)
-    value, gbar = ops.triton_divergence(x, y, st, mask, TEMPERATURE, kind, PARAM)
-    gx = ops.triton_divergence_backward(grad, x, y, st, gbar, mask, TEMPERATURE, kind, PARAM)
+    value, gbar = ops.triton_divergence(x, y, st, mask, None, None, TEMPERATURE, kind, PARAM)
+    gx = ops.triton_divergence_backward(grad, x, y, st, gbar, mask, None, None, TEMPERATURE, kind,
+                                        PARAM)
     want_v, want_g, want_x = _float64_walk(x, y, mask, grad, kind)
     assert value.dtype == gbar.dtype == torch.float32 and gx.dtype == x.dtype
     assert value.shape == gbar.shape == x.shape[:-1] and gx.shape == x.shape
@@ -138,13 +139,69 @@ def test_split_rows_match_whole_rows(kind, monkeypatch):
     x, y, mask = _pair(torch.float32, 100, seed=4)
     grad = torch.linspace(-1.0, 1.0, 12).reshape(3, 4).to(DEVICE)
     st = _stats(x, y, mask)
-    whole = ops.triton_divergence(x, y, st, mask, TEMPERATURE, kind, PARAM)
+    whole = ops.triton_divergence(x, y, st, mask, None, None, TEMPERATURE, kind, PARAM)
     launches = _Launches(monkeypatch)
     monkeypatch.setattr(tdiv, "split_columns", lambda n, vocab, device: (16, 32))
     value, _ = _check_against_float64(x, y, mask, kind, grad)
     assert launches.names()[-3:-1] == ["divergence_kernel", "divergence_merge_kernel"]
     torch.testing.assert_close(value, whole[0], equal_nan=True, **tol(torch.float32))
     assert value[2, 3].item() == 0.0
+
+
+def _support(x, which):
+    """(keep, tau) of a support case for student logits x (3, 4, V): a bool kept set (not a
+    threshold set: the largest logit of some rows dropped), the threshold of the 9 largest
+    (float32, the compute dtype), or both (the row's largest kept in each)."""
+    keep = tau = None
+    if which in ("keep", "both"):
+        g = torch.Generator().manual_seed(21)
+        keep = (torch.rand(x.shape, generator=g) < 0.5).to(x.device)
+        keep[..., 0] = True
+        if which == "both":
+            keep.scatter_(-1, x.float().argmax(-1, keepdim=True), True)
+    if which in ("tau", "both"):
+        tau = x.float().topk(9, -1).values[..., -1].contiguous()
+    return keep, tau
+
+
+@pytest.mark.parametrize("which", ["keep", "tau", "both"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name.lower())
+def test_the_student_on_a_support_matches_float64(kind, dtype, which, monkeypatch):
+    """keep / tau: value, ḡ and ∂/∂x against the float64 streaming op with the same support
+    (the forward's stats over it), a masked row 0; the gradient exactly 0 off the support. In
+    float32 with both, rows split into programs of 32 columns (the merge kernel)."""
+    split = which == "both" and dtype == torch.float32
+    x, y = make_logits((3, 4, 70), dtype, seed=8)
+    x, y = x.to(DEVICE), y.to(DEVICE)
+    mask = torch.ones(3, 4, dtype=torch.bool, device=DEVICE)
+    mask[1, 2] = False
+    keep, tau = _support(x, which)
+    if split:
+        monkeypatch.setattr(tdiv, "split_columns", lambda n, vocab, device: (16, 32))
+    grad = torch.linspace(-1.0, 1.0, 12).reshape(3, 4).to(DEVICE)
+    want = int(contract.Want.KL)
+    _, st = ops.triton_token_stats(x, y, None, mask, keep, tau, TEMPERATURE, -100, want, False,
+                                   0, 0, 0, 1.0, 0.0)
+    value, gbar = ops.triton_divergence(x, y, st, mask, keep, tau, TEMPERATURE, kind, PARAM)
+    gx = ops.triton_divergence_backward(grad, x, y, st, gbar, mask, keep, tau, TEMPERATURE,
+                                        kind, PARAM)
+    xd, yd = x.double(), y.double()
+    _, sd = ops.streaming_token_stats(xd, yd, None, mask, keep, tau, TEMPERATURE, -100, want,
+                                      False, 0, 0, 0, 1.0, 0.0)
+    want_v, want_g = ops.streaming_divergence(xd, yd, sd, mask, keep, tau, TEMPERATURE, kind,
+                                              PARAM)
+    want_x = ops.streaming_divergence_backward(grad.double(), xd, yd, sd, want_g, mask, keep,
+                                               tau, TEMPERATURE, kind, PARAM)
+    torch.testing.assert_close(value.double(), want_v, **tol(dtype))
+    torch.testing.assert_close(gbar.double(), want_g, **tol(dtype))
+    torch.testing.assert_close(gx.double(), want_x, **grad_tol(dtype))
+    off = ~contract.kept_mask(x, keep, tau)
+    assert off.any() and torch.all(gx[off] == 0) and torch.all(gx[1, 2] == 0)
+    if kind == Divergence.FORWARD_KL:  # the teacher's mass off the support: +inf
+        assert torch.isposinf(value[mask]).all()
+    else:
+        assert torch.isfinite(value).all() and value[1, 2].item() == 0.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -156,11 +213,11 @@ def test_identical_inputs_give_exactly_zero(dtype):
     x[0, 1, ::4] = NINF
     st = _stats(x, x, None)
     for kind in KINDS:
-        value, gbar = ops.triton_divergence(x, x, st, None, TEMPERATURE, kind, PARAM)
+        value, gbar = ops.triton_divergence(x, x, st, None, None, None, TEMPERATURE, kind, PARAM)
         assert torch.all(value == 0), (kind, value)
         if kind in (Divergence.REVERSE_KL, Divergence.JSD):
             gx = ops.triton_divergence_backward(torch.ones(2, 3, device=DEVICE), x, x, st, gbar,
-                                                None, TEMPERATURE, kind, PARAM)
+                                                None, None, None, TEMPERATURE, kind, PARAM)
             assert torch.all(gbar == 0) and torch.all(gx == 0), kind
 
 
@@ -181,17 +238,17 @@ def test_float64_inputs_and_the_empty_batch():
     x, y, mask = _pair(torch.float64, 33)
     st = _stats(x, y, mask)
     for kind in (Divergence.JSD, Divergence.TVD):
-        got = ops.triton_divergence(x, y, st, mask, TEMPERATURE, kind, PARAM)
-        want = ops.streaming_divergence(x, y, st, mask, TEMPERATURE, kind, PARAM)
+        got = ops.triton_divergence(x, y, st, mask, None, None, TEMPERATURE, kind, PARAM)
+        want = ops.streaming_divergence(x, y, st, mask, None, None, TEMPERATURE, kind, PARAM)
         assert got[0].dtype == torch.float64
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, equal_nan=True, rtol=0, atol=0)
     e = torch.zeros(0, 7, device=DEVICE)
     st = torch.zeros(0, contract.STATS_COLS, device=DEVICE)
-    value, gbar = ops.triton_divergence(e, e, st, None, 1.0, int(Divergence.JSD), PARAM)
+    value, gbar = ops.triton_divergence(e, e, st, None, None, None, 1.0, int(Divergence.JSD), PARAM)
     assert value.shape == gbar.shape == (0,) and value.dtype == torch.float32
-    gx = ops.triton_divergence_backward(value, e, e, st, gbar, None, 1.0, int(Divergence.JSD),
-                                        PARAM)
+    gx = ops.triton_divergence_backward(value, e, e, st, gbar, None, None, None, 1.0,
+                                        int(Divergence.JSD), PARAM)
     assert gx.shape == (0, 7) and gx.dtype == torch.float32
 
 
@@ -199,10 +256,11 @@ def test_an_unknown_kind_is_a_value_error():
     x, y, _ = _pair(torch.float32, 7)
     st = _stats(x, y, None)
     with pytest.raises(ValueError, match="kind must be one of"):
-        ops.triton_divergence(x, y, st, None, 1.0, 6, PARAM)
+        ops.triton_divergence(x, y, st, None, None, None, 1.0, 6, PARAM)
     with pytest.raises(ValueError, match="kind must be one of"):
         ops.triton_divergence_backward(torch.ones(3, 4, device=DEVICE), x, y, st,
-                                       torch.zeros(3, 4, device=DEVICE), None, 1.0, -1, PARAM)
+                                       torch.zeros(3, 4, device=DEVICE), None, None, None, 1.0,
+                                       -1, PARAM)
 
 
 def test_host_side_no_sync_and_the_gradient_read_in_place(monkeypatch):
@@ -215,20 +273,20 @@ def test_host_side_no_sync_and_the_gradient_read_in_place(monkeypatch):
     st = _stats(x.contiguous(), y.contiguous(), mask)
     counter = _CountSyncs(monkeypatch)
     launches = _Launches(monkeypatch, counter)
-    (value, gbar), fwd_ops = _count(tdiv.divergence_op, x, y, st, mask, TEMPERATURE,
+    (value, gbar), fwd_ops = _count(tdiv.divergence_op, x, y, st, mask, None, None, TEMPERATURE,
                                     int(Divergence.JSD), PARAM)
     grad = torch.ones((), device=DEVICE).expand(2, 4)
-    gx, bwd_ops = _count(tdiv.divergence_backward_op, grad, x, y, st, gbar, mask, TEMPERATURE,
-                         int(Divergence.JSD), PARAM)
+    gx, bwd_ops = _count(tdiv.divergence_backward_op, grad, x, y, st, gbar, mask, None, None,
+                         TEMPERATURE, int(Divergence.JSD), PARAM)
     assert counter.syncs == 0
     assert launches.names() == ["divergence_kernel", "divergence_grad_kernel"]
     assert "clone" not in fwd_ops + bwd_ops and "copy_" not in fwd_ops + bwd_ops, (fwd_ops, bwd_ops)
     assert len(fwd_ops) <= 8 and len(bwd_ops) <= 8, (fwd_ops, bwd_ops)
-    want = tdiv.divergence_op(x.contiguous(), y.contiguous(), st, mask, TEMPERATURE,
+    want = tdiv.divergence_op(x.contiguous(), y.contiguous(), st, mask, None, None, TEMPERATURE,
                               int(Divergence.JSD), PARAM)
     assert torch.equal(value, want[0]) and torch.equal(gbar, want[1])
     want_x = tdiv.divergence_backward_op(torch.ones(2, 4, device=DEVICE), x.contiguous(),
-                                         y.contiguous(), st, gbar, mask, TEMPERATURE,
+                                         y.contiguous(), st, gbar, mask, None, None, TEMPERATURE,
                                          int(Divergence.JSD), PARAM)
     assert torch.equal(gx, want_x)
 
@@ -293,7 +351,8 @@ def test_public_divergence_end_to_end(kind):
 def test_the_kernels_compile_for_a_cuda_target():
     """The three kernels lower to PTX for sm_90 (no GPU needed): the forward and the backward
     for every kind (with a mask), the forward's split variant and the backward without a mask
-    for one, the merge kernel: what the interpreter cannot catch."""
+    for one, both with a keep and a threshold for one, the merge kernel: what the interpreter
+    cannot catch."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = textwrap.dedent(f"""
         import triton
@@ -301,12 +360,13 @@ def test_the_kernels_compile_for_a_cuda_target():
         from triton.compiler import ASTSource
         from klpenalty.ops.triton import _kernels_divergence as k
         t = GPUTarget("cuda", 90, 32)
-        rows = {{"T": "i32", **{{f"stride_{{a}}{{d}}": "i64" for a in "xy" for d in "bt"}}}}
+        rows = {{"T": "i32", **{{f"stride_{{a}}{{d}}": "i64" for a in "xyk" for d in "bt"}}}}
+        sup = {{"keep_ptr": "*u8", "tau_ptr": "*fp32"}}
         scalars = {{"inv_t": "fp32", "w": "fp32", "wc": "fp32"}}
-        fwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "stats_ptr": "*fp32", "mask_ptr": "*u8",
+        fwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", **sup, "stats_ptr": "*fp32", "mask_ptr": "*u8",
                "value_ptr": "*fp32", "gbar_ptr": "*fp32", **rows, "V": "i32", "cols": "i32",
                "n_splits": "i32", **scalars}}
-        bwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", "stats_ptr": "*fp32", "g_ptr": "*fp32",
+        bwd = {{"x_ptr": "*bf16", "y_ptr": "*fp32", **sup, "stats_ptr": "*fp32", "g_ptr": "*fp32",
                "gbar_ptr": "*fp32", "mask_ptr": "*u8", "gx_ptr": "*bf16", **rows,
                "stride_g": "i64", "V": "i32", **scalars}}
         merge = {{"parts_ptr": "*fp32", "value_ptr": "*fp32", "gbar_ptr": "*fp32",
@@ -314,15 +374,17 @@ def test_the_kernels_compile_for_a_cuda_target():
         cols_f = {tdiv._columns("divergence_kernel")!r}
         cols_b = {tdiv._columns("divergence_grad_kernel")!r}
         specs = []
+        no = dict(HAS_KEEP=False, HAS_TAU=False)
+        both = dict(HAS_KEEP=True, HAS_TAU=True)
         for kind in range({len(KINDS)}):
             specs.append((k.divergence_kernel, fwd, dict(KIND=kind, HAS_MASK=True, FINISH=True,
-                                                         BLOCK={tdiv.MAX_BLOCK}, **cols_f)))
+                          BLOCK={tdiv.MAX_BLOCK}, **no, **cols_f)))
             specs.append((k.divergence_grad_kernel, bwd, dict(KIND=kind, HAS_MASK=True,
-                          BLOCK={tdiv.MAX_BLOCK}, TILES={ts.GRAD_TILES}, **cols_b)))
+                          BLOCK={tdiv.MAX_BLOCK}, TILES={ts.GRAD_TILES}, **no, **cols_b)))
         specs.append((k.divergence_kernel, fwd, dict(KIND=2, HAS_MASK=False, FINISH=False,
-                                                     BLOCK={tdiv.MAX_BLOCK}, **cols_f)))
-        specs.append((k.divergence_grad_kernel, bwd, dict(KIND=3, HAS_MASK=False,
-                      BLOCK={tdiv.MAX_BLOCK}, TILES={ts.GRAD_TILES}, **cols_b)))
+                                                     BLOCK={tdiv.MAX_BLOCK}, **both, **cols_f)))
+        specs.append((k.divergence_grad_kernel, bwd, dict(KIND=1, HAS_MASK=False,
+                      BLOCK={tdiv.MAX_BLOCK}, TILES={ts.GRAD_TILES}, **both, **cols_b)))
         specs.append((k.divergence_merge_kernel, merge, dict(SPLITS=8)))
         for fn, sig, c in specs:
             s = {{**sig, **{{name: "constexpr" for name in c}}}}

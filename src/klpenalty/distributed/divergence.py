@@ -19,7 +19,7 @@ from ..distillation import check_kind
 from ..linear.kl import run_linear_kl
 from ..ops import contract
 from ..ops.contract import Want
-from .vocab_parallel import _BACKEND_DOC, _slice_adapter, _token_stats
+from .vocab_parallel import _BACKEND_DOC, _SUPPORT_DOC, _slice_adapter, _token_stats
 
 __all__ = ["vocab_parallel_divergence", "vocab_parallel_linear_divergence"]
 
@@ -36,6 +36,11 @@ def vocab_parallel_divergence(
     mask: torch.Tensor | None = None,
     backend: str = "auto",
     check: bool = True,
+    vocab_start: int | None = None,
+    support: Any = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
     """:func:`klpenalty.divergence` of the logits gathered along the last dim in rank order,
     from each rank's (..., V_r) slices (uneven widths allowed), identical on every rank.
@@ -50,6 +55,8 @@ def vocab_parallel_divergence(
         {backend}
         check: the configuration check of :func:`vocab_parallel_full_kl` (one all-gather),
             and NaN in a counted position raises on every rank.
+        vocab_start: where this rank's slice starts (only for ``support=(ids, offsets)``).
+        {support}
 
     Returns:
         (...) float32 (float64 for float64 logits), differentiable once.
@@ -58,8 +65,9 @@ def vocab_parallel_divergence(
     k, param = check_kind(kind, beta, skew)
     out = _token_stats(
         caller, student_logits_shard, teacher_logits_shard.detach(), None, want=Want.KL,
-        group=group, temperature=temperature, mask=mask, vocab_start=None, support=None,
-        top_k=None, top_p=None, min_p=None, ignore_index=-100, backend=backend, check=check,
+        group=group, temperature=temperature, mask=mask, vocab_start=vocab_start,
+        support=support, top_k=top_k, top_p=top_p, min_p=min_p, ignore_index=-100,
+        backend=backend, check=check,
         divergence=None if k == 0 else (int(k), param),
         names=("student_logits_shard", "teacher_logits_shard"),
     )
@@ -130,4 +138,6 @@ def vocab_parallel_linear_divergence(
 
 
 for _fn in (vocab_parallel_divergence, vocab_parallel_linear_divergence):
-    _fn.__doc__ = _fn.__doc__.replace("{backend}", _BACKEND_DOC)
+    _fn.__doc__ = _fn.__doc__.replace("{backend}", _BACKEND_DOC).replace(
+        "{support}", _SUPPORT_DOC.replace("policy", "student")
+    )

@@ -245,32 +245,33 @@ class _VocabParallelTokenStats(torch.autograd.Function):
 
 class _VocabParallelDivergence(torch.autograd.Function):
     """The second walk across ranks: the merged stats (:func:`_merged_stats`, want KL: both
-    normalisers), each rank's value and ḡ over its slice (the backend's divergence op), one
-    all-reduce SUM of both; the backward is local (the backend's divergence backward op with
-    the global stats and ḡ). out (N, OUT_COLS) with the value in the KL column."""
+    normalisers, the student on the support ``keep`` / ``tau``: this rank's slice of the kept
+    set, the threshold computed across ranks), each rank's value and ḡ over its slice (the
+    backend's divergence op), one all-reduce SUM of both; the backward is local (the backend's
+    divergence backward op with the global stats and ḡ). out (N, OUT_COLS) with the value in the KL column."""
 
     @staticmethod
-    def forward(ctx, x, y, mask, opts, kind, param):
-        out, stats, _ = _merged_stats(x, y, None, None, mask, None, None, opts)
+    def forward(ctx, x, y, mask, keep, tau, opts, kind, param):
+        out, stats, _ = _merged_stats(x, y, None, None, mask, keep, tau, opts)
         temperature, _, backend, group, *_ = opts
-        value, gbar = backend.divergence(x, y, stats, mask, temperature=temperature, kind=kind,
-                                         param=param)
+        value, gbar = backend.divergence(x, y, stats, mask, keep, tau, temperature=temperature,
+                                         kind=kind, param=param)
         both = torch.stack([value, gbar], -1)  # (N, 2)
         _all_reduce(both, dist.ReduceOp.SUM, group)
         out[:, contract.OUT_KL] = both[:, 0]
-        ctx.save_for_backward(x, y, stats, both[:, 1].contiguous(), mask)
+        ctx.save_for_backward(x, y, stats, both[:, 1].contiguous(), mask, keep, tau)
         ctx.args = (temperature, backend, kind, param)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        x, y, stats, gbar, mask = ctx.saved_tensors
+        x, y, stats, gbar, mask, keep, tau = ctx.saved_tensors
         temperature, backend, kind, param = ctx.args
         gx = backend.divergence_backward(grad_out[:, contract.OUT_KL].contiguous(), x, y, stats,
-                                         gbar, mask, temperature=temperature, kind=kind,
-                                         param=param)
-        return gx, None, None, None, None, None
+                                         gbar, mask, keep, tau, temperature=temperature,
+                                         kind=kind, param=param)
+        return gx, *([None] * 7)
 
 
 def _token_stats(
@@ -376,7 +377,7 @@ def _token_stats(
     flat_mask = mask.reshape(-1) if mask is not None else None
     opts = (temperature, int(want), impl, group, check, caller, names)
     if divergence is not None:
-        out = _VocabParallelDivergence.apply(x, y, flat_mask, opts, *divergence)
+        out = _VocabParallelDivergence.apply(x, y, flat_mask, keep, tau, opts, *divergence)
         return out.reshape(*leading, contract.OUT_COLS)
     out, _ = _VocabParallelTokenStats.apply(x, y, tok, owned, flat_mask, keep, tau, opts)
     if check and want & Want.LOGP and (keep is not None or tau is not None):
@@ -658,14 +659,16 @@ class _VocabParallelChunks(ChunkAdapter):
         _all_reduce(grad, dist.ReduceOp.SUM, self.group)
         return grad
 
-    def divergence(self, zp, zr, stats, temperature, kind, param):
+    def divergence(self, zp, zr, stats, temperature, kind, param, keep=None, tau=None):
+        # keep, tau: always unused (vocab_parallel_linear_divergence takes no support)
         value, gbar = self.impl.divergence(zp, zr, stats, temperature=temperature, kind=kind,
                                            param=param)
         both = torch.stack([value, gbar], -1)  # (R, 2): sums over this slice
         _all_reduce(both, dist.ReduceOp.SUM, self.group)
         return both[:, 0], both[:, 1]
 
-    def divergence_backward(self, grad, zp, zr, stats, gbar, temperature, kind, param):
+    def divergence_backward(self, grad, zp, zr, stats, gbar, temperature, kind, param,
+                            keep=None, tau=None):
         return self.impl.divergence_backward(grad, zp, zr, stats, gbar, temperature=temperature,
                                              kind=kind, param=param)
 

@@ -17,7 +17,7 @@ from typing import Optional, Protocol
 import torch
 from torch import Tensor
 
-from ..ops.contract import OUT_KL, Want
+from ..ops.contract import OUT_KL, ST_TAU, Want
 from ..ops.divergence import Divergence
 from ..sampling import rows_of_support, support_args
 
@@ -109,13 +109,16 @@ class ChunkAdapter(Protocol):
         ...
 
     def divergence(self, zp: Tensor, zr: Tensor, stats: Tensor, temperature: float, kind: int,
-                   param: float) -> tuple[Tensor, Tensor]:
+                   param: float, keep: Optional[Tensor] = None,
+                   tau: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
         """(value (R,), ḡ (R,)) of the second walk over the whole vocabulary, from the
-        forward's ``stats``."""
+        forward's ``stats``, the student on the support ``keep`` / ``tau``."""
         ...
 
     def divergence_backward(self, grad: Tensor, zp: Tensor, zr: Tensor, stats: Tensor,
-                            gbar: Tensor, temperature: float, kind: int, param: float) -> Tensor:
+                            gbar: Tensor, temperature: float, kind: int, param: float,
+                            keep: Optional[Tensor] = None,
+                            tau: Optional[Tensor] = None) -> Tensor:
         """∂/∂zp (R, V) of Σ grad·value of the second walk."""
         ...
 
@@ -229,13 +232,14 @@ class LocalChunks(ChunkAdapter):
     def hidden_grad(self, grad: Tensor) -> Tensor:
         return grad
 
-    def divergence(self, zp, zr, stats, temperature, kind, param):
-        return self.impl.divergence(zp, zr, stats, temperature=temperature, kind=kind,
-                                    param=param)
+    def divergence(self, zp, zr, stats, temperature, kind, param, keep=None, tau=None):
+        return self.impl.divergence(zp, zr, stats, None, keep, tau, temperature=temperature,
+                                    kind=kind, param=param)
 
-    def divergence_backward(self, grad, zp, zr, stats, gbar, temperature, kind, param):
-        return self.impl.divergence_backward(grad, zp, zr, stats, gbar, temperature=temperature,
-                                             kind=kind, param=param)
+    def divergence_backward(self, grad, zp, zr, stats, gbar, temperature, kind, param,
+                            keep=None, tau=None):
+        return self.impl.divergence_backward(grad, zp, zr, stats, gbar, None, keep, tau,
+                                             temperature=temperature, kind=kind, param=param)
 
 
 class DivergenceChunks(ChunkAdapter):
@@ -254,10 +258,13 @@ class DivergenceChunks(ChunkAdapter):
 
     def forward(self, zp, zr, tokens, temperature, want, keep=None, tau=None,
                 sampler=NO_SAMPLER):
-        out, stats = self.inner.forward(zp, zr, None, temperature, Want.KL)
+        out, stats = self.inner.forward(zp, zr, None, temperature, Want.KL, keep, tau, sampler)
         if not self.walk:
             return out, stats
-        value, gbar = self.inner.divergence(zp, zr, stats, temperature, self.kind, self.param)
+        if tuple(sampler) != NO_SAMPLER:  # the threshold the forward computed (global V)
+            tau = stats[:, ST_TAU]
+        value, gbar = self.inner.divergence(zp, zr, stats, temperature, self.kind, self.param,
+                                            keep, tau)
         out[:, OUT_KL] = value
         return out, torch.cat([stats, gbar.unsqueeze(-1)], -1)
 
@@ -265,12 +272,13 @@ class DivergenceChunks(ChunkAdapter):
                  keep=None, tau=None):
         if not self.walk:
             return self.inner.backward(grad_out, zp, zr, None, stats, temperature, need_p,
-                                       False)
+                                       False, keep, tau)
         if not need_p:
             return None, None
         grad = grad_out[:, OUT_KL].contiguous()
         return self.inner.divergence_backward(grad, zp, zr, stats[:, :-1], stats[:, -1],
-                                              temperature, self.kind, self.param), None
+                                              temperature, self.kind, self.param, keep,
+                                              tau), None
 
     def hidden_grad(self, grad: Tensor) -> Tensor:
         return self.inner.hidden_grad(grad)

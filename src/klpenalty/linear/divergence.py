@@ -40,6 +40,10 @@ def linear_divergence(
     backend: str = "auto",
     check: bool = True,
     expected_grads: Optional[Callable[[Tensor, Tensor], Tensor]] = None,
+    support=None,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    min_p: Optional[float] = None,
 ) -> Tensor:
     """:func:`klpenalty.divergence` of the two models' logits z = scale·(h Wᵀ + b) (soft-capped
     as cap·tanh(z/cap) where a cap is given), never materialising them: the counted rows are
@@ -73,6 +77,10 @@ def linear_divergence(
             Σ weight·value). As :func:`klpenalty.linear_kl`'s: the forward forms the student's
             gradients on the logits it already has (4 LM-head GEMMs in all instead of 6) and
             the backward hands them over when it receives those gradients, else recomputes.
+        support, top_k, top_p, min_p: the student that sampled, truncated, as in
+            :func:`klpenalty.divergence` (a bool (..., V) kept set or ``(ids, offsets)``, or
+            the sampler's settings, applied to each chunk's student logits; the teacher is
+            never truncated).
 
     Returns:
         (...) float32 (float64 if a hidden state or weight is float64), 0 where masked.
@@ -81,7 +89,8 @@ def linear_divergence(
 
     Raises:
         TypeError / ValueError: as :func:`klpenalty.linear_kl`'s (naming ``student_*`` and
-            ``teacher_*``), and an unknown kind, beta or skew outside (0, 1).
+            ``teacher_*``), an unknown kind, beta or skew outside (0, 1), an invalid support
+            or sampler setting.
     """
     k, param = check_kind(kind, beta, skew)
     if expected_grads is not None and not callable(expected_grads):
@@ -94,7 +103,8 @@ def linear_divergence(
         temperature=temperature, policy_bias=student_bias, ref_bias=const[2],
         logit_scale=logit_scale, softcap=softcap, ref_logit_scale=teacher_logit_scale,
         ref_softcap=teacher_softcap, entropy=False, ignore_index=-100, chunk_rows=chunk_rows,
-        backend=backend, check=check, roles=("student", "teacher"), divergence=(k, param),
+        backend=backend, check=check, support=support, top_k=top_k, top_p=top_p, min_p=min_p,
+        roles=("student", "teacher"), divergence=(k, param),
         expected_grads=None if expected_grads is None else _column_plan(expected_grads),
     )
     return stats.kl

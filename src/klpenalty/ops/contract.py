@@ -57,6 +57,7 @@ __all__ = [
     "inherit",
     "masked_grad",
     "safe_tokens",
+    "kept_mask",
     "kept_logits",
     "token_upstream",
     "finish",
@@ -143,14 +144,16 @@ SCHEMAS = {
         "{b}_support_from_ids(Tensor x, Tensor ids, Tensor offsets, int chunk_rows) "
         "-> (Tensor, Tensor)"
     ),
-    # the second walk: a statistic that needs both normalisers first (ops/divergence.py)
+    # the second walk: a statistic that needs both normalisers first (ops/divergence.py), the
+    # student on the support keep / tau (kept_mask; log π̃ = −inf and π·g = 0 off it)
     "divergence": (
-        "{b}_divergence(Tensor x, Tensor y, Tensor stats, Tensor? mask, float temperature, "
-        "int kind, float param) -> (Tensor, Tensor)"
+        "{b}_divergence(Tensor x, Tensor y, Tensor stats, Tensor? mask, Tensor? keep, "
+        "Tensor? tau, float temperature, int kind, float param) -> (Tensor, Tensor)"
     ),
     "divergence_backward": (
         "{b}_divergence_backward(Tensor grad, Tensor x, Tensor y, Tensor stats, Tensor gbar, "
-        "Tensor? mask, float temperature, int kind, float param) -> Tensor"
+        "Tensor? mask, Tensor? keep, Tensor? tau, float temperature, int kind, float param) "
+        "-> Tensor"
     ),
 }
 
@@ -170,17 +173,22 @@ def safe_tokens(tokens: Tensor, ignore_index: int) -> tuple[Tensor, Tensor]:
     return tokens.masked_fill(ignored, 0).long(), ignored
 
 
-def kept_logits(x: Tensor, keep: Tensor | None, tau: Tensor | None) -> Tensor:
-    """x with −inf outside the support: kept(v) = keep[v] and x_v ≥ tau (either may be None).
-
-    The comparison with ``tau`` is made in the dtype of ``tau`` (the compute dtype), as every
-    backend does. Materialises (..., V): for the reference path and double backward only.
-    """
-    if tau is not None:
-        x = torch.where(x.to(tau.dtype) >= tau.unsqueeze(-1), x, float("-inf"))
+def kept_mask(x: Tensor, keep: Tensor | None, tau: Tensor | None) -> Tensor | None:
+    """The support (..., V) bool of logits ``x``: kept(v) = keep[v] and x_v ≥ tau (either may
+    be None; None where both are). The comparison with ``tau`` is made in the dtype of ``tau``
+    (the compute dtype), as every backend does; ``x`` may be a tile of rows, ``tau`` its rows'."""
+    kept = None if tau is None else x.to(tau.dtype) >= tau.unsqueeze(-1)
     if keep is not None:
-        x = x.masked_fill(~keep, float("-inf"))
-    return x
+        kept = keep if kept is None else kept & keep
+    return kept
+
+
+def kept_logits(x: Tensor, keep: Tensor | None, tau: Tensor | None) -> Tensor:
+    """x with −inf outside the support (:func:`kept_mask`). Materialises (..., V) for a whole
+    tensor: for the reference path and double backward only (the streaming walks call it on a
+    tile)."""
+    kept = kept_mask(x, keep, tau)
+    return x if kept is None else torch.where(kept, x, float("-inf"))
 
 
 def token_upstream(
@@ -572,51 +580,60 @@ def _define_divergence(backend: str, div: str, div_bwd: str) -> None:
     backward's formula holds the normalisers' derivative), and ``gbar`` is not differentiable."""
 
     @torch.library.register_fake(div)
-    def _(x, y, stats, mask, temperature, kind, param):
+    def _(x, y, stats, mask, keep, tau, temperature, kind, param):
         leading = x.shape[:-1]
         dtype = compute_dtype(x, y)
         return x.new_empty(leading, dtype=dtype), x.new_empty(leading, dtype=dtype)
 
     @torch.library.register_fake(div_bwd)
-    def _(grad, x, y, stats, gbar, mask, temperature, kind, param):
+    def _(grad, x, y, stats, gbar, mask, keep, tau, temperature, kind, param):
         return _grad_like(x)
 
     def setup_context(ctx, inputs, output):
-        x, y, stats, mask, temperature, kind, param = inputs
-        ctx.save_for_backward(x, y, stats, output[1], mask)
+        x, y, stats, mask, keep, tau, temperature, kind, param = inputs
+        ctx.save_for_backward(x, y, stats, output[1], mask, keep, tau)
         ctx.args = (temperature, kind, param)
 
     bwd_op = None
 
     def backward(ctx, grad_value, _grad_gbar):
         nonlocal bwd_op
-        x, y, stats, gbar, mask = ctx.saved_tensors
+        x, y, stats, gbar, mask, keep, tau = ctx.saved_tensors
         temperature, kind, param = ctx.args
         if not ctx.needs_input_grad[0] or grad_value is None:
-            return (None,) * 7
+            return (None,) * 9
         if torch.is_grad_enabled():  # create_graph=True: a differentiable first derivative
-            gx = _divergence_grad_differentiable(grad_value, x, y, mask, temperature, kind,
-                                                 param)
+            gx = _divergence_grad_differentiable(grad_value, x, y, mask, keep, tau, temperature,
+                                                 kind, param)
         else:
             if bwd_op is None:
                 bwd_op = getattr(torch.ops.klpenalty, f"{backend}_divergence_backward").default
-            gx = bwd_op(grad_value, x, y, stats, gbar, mask, temperature, kind, param)
-        return gx, None, None, None, None, None, None
+            gx = bwd_op(grad_value, x, y, stats, gbar, mask, keep, tau, temperature, kind, param)
+        return (gx, *([None] * 8))
 
     torch.library.register_autograd(div, backward, setup_context=setup_context)
 
 
-def _divergence_grad_differentiable(grad, x, y, mask, temperature, kind, param) -> Tensor:
+def _divergence_grad_differentiable(grad, x, y, mask, keep, tau, temperature, kind,
+                                    param) -> Tensor:
     """∂/∂x of Σ grad·divergence with differentiable ops on (..., V) (double backward): the
-    autograd of the kind's terms (:func:`.divergence.divergence_terms`) on log_softmax."""
+    autograd of the kind's terms (:func:`.divergence.divergence_terms`) on log_softmax of the
+    student on its support (:func:`kept_logits`); the entries off it are constants (−inf), so
+    nothing flows through them."""
     dtype = compute_dtype(x, y)
     with torch.enable_grad():
+        kept = kept_mask(x.detach(), keep, tau)
         xs = x.to(dtype) / temperature
+        if kept is not None:
+            xs = torch.where(kept, xs, float("-inf"))
         ys = y.detach().to(dtype) / temperature
         if mask is not None:  # masked rows may hold garbage: keep it out of the graph
             xs = torch.where(mask.unsqueeze(-1), xs, 0.0)
             ys = torch.where(mask.unsqueeze(-1), ys, 0.0)
-        f, _ = divergence_terms(torch.log_softmax(xs, -1), torch.log_softmax(ys, -1), kind, param)
+        lp = torch.log_softmax(xs, -1)
+        if kept is not None:  # off the support lp = −inf, a constant (no 0·inf in the graph)
+            lp = torch.where(kept, lp, lp.detach())
+        f, _ = divergence_terms(lp, torch.log_softmax(ys, -1), kind, param)
         g = masked_grad(grad, mask, dtype)
         (gx,) = torch.autograd.grad((f.sum(-1) * g).sum(), x, create_graph=True)
     return gx

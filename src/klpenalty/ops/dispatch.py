@@ -169,21 +169,25 @@ class Backend:
         return self._op("support_from_ids")(x, ids, offsets, int(chunk_rows))
 
     def divergence(
-        self, x: Tensor, y: Tensor, stats: Tensor, mask: Tensor | None = None, *,
-        temperature: float, kind: int, param: float = 0.0,
+        self, x: Tensor, y: Tensor, stats: Tensor, mask: Tensor | None = None,
+        keep: Tensor | None = None, tau: Tensor | None = None, *, temperature: float, kind: int,
+        param: float = 0.0,
     ) -> tuple[Tensor, Tensor]:
-        """(value, ḡ) (...) of the second walk from the forward op's ``stats``; differentiable
-        with respect to ``x`` (:mod:`.divergence`)."""
-        return self._op("divergence")(x, y, stats, mask, float(temperature), int(kind),
-                                      float(param))
+        """(value, ḡ) (...) of the second walk from the forward op's ``stats``, the student on
+        the support ``keep`` / ``tau`` (the forward's: its ``ST_TAU`` where a sampler cut);
+        differentiable with respect to ``x`` (:mod:`.divergence`)."""
+        return self._op("divergence")(x, y, stats, mask, keep, tau, float(temperature),
+                                      int(kind), float(param))
 
     def divergence_backward(
         self, grad: Tensor, x: Tensor, y: Tensor, stats: Tensor, gbar: Tensor,
-        mask: Tensor | None = None, *, temperature: float, kind: int, param: float = 0.0,
+        mask: Tensor | None = None, keep: Tensor | None = None, tau: Tensor | None = None, *,
+        temperature: float, kind: int, param: float = 0.0,
     ) -> Tensor:
         """∂/∂x (..., V) of Σ grad·value of the second walk."""
         return self._op("divergence_backward")(
-            grad, x, y, stats, gbar, mask, float(temperature), int(kind), float(param)
+            grad, x, y, stats, gbar, mask, keep, tau, float(temperature), int(kind),
+            float(param)
         )
 
 

@@ -208,14 +208,24 @@ def _kl_reference(lp: torch.Tensor, lq: torch.Tensor) -> torch.Tensor:
 
 def divergence_reference(
     student_logits: torch.Tensor, teacher_logits: torch.Tensor, kind: str, beta: float = 0.5,
-    skew: float = 0.1, temperature: float = 1.0,
+    skew: float = 0.1, temperature: float = 1.0, support: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The divergences of :func:`klpenalty.divergence` per position, in float64, from the
     materialised distributions π = softmax(student/T), ν = softmax(teacher/T): ``"reverse_kl"``
     KL(π‖ν), ``"forward_kl"`` KL(ν‖π), ``"jsd"`` β·KL(ν‖M) + (1−β)·KL(π‖M) with
     M = β·ν + (1−β)·π, ``"skew_forward_kl"`` KL(ν‖λν + (1−λ)π), ``"skew_reverse_kl"``
-    KL(π‖λπ + (1−λ)ν) with λ = ``skew``, ``"tvd"`` ½·Σ|π − ν|."""
-    lp = torch.log_softmax(student_logits.double() / temperature, dim=-1)
+    KL(π‖λπ + (1−λ)ν) with λ = ``skew``, ``"tvd"`` ½·Σ|π − ν|.
+
+    ``support``: the student's kept set (..., V) bool (e.g. :func:`kept_set_reference` of a
+    sampler's settings); π is then π̃, softmax(student/T) renormalised on it (log π̃ = −inf off
+    it, a constant there: float64 autograd gives 0 off the support). The teacher is never
+    truncated."""
+    xs = student_logits.double()
+    if support is not None:
+        xs = torch.where(support, xs, -math.inf)
+    lp = torch.log_softmax(xs / temperature, dim=-1)
+    if support is not None:  # −inf off the support, a constant: no 0·(−inf) in autograd
+        lp = torch.where(support, lp, lp.detach())
     lq = torch.log_softmax(teacher_logits.double() / temperature, dim=-1)
     p, q = lp.exp(), lq.exp()
     if kind == "reverse_kl":

@@ -18,7 +18,7 @@ import torch
 import klpenalty
 from klpenalty._validation import compute_dtype
 from klpenalty.ops import native
-from klpenalty.ops.contract import Want
+from klpenalty.ops.contract import Want, kept_mask
 from klpenalty.ops.divergence import Divergence
 from tests.helpers import DTYPES, grad_tol, tol
 
@@ -60,20 +60,22 @@ def _rows(vocab: int, dtype: torch.dtype, seed: int = 0):
     return x.to(dtype), y.to(dtype), mask
 
 
-def _stats(backend, x, y, mask, temperature):
+def _stats(backend, x, y, mask, temperature, keep=None, tau=None):
     """The backend's forward statistics (what klpenalty.divergence hands the second walk)."""
     op = getattr(OPS, f"{backend}_token_stats")
-    return op(x, y, None, mask, None, None, temperature, -100, int(Want.KL), False, 0, 0, 0,
+    return op(x, y, None, mask, keep, tau, temperature, -100, int(Want.KL), False, 0, 0, 0,
               1.0, 0.0)[1]
 
 
-def _walk(backend, x, y, mask, temperature, kind, grad):
-    """(value, ḡ, grad_x) of the backend's second walk on its own statistics."""
-    stats = _stats(backend, x, y, mask, temperature)
-    value, gbar = getattr(OPS, f"{backend}_divergence")(x, y, stats, mask, temperature, kind,
-                                                         PARAM)
+def _walk(backend, x, y, mask, temperature, kind, grad, keep=None, tau=None):
+    """(value, ḡ, grad_x) of the backend's second walk on its own statistics (the student on
+    the support keep / tau where given)."""
+    stats = _stats(backend, x, y, mask, temperature, keep, tau)
+    value, gbar = getattr(OPS, f"{backend}_divergence")(x, y, stats, mask, keep, tau,
+                                                         temperature, kind, PARAM)
     gx = getattr(OPS, f"{backend}_divergence_backward")(grad.to(value.dtype), x, y, stats, gbar,
-                                                        mask, temperature, kind, PARAM)
+                                                        mask, keep, tau, temperature, kind,
+                                                        PARAM)
     return value, gbar, gx
 
 
@@ -120,7 +122,7 @@ def test_non_finite_entries_are_the_streaming_ops(kind, dtype):
         for temperature in TEMPERATURES:
             for m in (None, mask):
                 stats = _stats("native", x, y, m, temperature)
-                args = (stats, m, temperature, kind, PARAM)
+                args = (stats, m, None, None, temperature, kind, PARAM)
                 vn, gn = OPS.native_divergence(x, y, *args)
                 vs, gs = OPS.streaming_divergence(x, y, *args)
                 grad = torch.randn(ROWS, generator=torch.Generator().manual_seed(2))
@@ -140,11 +142,11 @@ def test_non_finite_entries_are_the_streaming_ops(kind, dtype):
 def test_masked_rows_and_rows_without_gradient_are_exactly_zero(kind, dtype):
     x, y, mask = _rows(1001, dtype, seed=2)
     stats = _stats("native", x, y, mask, 0.9)
-    value, gbar = OPS.native_divergence(x, y, stats, mask, 0.9, kind, PARAM)
+    value, gbar = OPS.native_divergence(x, y, stats, mask, None, None, 0.9, kind, PARAM)
     assert value[MASKED] == 0 and gbar[MASKED] == 0  # NaN logits there
     grad = torch.ones(ROWS)
     grad[6] = 0.0  # NaN logits, no upstream gradient
-    gx = OPS.native_divergence_backward(grad, x, y, stats, gbar, mask, 0.9, kind, PARAM)
+    gx = OPS.native_divergence_backward(grad, x, y, stats, gbar, mask, None, None, 0.9, kind, PARAM)
     assert (gx[MASKED] == 0).all() and (gx[6] == 0).all()
     assert gx[6].isnan().sum() == 0 and gx[MASKED].isnan().sum() == 0
 
@@ -161,7 +163,8 @@ def test_identical_models_give_exactly_zero(kind, dtype):
             x[1, ::3] = NINF
         for temperature in TEMPERATURES:
             stats = _stats("native", x, x, None, temperature)
-            value, _ = OPS.native_divergence(x, x.clone(), stats, None, temperature, kind, PARAM)
+            value, _ = OPS.native_divergence(x, x.clone(), stats, None, None, None, temperature,
+                                             kind, PARAM)
             assert (value == 0).all(), (kind.name, dtype, vocab, temperature, value)
             public = klpenalty.divergence(x, x.clone(), kind.name.lower(),
                                           temperature=temperature, backend="native")
@@ -189,17 +192,63 @@ def test_strides_mixed_dtypes_and_many_rows(kind):
         torch.testing.assert_close(gx.double(), gx64, **grad_tol(xs.dtype))
 
 
+@pytest.mark.parametrize("which", ["keep", "tau", "both"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("kind", KINDS, ids=lambda k: k.name.lower())
+def test_the_student_on_a_support_matches_the_float64_op(kind, dtype, which):
+    """keep (not a threshold set: the largest logit of some rows dropped), the threshold of the
+    12 largest (in the compute dtype), or both, on the edge rows (−inf entries in either model)
+    at every width (the vectors' tail included): values and ḡ as the float64 op's (the
+    non-finite ones equal), gradients too, exactly 0 off the support; rows without a kept
+    entry or holding NaN give the float64 op's NaN."""
+    for vocab in WIDTHS:
+        x, y, mask = _rows(vocab, dtype, seed=4)
+        g = torch.Generator().manual_seed(vocab)
+        keep = tau = None
+        if which != "tau":
+            keep = torch.rand(x.shape, generator=g) < 0.6
+            keep[:, -1] = True
+        if which != "keep":
+            xc = x.to(compute_dtype(x))
+            tau = xc.nan_to_num(NINF).topk(min(12, vocab), -1).values[:, -1].contiguous()
+        x64, y64 = x.double(), y.double()
+        tau64 = None if tau is None else tau.double()  # the same values, compared as x.to(τ)
+        v64, gb64, _ = _walk("streaming", x64, y64, mask, 0.7, kind, torch.zeros(ROWS), keep,
+                             tau64)
+        grad = torch.where(torch.isfinite(v64) | (kind == Divergence.FORWARD_KL),
+                           torch.randn(ROWS, generator=g, dtype=torch.float64), 0.0)
+        grad[6] = 0.0  # the NaN row
+        _, _, gx64 = _walk("streaming", x64, y64, mask, 0.7, kind, grad, keep, tau64)
+        value, gbar, gx = _walk("native", x, y, mask, 0.7, kind, grad, keep, tau)
+        where = f"{kind.name} {dtype} V={vocab} {which}"
+        torch.testing.assert_close(value.double(), v64, equal_nan=True, **tol(dtype),
+                                   msg=lambda m: f"{where} value: {m}")
+        torch.testing.assert_close(gbar.double(), gb64, equal_nan=True, **tol(dtype),
+                                   msg=lambda m: f"{where} gbar: {m}")
+        torch.testing.assert_close(gx.double(), gx64, equal_nan=True, **grad_tol(dtype),
+                                   msg=lambda m: f"{where} grad: {m}")
+        off = ~kept_mask(x, keep, tau)
+        assert torch.all(gx[off] == 0), where
+
+
 def test_argument_errors():
     x, y, mask = _rows(7, torch.float32)
     stats = _stats("native", x, y, mask, 1.0)
     with pytest.raises(ValueError, match="kind must be one of"):
-        OPS.native_divergence(x, y, stats, mask, 1.0, 6, PARAM)
+        OPS.native_divergence(x, y, stats, mask, None, None, 1.0, 6, PARAM)
     with pytest.raises(ValueError, match="stats must have shape"):
-        OPS.native_divergence(x, y, stats[:, :4], mask, 1.0, 1, PARAM)
+        OPS.native_divergence(x, y, stats[:, :4], mask, None, None, 1.0, 1, PARAM)
     with pytest.raises(ValueError, match="same shape"):
-        OPS.native_divergence(x, y[:, :5], stats, mask, 1.0, 1, PARAM)
+        OPS.native_divergence(x, y[:, :5], stats, mask, None, None, 1.0, 1, PARAM)
     with pytest.raises(ValueError, match="temperature"):
-        OPS.native_divergence(x, y, stats, mask, 0.0, 1, PARAM)
-    value, gbar = OPS.native_divergence(x, y, stats, mask, 1.0, 1, PARAM)
+        OPS.native_divergence(x, y, stats, mask, None, None, 0.0, 1, PARAM)
+    with pytest.raises(ValueError, match="keep must have the shape"):
+        OPS.native_divergence(x, y, stats, mask, torch.ones(10, 6, dtype=torch.bool), None, 1.0,
+                              1, PARAM)
+    with pytest.raises(TypeError, match="tau must be a float32"):
+        OPS.native_divergence(x, y, stats, mask, None, torch.zeros(10, dtype=torch.long), 1.0,
+                              1, PARAM)
+    value, gbar = OPS.native_divergence(x, y, stats, mask, None, None, 1.0, 1, PARAM)
     with pytest.raises(ValueError, match="grad must have shape"):
-        OPS.native_divergence_backward(value[:3], x, y, stats, gbar, mask, 1.0, 1, PARAM)
+        OPS.native_divergence_backward(value[:3], x, y, stats, gbar, mask, None, None, 1.0, 1,
+                                       PARAM)

@@ -16,8 +16,14 @@ from the forward's stats. The host is :mod:`.divergence`.
   grad·(π·g − π·ḡ)/T, written once in x's dtype, exactly 0 where the row's upstream gradient is
   0 (masked rows included, whatever their logits hold).
 
+With a support (HAS_KEEP: a (rows, V) uint8 keep read through its strides; HAS_TAU: a per-row
+threshold τ, x ≥ τ compared in float32, the compute dtype) the student is π̃: lp = −inf off the
+support and π·g = 0 there (:func:`_support_log_probs`), so ḡ sums the kept entries and the
+gradient is exactly 0 off it; the teacher is never truncated.
+
 The kind is a ``tl.constexpr`` (one specialisation per kind, only its own terms compiled), as
-are whether the kernel reads a mask and the stats columns (:func:`._host.column_constexprs`).
+are whether the kernel reads a mask, a keep or a threshold, and the stats columns
+(:func:`._host.column_constexprs`).
 β or λ comes as ``w`` and ``1 − w`` (``wc``), rounded from float64 on the host. Full blocks are
 read (and written) unmasked, each row's last partial one masked; columns past the row read
 x = y = −inf, whose terms are exactly 0.
@@ -111,19 +117,55 @@ def _row_stats(st, ST_SHIFT_X: tl.constexpr, ST_LOG_S_X: tl.constexpr, ST_SHIFT_
 
 
 @_device
-def _log_probs(x_row, y_row, col, c1, shift_x, log_s_x, shift_y, log_s_y, inv_t,
-               MASKED: tl.constexpr):
-    """(lp, lq) of the columns ``col`` of a row in float32 (−inf past ``c1`` where MASKED)."""
+def _support_log_probs(x_row, y_row, keep_row, tau, col, c1, shift_x, log_s_x, shift_y,
+                       log_s_y, inv_t, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr,
+                       MASKED: tl.constexpr):
+    """(lp, lq, kept) of the columns ``col`` of a row in float32 (−inf past ``c1`` where
+    MASKED): lp = −inf off the support, kept(v) = keep[v] and x_v ≥ τ (all True without one)."""
     x = _load(x_row, col, c1, float("-inf"), MASKED).to(tl.float32)
     y = _load(y_row, col, c1, float("-inf"), MASKED).to(tl.float32)
-    return (x - shift_x) * inv_t - log_s_x, (y - shift_y) * inv_t - log_s_y
+    kept = col >= 0
+    if HAS_KEEP:
+        kept = kept & (_load(keep_row, col, c1, 0, MASKED) != 0)
+    if HAS_TAU:
+        kept = kept & (x >= tau)
+    lp = (x - shift_x) * inv_t - log_s_x
+    if HAS_KEEP or HAS_TAU:
+        lp = tl.where(kept, lp, float("-inf"))
+    return lp, (y - shift_y) * inv_t - log_s_y, kept
+
+
+@_device
+def _support_terms(x_row, y_row, keep_row, tau, col, c1, shift_x, log_s_x, shift_y, log_s_y,
+                   inv_t, w, wc, KIND: tl.constexpr, HAS_KEEP: tl.constexpr,
+                   HAS_TAU: tl.constexpr, MASKED: tl.constexpr):
+    """(lp, f, π·g) of the columns ``col`` (:func:`_terms` of :func:`_support_log_probs`), π·g
+    exactly 0 off the support (π̃ is 0 there whatever x is)."""
+    lp, lq, kept = _support_log_probs(x_row, y_row, keep_row, tau, col, c1, shift_x, log_s_x,
+                                      shift_y, log_s_y, inv_t, HAS_KEEP, HAS_TAU, MASKED)
+    f, pg = _terms(lp, lq, w, wc, KIND)
+    if HAS_KEEP or HAS_TAU:
+        pg = tl.where(kept, pg, 0.0)
+    return lp, f, pg
+
+
+@_device
+def _row_support(keep_ptr, tau_ptr, row, T, stride_kb, stride_kt, HAS_TAU: tl.constexpr):
+    """The row's keep pointer and threshold τ (float32; 0.0 where unused)."""
+    keep_row = keep_ptr + _row_offset(row, T, stride_kb, stride_kt)
+    tau = 0.0
+    if HAS_TAU:
+        tau = tl.load(tau_ptr + row).to(tl.float32)
+    return keep_row, tau
 
 
 @triton.jit
 def divergence_kernel(
-    x_ptr, y_ptr, stats_ptr, mask_ptr, value_ptr, gbar_ptr,
-    T, stride_xb, stride_xt, stride_yb, stride_yt, V, cols, n_splits, inv_t, w, wc,
-    KIND: tl.constexpr, HAS_MASK: tl.constexpr, FINISH: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, y_ptr, keep_ptr, tau_ptr, stats_ptr, mask_ptr, value_ptr, gbar_ptr,
+    T, stride_xb, stride_xt, stride_yb, stride_yt, stride_kb, stride_kt, V, cols, n_splits,
+    inv_t, w, wc,
+    KIND: tl.constexpr, HAS_MASK: tl.constexpr, HAS_KEEP: tl.constexpr, HAS_TAU: tl.constexpr,
+    FINISH: tl.constexpr, BLOCK: tl.constexpr,
     STATS_COLS: tl.constexpr, ST_SHIFT_X: tl.constexpr, ST_LOG_S_X: tl.constexpr,
     ST_SHIFT_Y: tl.constexpr, ST_LOG_S_Y: tl.constexpr,
 ):
@@ -146,19 +188,20 @@ def divergence_kernel(
                                                     ST_LOG_S_X, ST_SHIFT_Y, ST_LOG_S_Y)
     x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
     y_row = y_ptr + _row_offset(row, T, stride_yb, stride_yt)
+    keep_row, tau = _row_support(keep_ptr, tau_ptr, row, T, stride_kb, stride_kt, HAS_TAU)
     offs = tl.arange(0, BLOCK)
     acc_f = tl.zeros([BLOCK], tl.float32)
     acc_g = tl.zeros([BLOCK], tl.float32)
     for start in range(c0, c_main, BLOCK):
-        lp, lq = _log_probs(x_row, y_row, start + offs, c1, shift_x, log_s_x, shift_y, log_s_y,
-                            inv_t, False)
-        f, pg = _terms(lp, lq, w, wc, KIND)
+        _, f, pg = _support_terms(x_row, y_row, keep_row, tau, start + offs, c1, shift_x,
+                                  log_s_x, shift_y, log_s_y, inv_t, w, wc, KIND, HAS_KEEP,
+                                  HAS_TAU, False)
         acc_f += f
         acc_g += pg
     if c_main < c1:
-        lp, lq = _log_probs(x_row, y_row, c_main + offs, c1, shift_x, log_s_x, shift_y,
-                            log_s_y, inv_t, True)
-        f, pg = _terms(lp, lq, w, wc, KIND)
+        _, f, pg = _support_terms(x_row, y_row, keep_row, tau, c_main + offs, c1, shift_x,
+                                  log_s_x, shift_y, log_s_y, inv_t, w, wc, KIND, HAS_KEEP,
+                                  HAS_TAU, True)
         acc_f += f
         acc_g += pg
     value = tl.sum(acc_f, 0)
@@ -185,29 +228,31 @@ def divergence_merge_kernel(parts_ptr, value_ptr, gbar_ptr, n_splits, SPLITS: tl
 
 
 @_device
-def _grad_tile(x_row, y_row, gx_row, start, offs, c1, shift_x, log_s_x, shift_y, log_s_y,
-               gbar, scale, inv_t, w, wc, KIND: tl.constexpr, MASKED: tl.constexpr):
-    """One tile of grad·(π·g − π·ḡ)/T (``scale`` = grad/T), exactly 0 where grad is 0, written
-    in gx's dtype."""
+def _grad_tile(x_row, y_row, keep_row, tau, gx_row, start, offs, c1, shift_x, log_s_x, shift_y,
+               log_s_y, gbar, scale, inv_t, w, wc, KIND: tl.constexpr, HAS_KEEP: tl.constexpr,
+               HAS_TAU: tl.constexpr, MASKED: tl.constexpr):
+    """One tile of grad·(π·g − π·ḡ)/T (``scale`` = grad/T), exactly 0 where grad is 0 and off
+    the support (π̃ = π·g = 0 there), written in gx's dtype."""
     col = start + offs
-    lp, lq = _log_probs(x_row, y_row, col, c1, shift_x, log_s_x, shift_y, log_s_y, inv_t, MASKED)
-    _, pg = _terms(lp, lq, w, wc, KIND)
+    lp, _, pg = _support_terms(x_row, y_row, keep_row, tau, col, c1, shift_x, log_s_x, shift_y,
+                               log_s_y, inv_t, w, wc, KIND, HAS_KEEP, HAS_TAU, MASKED)
     d = tl.where(scale != 0, (pg - tl.exp(lp) * gbar) * scale, 0.0)
     _store(gx_row, col, c1, d.to(gx_row.dtype.element_ty), MASKED)
 
 
 @triton.jit
 def divergence_grad_kernel(
-    x_ptr, y_ptr, stats_ptr, g_ptr, gbar_ptr, mask_ptr, gx_ptr,
-    T, stride_xb, stride_xt, stride_yb, stride_yt, stride_g, V, inv_t, w, wc,
-    KIND: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
+    x_ptr, y_ptr, keep_ptr, tau_ptr, stats_ptr, g_ptr, gbar_ptr, mask_ptr, gx_ptr,
+    T, stride_xb, stride_xt, stride_yb, stride_yt, stride_kb, stride_kt, stride_g, V, inv_t, w,
+    wc, KIND: tl.constexpr, HAS_MASK: tl.constexpr, HAS_KEEP: tl.constexpr,
+    HAS_TAU: tl.constexpr, BLOCK: tl.constexpr, TILES: tl.constexpr,
     STATS_COLS: tl.constexpr, ST_SHIFT_X: tl.constexpr, ST_LOG_S_X: tl.constexpr,
     ST_SHIFT_Y: tl.constexpr, ST_LOG_S_Y: tl.constexpr,
 ):
     """TILES (row, block) tiles of ∂/∂x of Σ grad·value: program (row, j) takes columns
     [j·TILES·BLOCK, (j + 1)·TILES·BLOCK) and loads the row's scalars once: the upstream gradient
     (``g_ptr`` (N,) with stride ``stride_g``, any float dtype; 0 on masked rows), ḡ and the
-    shifts and log-sums. gx is (N, V) contiguous."""
+    shifts and log-sums (and τ, HAS_TAU). gx is (N, V) contiguous."""
     row = tl.program_id(0).to(tl.int64)
     c0 = tl.program_id(1) * (BLOCK * TILES)
     c1 = tl.minimum(c0 + BLOCK * TILES, V)
@@ -221,11 +266,12 @@ def divergence_grad_kernel(
                                                     ST_LOG_S_X, ST_SHIFT_Y, ST_LOG_S_Y)
     x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
     y_row = y_ptr + _row_offset(row, T, stride_yb, stride_yt)
+    keep_row, tau = _row_support(keep_ptr, tau_ptr, row, T, stride_kb, stride_kt, HAS_TAU)
     gx_row = gx_ptr + row * V
     offs = tl.arange(0, BLOCK)
     for start in range(c0, c_main, BLOCK):
-        _grad_tile(x_row, y_row, gx_row, start, offs, c1, shift_x, log_s_x, shift_y, log_s_y,
-                   gbar, scale, inv_t, w, wc, KIND, False)
+        _grad_tile(x_row, y_row, keep_row, tau, gx_row, start, offs, c1, shift_x, log_s_x,
+                   shift_y, log_s_y, gbar, scale, inv_t, w, wc, KIND, HAS_KEEP, HAS_TAU, False)
     if c_main < c1:
-        _grad_tile(x_row, y_row, gx_row, c_main, offs, c1, shift_x, log_s_x, shift_y, log_s_y,
-                   gbar, scale, inv_t, w, wc, KIND, True)
+        _grad_tile(x_row, y_row, keep_row, tau, gx_row, c_main, offs, c1, shift_x, log_s_x,
+                   shift_y, log_s_y, gbar, scale, inv_t, w, wc, KIND, HAS_KEEP, HAS_TAU, True)

@@ -55,6 +55,60 @@ inline bool unit_stride_pair(const at::Tensor& x_in, const at::Tensor& y_in, at:
   return true;
 }
 
+// The support's op arguments checked against logits x_in (..., V): keep (..., V) bool with a
+// unit last stride, tau (...) float32/float64 contiguous (undefined where not given).
+inline void support_tensors(const std::optional<at::Tensor>& keep_arg,
+                            const std::optional<at::Tensor>& tau_arg, const at::Tensor& x_in,
+                            const std::vector<int64_t>& leading, at::Tensor& keep,
+                            at::Tensor& tau) {
+  if (keep_arg.has_value()) {
+    const at::Tensor& k = *keep_arg;
+    TORCH_CHECK_TYPE(k.scalar_type() == at::kBool,
+                     "keep must be a bool tensor (True = kept), got ", describe(k));
+    TORCH_CHECK_VALUE(k.sizes() == x_in.sizes(), "keep must have the shape of the logits ",
+                      py_tuple(x_in.sizes().vec()), ", got ", describe(k));
+    keep = unit_last_stride(k);
+  }
+  if (tau_arg.has_value()) {
+    const at::Tensor& t = *tau_arg;
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
+                     "tau must be a float32 or float64 tensor, got ", describe(t));
+    TORCH_CHECK_VALUE(t.sizes() == c10::IntArrayRef(leading), "tau must have shape ",
+                      py_tuple(leading), " (the leading dims of the logits), got ", describe(t));
+    tau = t.contiguous();
+  }
+}
+
+// Each row's Support (walk.h) from the checked keep / tau (either undefined).
+struct SupportRows {
+  Rows rk;
+  const bool* kp;
+  const float* tau_f;
+  const double* tau_d;
+
+  SupportRows(const at::Tensor& keep, const at::Tensor& tau, const at::Tensor& x)
+      : rk(keep.defined() ? keep : x),
+        kp(keep.defined() ? keep.const_data_ptr<bool>() : nullptr),
+        tau_f(tau.defined() && tau.scalar_type() == at::kFloat ? tau.const_data_ptr<float>()
+                                                               : nullptr),
+        tau_d(tau.defined() && tau.scalar_type() == at::kDouble ? tau.const_data_ptr<double>()
+                                                                : nullptr) {}
+
+  Support at(int64_t r) const {
+    Support s;
+    if (kp) s.keep = kp + rk.offset(r);
+    if (tau_f) {
+      s.has_tau = true;
+      s.tau_f = tau_f[r];
+    } else if (tau_d) {
+      s.has_tau = true;
+      s.tau_double = true;
+      s.tau_d = tau_d[r];
+    }
+    return s;
+  }
+};
+
 // The checked arguments of both ops: logits with a unit last stride (both in the compute dtype
 // when their dtypes differ, a rare case), flat contiguous per-position tensors, and the support.
 struct StatsArgs {
@@ -103,22 +157,7 @@ struct StatsArgs {
       tokens_in = *tokens_arg;
       tok = flat_tokens(tokens_in, leading);
     }
-    if (keep_arg.has_value()) {
-      const at::Tensor& k = *keep_arg;
-      TORCH_CHECK_TYPE(k.scalar_type() == at::kBool,
-                       "keep must be a bool tensor (True = kept), got ", describe(k));
-      TORCH_CHECK_VALUE(k.sizes() == x_in.sizes(), "keep must have the shape of the logits ",
-                        py_tuple(x_in.sizes().vec()), ", got ", describe(k));
-      keep = unit_last_stride(k);
-    }
-    if (tau_arg.has_value()) {
-      const at::Tensor& t = *tau_arg;
-      TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
-                       "tau must be a float32 or float64 tensor, got ", describe(t));
-      TORCH_CHECK_VALUE(t.sizes() == c10::IntArrayRef(leading), "tau must have shape ",
-                        py_tuple(leading), " (the leading dims of the logits), got ", describe(t));
-      tau = t.contiguous();
-    }
+    support_tensors(keep_arg, tau_arg, x_in, leading, keep, tau);
     need_x_state = want & (kWantKL | kWantLogp | kWantEntropy);
     need_y_state = want & (kWantKL | kWantRefLogp);
   }
@@ -129,46 +168,25 @@ struct StatsArgs {
 // Per-row pointers and flags shared by the forward and backward loops.
 struct RowAccess {
   const StatsArgs& a;
-  Rows rx, ry, rk;
+  Rows rx, ry;
+  SupportRows sr;
   const bool* mp;
   const int64_t* tp;
-  const bool* kp;
-  const float* tau_f;
-  const double* tau_d;
 
   explicit RowAccess(const StatsArgs& args)
       : a(args),
         rx(args.x),
         ry(args.y.defined() ? args.y : args.x),
-        rk(args.keep.defined() ? args.keep : args.x),
+        sr(args.keep, args.tau, args.x),
         mp(args.mask.defined() ? args.mask.const_data_ptr<bool>() : nullptr),
-        tp(args.tok.defined() ? args.tok.const_data_ptr<int64_t>() : nullptr),
-        kp(args.keep.defined() ? args.keep.const_data_ptr<bool>() : nullptr),
-        tau_f(args.tau.defined() && args.tau.scalar_type() == at::kFloat
-                  ? args.tau.const_data_ptr<float>()
-                  : nullptr),
-        tau_d(args.tau.defined() && args.tau.scalar_type() == at::kDouble
-                  ? args.tau.const_data_ptr<double>()
-                  : nullptr) {}
+        tp(args.tok.defined() ? args.tok.const_data_ptr<int64_t>() : nullptr) {}
 
   bool masked(int64_t r) const { return mp && !mp[r]; }
   // the row's token, or -1 where there is none or it is ignored
   int64_t token(int64_t r, int64_t ignore_index) const {
     return (tp && tp[r] != ignore_index) ? tp[r] : -1;
   }
-  Support support(int64_t r) const {
-    Support s;
-    if (kp) s.keep = kp + rk.offset(r);
-    if (tau_f) {
-      s.has_tau = true;
-      s.tau_f = tau_f[r];
-    } else if (tau_d) {
-      s.has_tau = true;
-      s.tau_double = true;
-      s.tau_d = tau_d[r];
-    }
-    return s;
-  }
+  Support support(int64_t r) const { return sr.at(r); }
 };
 
 // Tokens of counted rows that are read must lie in the row (also with check=False).

@@ -1,12 +1,16 @@
 // The second walk of the contract in klpenalty/ops/contract.py (schemas defined there):
-//   native_divergence(x, y, stats, mask?, temperature, kind, param) -> (value (...), gbar (...))
-//   native_divergence_backward(grad (...), x, y, stats, gbar, mask?, temperature, kind, param)
-//     -> grad_x (..., V)
+//   native_divergence(x, y, stats, mask?, keep?, tau?, temperature, kind, param)
+//     -> (value (...), gbar (...))
+//   native_divergence_backward(grad (...), x, y, stats, gbar, mask?, keep?, tau?, temperature,
+//     kind, param) -> grad_x (..., V)
 // With the forward's finished statistics (kStShiftX .. kStLogSY) each row's log-probabilities
 // are exact, lp = (x − shift_x)/T − log s_x and lq likewise, and the kind's terms
 // (klpenalty/ops/divergence.py: divergence_terms, numerics.md "Divergences") are summed per row:
 // value = Σ f and ḡ = Σ π·∂f/∂π; the backward writes grad·(π·g − π·ḡ)/T. Masked rows give 0
 // (value, ḡ and gradient), as do the gradient rows whose grad is 0, whatever their logits hold.
+// A support (keep and/or tau, walk.h's Support: kept(v) = keep[v] and x_v >= tau, as the
+// token_stats ops) makes the student π̃: lp = −inf off it and π·g = 0 there (ḡ sums the kept
+// entries; the gradient is exactly 0 off the support); the teacher is never truncated.
 //
 // Per row one vectorised pass reads x and y in their dtype (bf16/fp16 widened in registers),
 // float32 arithmetic in log2 units (lp2 = lp·log2 e: the exps are simd.h's exp2, the log-terms
@@ -16,7 +20,8 @@
 // identical models give exactly 0), π·ν/M and π²/M by one division. A row whose fast sums (or
 // gradient entries) are not finite — a −inf logit in either model (0·log 0), NaN, a KL of +inf —
 // is redone with the 0·log 0 rule in the same vectors (a term weighted by a model's mass is 0
-// where that model's log-prob is −inf), and if still not finite (NaN, +inf) by the careful
+// where that model's log-prob is −inf; a truncated row takes this walk at once, its lane masks
+// (SupLanes) setting lp = −inf off the support), and if still not finite (NaN, +inf) by the careful
 // scalar path, divergence_terms term for term in the compute type (float, or double for float64
 // inputs, which take that path for every row). Rows in parallel (rows.h's parallel_rows).
 #include <ATen/Dispatch.h>
@@ -71,14 +76,15 @@ inline double teacher_weight(int64_t kind, double param) {
 
 // ------------------------------------------------------------------------------ arguments
 struct DivArgs {
-  at::Tensor x, y, st, mask;
+  at::Tensor x, y, st, mask, keep, tau;
   std::vector<int64_t> leading;
   int64_t V = 0, N = 0;
   at::ScalarType ct = at::kFloat;  // compute dtype
   bool mixed = false;              // x and y of different dtypes, both copied to ct
 
   DivArgs(const at::Tensor& x_arg, const at::Tensor& y_arg, const at::Tensor& stats,
-          const std::optional<at::Tensor>& mask_arg, double T, int64_t kind) {
+          const std::optional<at::Tensor>& mask_arg, const std::optional<at::Tensor>& keep_arg,
+          const std::optional<at::Tensor>& tau_arg, double T, int64_t kind) {
     check_logits_arg("x", x_arg);
     check_logits_arg("y", y_arg);
     TORCH_CHECK_VALUE(x_arg.sizes() == y_arg.sizes(),
@@ -99,6 +105,7 @@ struct DivArgs {
                       py_tuple(sshape), ", got ", describe(stats));
     st = stats.to(at::kDouble).contiguous();
     mask = flat_mask(mask_arg, leading);
+    support_tensors(keep_arg, tau_arg, x_arg, leading, keep, tau);
   }
 
   bool masked(int64_t r) const { return mask.defined() && !mask.const_data_ptr<bool>()[r]; }
@@ -182,30 +189,44 @@ struct LogProbs {
   }
 };
 
+// (f, π·∂f/∂π) of entry j of a row in C: off the support lp = −inf and π·g = 0.
+template <typename C, typename TX, typename TY>
+inline std::pair<C, C> entry_careful(const LogProbs<C>& lpq, const TX* x, const TY* y, int64_t j,
+                                     const Support& sup, int64_t kind, double param) {
+  auto [lp, lq] = lpq.at(x, y, j);
+  if (sup.any() && !sup.kept(x, j)) {
+    return {terms_careful<C>(-std::numeric_limits<C>::infinity(), lq, kind, param).first, C(0)};
+  }
+  return terms_careful<C>(lp, lq, kind, param);
+}
+
 // (value, ḡ) of a row by the careful path, summed in double.
 template <typename C, typename TX, typename TY>
 std::pair<double, double> row_careful(const TX* x, const TY* y, int64_t V, const double* s,
-                                      double T, int64_t kind, double param) {
+                                      double T, int64_t kind, double param, const Support& sup) {
   const LogProbs<C> lpq(s, T);
   double value = 0.0, gbar = 0.0;
   for (int64_t j = 0; j < V; ++j) {
-    const auto [lp, lq] = lpq.at(x, y, j);
-    const auto [f, pg] = terms_careful<C>(lp, lq, kind, param);
+    const auto [f, pg] = entry_careful<C>(lpq, x, y, j, sup, kind, param);
     value += f;
     gbar += pg;
   }
   return {value, gbar};
 }
 
-// A gradient row by the careful path: (π·g − π·ḡ)·(grad/T) in C.
+// A gradient row by the careful path: (π·g − π·ḡ)·(grad/T) in C, exactly 0 off the support.
 template <typename C, typename TX, typename TY, typename TO>
 void grad_careful(const TX* x, const TY* y, int64_t V, const double* s, double T, int64_t kind,
-                  double param, double grad, double gbar, TO* out) {
+                  double param, double grad, double gbar, const Support& sup, TO* out) {
   const LogProbs<C> lpq(s, T);
   const C gb = static_cast<C>(gbar), gt = static_cast<C>(grad) / static_cast<C>(T);
   for (int64_t j = 0; j < V; ++j) {
-    const auto [lp, lq] = lpq.at(x, y, j);
-    const C pg = terms_careful<C>(lp, lq, kind, param).second;
+    if (sup.any() && !sup.kept(x, j)) {
+      out[j] = TO(0);
+      continue;
+    }
+    const C lp = lpq.at(x, y, j).first;
+    const C pg = entry_careful<C>(lpq, x, y, j, sup, kind, param).second;
     out[j] = static_cast<TO>((pg - std::exp(lp) * gb) * gt);
   }
 }
@@ -393,30 +414,62 @@ KLP_VEC_INLINE void load_tail(const TX* x, const TY* y, int64_t n, const FastRow
   in1 = VF::loadu(idx + VF::size()) < lim;
 }
 
+// The kept lanes of a row's last n < kBlock entries (the lanes past n: not kept), x's
+// comparison with tau made as SupLanes' (in float).
+template <typename TX, typename Sup>
+KLP_VEC_INLINE void tail_lanes(const TX* x, int64_t n, const Sup& sup, LaneMask& m0,
+                               LaneMask& m1) {
+  float kb[kBlock];
+  for (int64_t j = 0; j < kBlock; ++j) {
+    kb[j] = (j < n && sup.kept(static_cast<float>(x[j]), j)) ? 1.0f : 0.0f;
+  }
+  m0 = lanes_gt(VF::loadu(kb), VF(0.5f));
+  m1 = lanes_gt(VF::loadu(kb + VF::size()), VF(0.5f));
+}
+
+// The log-probs in log2 units of one vector of entries (dx, dy: the logits minus the shifts),
+// lp2 = −inf off the support (lanes not in m where Sup is on).
+template <typename Sup>
+KLP_VEC_INLINE void log_probs2(const VF& dx, const VF& dy, const FastRow& k, const LaneMask& m,
+                               VF& lp2, VF& lq2) {
+  lp2 = at::vec::fmadd(dx, k.c, k.bx);
+  lq2 = at::vec::fmadd(dy, k.c, k.by);
+  if constexpr (Sup::kOn) lp2 = select(m, lp2, VF(-std::numeric_limits<float>::infinity()));
+}
+
 // (value, ḡ) of a row by the fast path (not finite: the row needs the careful path); kCareful:
-// with the 0·log 0 rule (rows with −inf logits).
-template <int64_t K, bool kCareful, typename TX, typename TY>
+// with the 0·log 0 rule (rows with −inf logits, and truncated rows). Sup: the support's lane
+// masks (NoLanes: none): lp = −inf and π·g = 0 off the support.
+template <int64_t K, bool kCareful, typename TX, typename TY, typename Sup = NoLanes>
 std::pair<double, double> row_fast(const TX* x, const TY* y, int64_t V, const FastRow& k,
-                                   double param) {
+                                   double param, const Sup& sup = Sup()) {
   const VF zero(0.0f);
   WideSum w0, w1;
   VF a0 = zero, a1 = zero;
-  auto add = [&](const VF& dx, const VF& dy, const VF& in) {
-    VF s0, s1;
-    fast_terms<K, kCareful>(at::vec::fmadd(dx, k.c, k.bx), at::vec::fmadd(dy, k.c, k.by), k, s0,
-                            s1);
-    a0 = a0 + VF::blendv(zero, s0, in);
-    a1 = a1 + VF::blendv(zero, s1, in);
-  };
   int64_t i = 0, blocks = 0;
+  // the main loop calls fast_terms directly (no lambda around it: a call per vector where the
+  // compiler does not inline one costs the untruncated rows ~20%)
   for (; i + kBlock <= V; i += kBlock) {
     VF dx0, dx1, dy0, dy1;
     load_shifted(x + i, y + i, k.shx, k.shy, dx0, dx1, dy0, dy1);
+    VF lp0 = at::vec::fmadd(dx0, k.c, k.bx), lp1 = at::vec::fmadd(dx1, k.c, k.bx);
+    LaneMask m0 = lanes_all(), m1 = lanes_all();
+    if constexpr (Sup::kOn) {  // the logits again (from L1) for the comparison with tau
+      VF xa, xb;
+      load2(x + i, xa, xb);
+      m0 = sup.at(xa, i);
+      m1 = sup.at(xb, i + VF::size());
+      const VF ninf(-std::numeric_limits<float>::infinity());
+      lp0 = select(m0, lp0, ninf);
+      lp1 = select(m1, lp1, ninf);
+    }
     VF s0, s1, t0, t1;
-    fast_terms<K, kCareful>(at::vec::fmadd(dx0, k.c, k.bx), at::vec::fmadd(dy0, k.c, k.by), k,
-                            s0, s1);
-    fast_terms<K, kCareful>(at::vec::fmadd(dx1, k.c, k.bx), at::vec::fmadd(dy1, k.c, k.by), k,
-                            t0, t1);
+    fast_terms<K, kCareful>(lp0, at::vec::fmadd(dy0, k.c, k.by), k, s0, s1);
+    fast_terms<K, kCareful>(lp1, at::vec::fmadd(dy1, k.c, k.by), k, t0, t1);
+    if constexpr (Sup::kOn) {  // π·g = 0 off the support
+      s1 = select(m0, s1, zero);
+      t1 = select(m1, t1, zero);
+    }
     a0 = a0 + (s0 + t0);
     a1 = a1 + (s1 + t1);
     if (++blocks == kFlush) {
@@ -429,8 +482,18 @@ std::pair<double, double> row_fast(const TX* x, const TY* y, int64_t V, const Fa
   if (i < V) {
     VF dx0, dx1, dy0, dy1, in0, in1;
     load_tail(x + i, y + i, V - i, k, dx0, dx1, dy0, dy1, in0, in1);
-    add(dx0, dy0, in0);
-    add(dx1, dy1, in1);
+    LaneMask m0 = lanes_all(), m1 = lanes_all();
+    if constexpr (Sup::kOn) tail_lanes(x + i, V - i, sup.from(i), m0, m1);
+    const VF dx[2] = {dx0, dx1}, dy[2] = {dy0, dy1}, in[2] = {in0, in1};
+    const LaneMask m[2] = {m0, m1};
+    for (int h = 0; h < 2; ++h) {
+      VF lp2, lq2, s0, s1;
+      log_probs2<Sup>(dx[h], dy[h], k, m[h], lp2, lq2);
+      fast_terms<K, kCareful>(lp2, lq2, k, s0, s1);
+      if constexpr (Sup::kOn) s1 = select(m[h], s1, zero);
+      a0 = a0 + VF::blendv(zero, s0, in[h]);
+      a1 = a1 + VF::blendv(zero, s1, in[h]);
+    }
   }
   w0.add(a0);
   w1.add(a1);
@@ -438,17 +501,19 @@ std::pair<double, double> row_fast(const TX* x, const TY* y, int64_t V, const Fa
 }
 
 // A gradient row by the fast path; false where an entry is not finite (redo it carefully).
-// kCareful: with the 0·log 0 rule.
-template <int64_t K, bool kCareful, typename TX, typename TY, typename TO>
+// kCareful: with the 0·log 0 rule; Sup: the support's lane masks (exactly 0 off the support).
+template <int64_t K, bool kCareful, typename TX, typename TY, typename TO, typename Sup = NoLanes>
 bool grad_fast(const TX* x, const TY* y, int64_t V, const FastRow& k, double grad, double gbar,
-               double T, TO* out) {
+               double T, TO* out, const Sup& sup = Sup()) {
   const VF gb(static_cast<float>(gbar));
   const VF gt(static_cast<float>(grad) / static_cast<float>(T));
   const VF zero(0.0f);
   VF bad = zero;  // NaN in a lane once an entry there is ±inf or NaN
-  auto grad_of = [&](const VF& dx, const VF& dy) {
-    const VF v = fast_grad<K, kCareful>(at::vec::fmadd(dx, k.c, k.bx),
-                                        at::vec::fmadd(dy, k.c, k.by), k, gb, gt);
+  auto grad_of = [&](const VF& dx, const VF& dy, const LaneMask& m) {
+    VF lp2, lq2;
+    log_probs2<Sup>(dx, dy, k, m, lp2, lq2);
+    VF v = fast_grad<K, kCareful>(lp2, lq2, k, gb, gt);
+    if constexpr (Sup::kOn) v = select(m, v, zero);
     bad = at::vec::fmadd(v, zero, bad);
     return v;
   };
@@ -456,15 +521,24 @@ bool grad_fast(const TX* x, const TY* y, int64_t V, const FastRow& k, double gra
   for (; i + kBlock <= V; i += kBlock) {
     VF dx0, dx1, dy0, dy1;
     load_shifted(x + i, y + i, k.shx, k.shy, dx0, dx1, dy0, dy1);
-    const VF v0 = grad_of(dx0, dy0), v1 = grad_of(dx1, dy1);
+    LaneMask m0 = lanes_all(), m1 = lanes_all();
+    if constexpr (Sup::kOn) {
+      VF xa, xb;
+      load2(x + i, xa, xb);
+      m0 = sup.at(xa, i);
+      m1 = sup.at(xb, i + VF::size());
+    }
+    const VF v0 = grad_of(dx0, dy0, m0), v1 = grad_of(dx1, dy1, m1);
     store2(out + i, v0, v1);
   }
   if (i < V) {
     VF dx0, dx1, dy0, dy1, in0, in1;
     load_tail(x + i, y + i, V - i, k, dx0, dx1, dy0, dy1, in0, in1);
+    LaneMask m0 = lanes_all(), m1 = lanes_all();
+    if constexpr (Sup::kOn) tail_lanes(x + i, V - i, sup.from(i), m0, m1);
     float buf[kBlock];
-    grad_of(dx0, dy0).store(buf);
-    grad_of(dx1, dy1).store(buf + VF::size());
+    grad_of(dx0, dy0, m0).store(buf);
+    grad_of(dx1, dy1, m1).store(buf + VF::size());
     for (int64_t j = 0; i + j < V; ++j) out[i + j] = static_cast<TO>(buf[j]);
     // the padded lanes are finite: the shifts give lp2, lq2 of finite rows' entries
   }
@@ -499,9 +573,12 @@ using RowType = std::remove_cv_t<std::remove_pointer_t<P>>;
 
 std::tuple<at::Tensor, at::Tensor> divergence(const at::Tensor& x_arg, const at::Tensor& y_arg,
                                               const at::Tensor& stats,
-                                              const std::optional<at::Tensor>& mask, double T,
+                                              const std::optional<at::Tensor>& mask,
+                                              const std::optional<at::Tensor>& keep,
+                                              const std::optional<at::Tensor>& tau, double T,
                                               int64_t kind, double param) {
-  const DivArgs a(x_arg, y_arg, stats, mask, T, kind);
+  const DivArgs a(x_arg, y_arg, stats, mask, keep, tau, T, kind);
+  const SupportRows sr(a.keep, a.tau, a.x);
   at::Tensor value = at::empty(a.leading, a.x.options().dtype(a.ct));
   at::Tensor gbar = at::empty(a.leading, a.x.options().dtype(a.ct));
   const double* sp = a.st.const_data_ptr<double>();
@@ -517,12 +594,19 @@ std::tuple<at::Tensor, at::Tensor> divergence(const at::Tensor& x_arg, const at:
     const double* s = sp + kStatsCols * r;
     std::pair<double, double> vg{kNaN, kNaN};
     auto finite = [&] { return std::isfinite(vg.first) && std::isfinite(vg.second); };
+    const Support sup = sr.at(r);
     if constexpr (!std::is_same_v<C, double>) {
       const FastRow k(s, T, K, param);
-      vg = row_fast<K, false>(xr, yr, a.V, k, param);
-      if (!finite()) vg = row_fast<K, true>(xr, yr, a.V, k, param);
+      if (sup.any()) {  // −inf off the support: the 0·log 0 rule at once
+        with_lanes(sup, [&](const auto& lanes) {
+          vg = row_fast<K, true>(xr, yr, a.V, k, param, lanes);
+        });
+      } else {
+        vg = row_fast<K, false>(xr, yr, a.V, k, param);
+        if (!finite()) vg = row_fast<K, true>(xr, yr, a.V, k, param);
+      }
     }
-    if (!finite()) vg = row_careful<C>(xr, yr, a.V, s, T, K, param);
+    if (!finite()) vg = row_careful<C>(xr, yr, a.V, s, T, K, param, sup);
     vp[r] = static_cast<C>(vg.first);
     gp[r] = static_cast<C>(vg.second);
   });
@@ -532,8 +616,11 @@ std::tuple<at::Tensor, at::Tensor> divergence(const at::Tensor& x_arg, const at:
 at::Tensor divergence_backward(const at::Tensor& grad, const at::Tensor& x_arg,
                                const at::Tensor& y_arg, const at::Tensor& stats,
                                const at::Tensor& gbar, const std::optional<at::Tensor>& mask,
-                               double T, int64_t kind, double param) {
-  const DivArgs a(x_arg, y_arg, stats, mask, T, kind);
+                               const std::optional<at::Tensor>& keep,
+                               const std::optional<at::Tensor>& tau, double T, int64_t kind,
+                               double param) {
+  const DivArgs a(x_arg, y_arg, stats, mask, keep, tau, T, kind);
+  const SupportRows sr(a.keep, a.tau, a.x);
   const at::Tensor g = per_row("grad", grad, a);
   const at::Tensor gb = per_row("gbar", gbar, a);
   at::Tensor gx = at::empty(a.x.sizes(), a.x.options());
@@ -551,13 +638,20 @@ at::Tensor divergence_backward(const at::Tensor& grad, const at::Tensor& x_arg,
       return;
     }
     const double* s = sp + kStatsCols * r;
+    const Support sup = sr.at(r);
     bool done = false;
     if constexpr (!std::is_same_v<C, double>) {
       const FastRow k(s, T, K, param);
-      done = grad_fast<K, false>(xr, yr, a.V, k, gpr[r], gbp[r], T, o) ||
-             grad_fast<K, true>(xr, yr, a.V, k, gpr[r], gbp[r], T, o);
+      if (sup.any()) {
+        with_lanes(sup, [&](const auto& lanes) {
+          done = grad_fast<K, true>(xr, yr, a.V, k, gpr[r], gbp[r], T, o, lanes);
+        });
+      } else {
+        done = grad_fast<K, false>(xr, yr, a.V, k, gpr[r], gbp[r], T, o) ||
+               grad_fast<K, true>(xr, yr, a.V, k, gpr[r], gbp[r], T, o);
+      }
     }
-    if (!done) grad_careful<C>(xr, yr, a.V, s, T, K, param, gpr[r], gbp[r], o);
+    if (!done) grad_careful<C>(xr, yr, a.V, s, T, K, param, gpr[r], gbp[r], sup, o);
   });
   if (a.mixed) gx = gx.to(x_arg.scalar_type());
   return gx;

@@ -38,8 +38,9 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# the cold build of the native extension (`-m build`, ~90 s of one core) runs in test-integrations
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile -m "not build"
 
 # the `trl` extra into the same venv; the constraint keeps the CPU torch that is there, and
 # pip list checks it afterwards
@@ -57,6 +58,7 @@ $(INTEGRATIONS_STAMP): $(STAMP)
 
 test-integrations: $(INTEGRATIONS_STAMP) test-triton-3.6
 	KLPENALTY_INTEGRATIONS=1 $(PY) -m pytest tests/integrations
+	$(PY) -m pytest -m build tests/ops/test_native.py
 
 # --no-deps: Triton 3.6 needs nothing at run time that the venv lacks, and torch stays as it is
 $(TRITON_DEVICE_STAMP): $(STAMP)

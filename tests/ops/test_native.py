@@ -484,7 +484,7 @@ _LOAD_CHILD = """
 """
 
 
-@pytest.mark.slow
+@pytest.mark.build
 def test_cold_build_then_a_second_process_loads_from_the_cache(tmp_path, monkeypatch):
     """A fresh cache (with a stale lock left by a killed build): one process compiles, printing
     one line; the next loads the cached library in well under a second, without compiling."""

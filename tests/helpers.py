@@ -162,11 +162,16 @@ def backend_views(name: str) -> SimpleNamespace:
 views = SimpleNamespace(**{name: backend_views(name) for name in dispatch.REGISTRY})
 
 
-def transformed(h: Tensor, w: Tensor, b: Tensor | None, scale: float, cap) -> Tensor:
-    """The plain path's LM-head logits, with differentiable torch ops: ``F.linear`` in h's
-    dtype, then, with a scale or a soft-cap, the GEMM's output upcast to float32 (float64 for
-    float64 inputs) and scale·z, cap·tanh(z/cap) in that dtype (docs/numerics.md, "the logit
-    transform")."""
+def transformed(h: Tensor, w: Tensor, b: Tensor | None, scale: float, cap, *,
+                fused: bool = False) -> Tensor:
+    """LM-head logits with differentiable torch ops: ``F.linear`` in h's dtype (the plain path a
+    training loop writes; with ``fused`` the GEMM as the fused heads run it,
+    ``klpenalty.linear._heads.gemm_dtype``: bf16/fp16 on CPU in float32 on the upcast
+    operands), then, with a scale or a soft-cap, the GEMM's output upcast to float32 (float64
+    for float64 inputs) and scale·z, cap·tanh(z/cap) in that dtype (docs/numerics.md, "the
+    logit transform")."""
+    if fused and h.dtype in (torch.bfloat16, torch.float16) and h.device.type == "cpu":
+        h, w, b = (None if t is None else t.float() for t in (h, w, b))
     z = F.linear(h, w, b)
     if scale == 1.0 and cap is None:
         return z
@@ -176,3 +181,8 @@ def transformed(h: Tensor, w: Tensor, b: Tensor | None, scale: float, cap) -> Te
     if cap is not None:
         z = torch.tanh(z / cap) * cap
     return z
+
+
+def fused_logits(h: Tensor, w: Tensor, b: Tensor | None, scale: float, cap) -> Tensor:
+    """The logits the fused heads see (:func:`transformed` with ``fused=True``)."""
+    return transformed(h, w, b, scale, cap, fused=True)

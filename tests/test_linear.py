@@ -3,8 +3,9 @@
 Shape letters: N rows, H hidden (H_p policy, H_r reference), V vocabulary.
 
 How the comparisons isolate the errors: the fast path computes each chunk's logits with
-``F.linear`` in the *input* dtype, upcasts them to float32 before a scale or soft-cap (the plain
-path's rule, :func:`tests.helpers.transformed`), then the engine. For float64 inputs everything is compared
+``F.linear`` in the *input* dtype (bf16/fp16 on CPU: in float32 on the upcast operands), upcasts
+them to float32 before a scale or soft-cap (:func:`tests.helpers.fused_logits`), then the
+engine. For float64 inputs everything is compared
 with plain float64 autograd through ``F.linear`` and the reference formulas. For float32 and
 bfloat16 inputs the reference is evaluated on *the same logits the fast path saw* (the input-dtype
 logits, upcast exactly), while its derivatives still flow through a float64 ``F.linear`` graph
@@ -42,7 +43,7 @@ from klpenalty.ops.reference import (
     token_logprobs_reference,
 )
 
-from .helpers import GRAD_REL_TOL, tol, transformed, triton_interpreter_env
+from .helpers import GRAD_REL_TOL, fused_logits, tol, triton_interpreter_env
 
 BACKENDS = ["streaming", "native"]
 NAMES = ("hp", "wp", "bp", "hr", "wr", "br")
@@ -105,10 +106,10 @@ def reference(t, *, tokens=None, mask=None, temperature=1.0, logit_scale=1.0, so
         h64, hin = leaves[h], t[h].detach()
         if keep is not None:
             h64, hin = torch.where(keep, h64, 0.0), torch.where(keep, hin, 0.0)
-        z64 = transformed(h64, leaves[w], leaves[b], scale, cap)
+        z64 = fused_logits(h64, leaves[w], leaves[b], scale, cap)
         if same_logits and t[h].dtype != torch.float64:
             bias = None if t[b] is None else t[b].detach()
-            z = transformed(hin, t[w].detach(), bias, scale, cap).double()
+            z = fused_logits(hin, t[w].detach(), bias, scale, cap).double()
             z64 = z64 + (z - z64).detach()
         return z64
 
@@ -302,8 +303,8 @@ def test_equals_the_public_functions_on_materialised_logits(backend):
     kw = dict(temperature=0.8, backend=backend)
     got = call(t, tokens=tokens, mask=mask, entropy=True, logit_scale=1.5, softcap=6.0,
                chunk_rows=4, **kw)
-    zp = transformed(t["hp"], t["wp"], t["bp"], 1.5, 6.0)  # (3, 5, V)
-    zr = transformed(t["hr"], t["wr"], t["br"], 1.5, 6.0)
+    zp = fused_logits(t["hp"], t["wp"], t["bp"], 1.5, 6.0)  # (3, 5, V)
+    zr = fused_logits(t["hr"], t["wr"], t["br"], 1.5, 6.0)
     want = (
         klpenalty.full_kl(zp, zr, mask=mask, **kw),
         token_logprobs(zp, tokens.masked_fill(~mask, -100), **kw),
@@ -664,7 +665,7 @@ def test_validation_errors(over, exc, match):
 # --------------------------------------------------------------------------- sampler support
 def _greedy_tokens(t, scale=1.0, cap=None):
     """The policy's argmax per row: inside every top-k/top-p/min-p support."""
-    return transformed(t["hp"], t["wp"], t["bp"], scale, cap).argmax(-1)
+    return fused_logits(t["hp"], t["wp"], t["bp"], scale, cap).argmax(-1)
 
 
 def _support_cases(z):
@@ -689,12 +690,12 @@ def _support_cases(z):
 @pytest.mark.parametrize("case", range(6))
 def test_support_matches_the_logits_functions(backend, case):
     """linear_kl with a support equals token_stats with that support on the materialised
-    (transformed) logits: values and the gradients of every input, chunked and masked."""
+    (fused_logits) logits: values and the gradients of every input, chunked and masked."""
     leading = (3, 5)
     t = make_heads(leading, dtype=torch.float64)
     transform = dict(logit_scale=1.3, softcap=4.0, temperature=0.8)
-    zp = transformed(t["hp"], t["wp"], t["bp"], 1.3, 4.0)
-    zr = transformed(t["hr"], t["wr"], t["br"], 1.3, 4.0)
+    zp = fused_logits(t["hp"], t["wp"], t["bp"], 1.3, 4.0)
+    zr = fused_logits(t["hr"], t["wr"], t["br"], 1.3, 4.0)
     name, support = _support_cases(zp)[case]
     tokens = zp.argmax(-1)
     mask = make_mask(leading)
@@ -702,8 +703,8 @@ def test_support_matches_the_logits_functions(backend, case):
         t[k].requires_grad_()
     got = call(t, tokens=tokens, mask=mask, entropy=True, chunk_rows=4, backend=backend,
                **transform, **support)
-    zp = transformed(t["hp"], t["wp"], t["bp"], 1.3, 4.0)
-    zr = transformed(t["hr"], t["wr"], t["br"], 1.3, 4.0)
+    zp = fused_logits(t["hp"], t["wp"], t["bp"], 1.3, 4.0)
+    zr = fused_logits(t["hr"], t["wr"], t["br"], 1.3, 4.0)
     want = klpenalty.token_stats(zp, zr, tokens, mask=mask, entropy=True, temperature=0.8,
                                  **support)
     close_values(got, [w.detach() for w in want], torch.float64)
@@ -723,8 +724,8 @@ def test_support_float32_against_the_float64_reference():
     t = make_heads(leading, dtype=torch.float32)
     tokens = _greedy_tokens(t)
     got = call(t, tokens=tokens, entropy=True, top_k=4, chunk_rows=5)
-    z = transformed(t["hp"], t["wp"], t["bp"], 1.0, None).double()
-    zr = transformed(t["hr"], t["wr"], t["br"], 1.0, None).double()
+    z = fused_logits(t["hp"], t["wp"], t["bp"], 1.0, None).double()
+    zr = fused_logits(t["hr"], t["wr"], t["br"], 1.0, None).double()
     kept = torch.where(z >= z.topk(4, -1).values[..., -1:], z, -math.inf)
     lp = torch.log_softmax(kept, -1)
     p = lp.exp()
@@ -738,7 +739,7 @@ def test_sampled_token_outside_the_support_is_named():
     leading = (2, 4)
     t = make_heads(leading)
     tokens = _greedy_tokens(t)
-    z = transformed(t["hp"], t["wp"], t["bp"], 1.0, None)
+    z = fused_logits(t["hp"], t["wp"], t["bp"], 1.0, None)
     tokens[1, 2] = z[1, 2].argmin()  # never in a top-3
     with pytest.raises(ValueError, match=r"sampled token \d+ at position \(1, 2\) is outside"):
         call(t, tokens=tokens, top_k=3)
@@ -884,7 +885,7 @@ def test_linear_logprobs_one_head_against_the_reference(dtype, sampler):
                           entropy=True, logit_scale=0.7, softcap=4.0, chunk_rows=4,
                           check=False, **sampler)
     assert got.kl is None and got.ref_logprobs is None and not got.logprobs.requires_grad
-    z = transformed(t["hp"], t["wp"], t["bp"], 0.7, 4.0)  # the same input-dtype logits
+    z = fused_logits(t["hp"], t["wp"], t["bp"], 0.7, 4.0)  # the same input-dtype logits
     counted = mask & (tokens != -100)
     if not sampler:
         want = token_logprobs_reference(z.double(), tokens.clamp_min(0), 0.8)

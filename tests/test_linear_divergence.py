@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import klpenalty
 from klpenalty.ops import dispatch
 from klpenalty.ops.reference import divergence_reference
-from tests.helpers import GRAD_REL_TOL, tol, transformed
+from tests.helpers import GRAD_REL_TOL, fused_logits, tol
 
 BACKENDS = dispatch.device_backends(torch.device("cpu"))
 LEADING, HS, HT, V = (3, 5), 12, 20, 67  # the teacher wider than the student
@@ -32,9 +32,9 @@ def heads(dtype, seed=0):
 
 def logits(h, w, b, cap, same_dtype):
     """scale 1, soft-capped logits; in float64 with the input-dtype values substituted."""
-    z64 = transformed(h.double(), w.double(), b.double(), 1.0, cap)
+    z64 = fused_logits(h.double(), w.double(), b.double(), 1.0, cap)
     if same_dtype is not None:
-        z64 = z64 + (transformed(h.detach(), w.detach(), b.detach(), 1.0, cap).double()
+        z64 = z64 + (fused_logits(h.detach(), w.detach(), b.detach(), 1.0, cap).double()
                      - z64).detach()
     return z64
 
@@ -61,7 +61,7 @@ def test_values_and_student_gradients_match_float64(kind, backend, dtype):
     hs_in = t["hs"].masked_fill(~mask.unsqueeze(-1), 0.0)
     zs = logits(leaves[0], leaves[1], leaves[2], 6.0, same)
     if same is not None:  # the student's input-dtype logits, as the fused path computes them
-        z_in = transformed(hs_in, t["ws"], t["bs"], 1.0, 6.0)
+        z_in = fused_logits(hs_in, t["ws"], t["bs"], 1.0, 6.0)
         zs = zs + (z_in.double() - zs).detach()
     zt = logits(t["ht"], t["wt"], t["bt"], 6.0, same)
     want = torch.where(mask, divergence_reference(zs, zt, kind, 0.3, 0.2, 0.8), 0.0)

@@ -5,7 +5,7 @@ one chunk, H hidden size (H_p of the policy, H_r of the reference).
 
 :func:`linear_kl` never builds the (N, V) logits of either model. It walks the counted rows in
 chunks of R rows: per chunk, z = F.linear(h, W, b) in the input dtype (the matmul accumulates in
-float32, as torch does), the logit transforms (scale, soft-cap), then the backend's engine on the
+float32, as torch does; bf16/fp16 on CPU in float32 on upcast blocks of W), the logit transforms (scale, soft-cap), then the backend's engine on the
 (R, V) chunk of both models through a chunk adapter (:class:`.chunks.ChunkAdapter`;
 :class:`.chunks.LocalChunks` holds the whole vocabulary, a vocabulary slice's adapter lives in
 :mod:`klpenalty.distributed.vocab_parallel`). The backward recomputes each chunk's logits, gets

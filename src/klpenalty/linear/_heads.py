@@ -176,18 +176,71 @@ def _plan_rows(chunk_rows: Optional[int], n_rows: int, vocab: int, *weights: Ten
     return default_chunk_rows(n_rows, vocab, weights[0].device, hidden, dtype)
 
 
+# bf16/fp16 heads on CPU: the GEMMs run in float32 on the upcast operands (most CPUs have no
+# fast half-precision GEMM: on a 2-core AVX2 machine torch's bf16 GEMM is several times slower
+# than float32, benchmarks/README.md), the weight upcast one block of rows at a time so that no
+# (V, H) float32 copy exists: a block holds GEMM_BLOCK_ELEMENTS elements (16 MiB in float32).
+# The logits come out in float32, unrounded (more exact than the plain bf16 ``F.linear``).
+GEMM_BLOCK_ELEMENTS = 4 << 20
+# torch's float32 GEMM (MKL) gives a row the same result whatever the number of rows M only
+# from about 12 rows on (tests/test_batch_invariance.py); the upcast path pads a chunk of fewer
+# rows with zero rows to GEMM_MIN_ROWS, so a row's logits and hidden-state gradient do not
+# depend on the chunk that holds it (as with oneDNN's half GEMM, invariant for any M).
+GEMM_MIN_ROWS = 16
+
+
+def gemm_dtype(t: Tensor) -> torch.dtype:
+    """The dtype of the LM-head GEMMs and of their ∂/∂(h Wᵀ + b) for an operand ``t``: float32
+    for a bf16/fp16 operand on CPU, else ``t``'s dtype (an accelerator multiplies half
+    operands with float32 accumulation itself)."""
+    if t.dtype in (torch.bfloat16, torch.float16) and t.device.type == "cpu":
+        return torch.float32
+    return t.dtype
+
+
+def _vocab_blocks(weight: Tensor, upcast: bool = True):
+    """(start, end, weight[start:end] in float32, or None without ``upcast``) over the rows of
+    a (V, H) half weight."""
+    rows = max(1, GEMM_BLOCK_ELEMENTS // max(1, weight.shape[1]))
+    for start in range(0, weight.shape[0], rows):
+        end = min(weight.shape[0], start + rows)
+        yield start, end, weight[start:end].float() if upcast else None
+
+
+def _linear(h: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """(R, V) h Wᵀ + b in :func:`gemm_dtype`: ``F.linear``, or for half operands on CPU float32
+    GEMMs on the upcast h and blocks of W written into the columns of one float32 output."""
+    if gemm_dtype(h) == h.dtype:
+        return F.linear(h, weight, bias)
+    h32 = _padded(h.float())
+    z = torch.empty((h32.shape[0], weight.shape[0]), dtype=torch.float32, device=h.device)
+    for start, end, w32 in _vocab_blocks(weight):
+        if bias is None:
+            torch.mm(h32, w32.t(), out=z[:, start:end])
+        else:
+            torch.addmm(bias[start:end].float(), h32, w32.t(), out=z[:, start:end])
+    return z[: h.shape[0]]
+
+
+def _padded(a: Tensor) -> Tensor:
+    """(max(R, GEMM_MIN_ROWS), K): ``a`` (R, K) followed by zero rows."""
+    if a.shape[0] >= GEMM_MIN_ROWS:
+        return a
+    return torch.cat([a, a.new_zeros((GEMM_MIN_ROWS - a.shape[0], a.shape[1]))])
+
+
 def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], scale: float, softcap) -> Tensor:
     """(R, V) logits scale·(h Wᵀ + b), soft-capped as cap·tanh(z/cap).
 
-    h (R, H), weight (V, H), bias (V,) or None. The matmul runs in the input dtype with
-    float32 accumulation (torch's GEMM). Without a transform the logits stay in the input
-    dtype (what ``F.linear`` returns); with a scale or a cap the GEMM's output is upcast to the
-    compute dtype (float32; float64 for float64 inputs) *before* the transform, which then runs
-    in place in that dtype: a bf16/fp16 head is rounded once (the GEMM's output), as in the
-    plain ``F.linear(h, W, b).float()`` followed by the transform, never again after the scale
-    or the tanh (docs/numerics.md, "the logit transform").
+    h (R, H), weight (V, H), bias (V,) or None. The matmul runs in :func:`gemm_dtype` with
+    float32 accumulation (torch's GEMM): on an accelerator in the input dtype, the logits
+    rounded once to it (what ``F.linear`` returns); for bf16/fp16 on CPU in float32, the
+    logits exact to float32. With a scale or a cap the GEMM's output is upcast to the compute
+    dtype (float32; float64 for float64 inputs) *before* the transform, which then runs in
+    place in that dtype: never a rounding to half precision after the scale or the tanh
+    (docs/numerics.md, "the logit transform").
     """
-    z = F.linear(h, weight, bias)
+    z = _linear(h, weight, bias)
     if scale == 1.0 and softcap is None:
         return z
     z = z.to(v.compute_dtype(z))  # no copy for float32/float64
@@ -199,7 +252,8 @@ def _logits(h: Tensor, weight: Tensor, bias: Optional[Tensor], scale: float, sof
 
 
 def _chain(dz: Tensor, z: Optional[Tensor], scale: float, softcap, dtype: torch.dtype) -> Tensor:
-    """∂/∂(h Wᵀ + b) from ∂/∂z of the transformed logits z (R, V), returned in ``dtype``.
+    """∂/∂(h Wᵀ + b) from ∂/∂z of the transformed logits z (R, V), returned in ``dtype`` (the
+    :func:`gemm_dtype` of the hidden states).
 
     Soft-cap: z = cap·tanh(s/cap) gives ∂z/∂s = 1 − (z/cap)²; scale: ∂s/∂(hWᵀ + b) = scale.
     The chain is computed in float32 (float64 for float64 gradients), in place on ``dz`` when
@@ -254,11 +308,25 @@ def _accumulator(t: Tensor) -> Tensor:
 
 def _head_grads(dz: Tensor, h: Tensor, weight: Tensor, sel, grad_h, grad_w, grad_b) -> None:
     """Chain ∂/∂(h Wᵀ + b) (R, V) of one chunk into the gradient buffers (None = not needed):
-    grad_h[sel] = dz W (R, H), grad_w += dzᵀ h (V, H), grad_b += Σ_rows dz (V,)."""
-    if grad_h is not None:
-        grad_h[sel] = dz @ weight
-    if grad_w is not None:
-        _add_matmul(grad_w, dz.t(), h)
+    grad_h[sel] = dz W (R, H), grad_w += dzᵀ h (V, H), grad_b += Σ_rows dz (V,). ``dz`` in
+    :func:`gemm_dtype` of h: float32 against half operands on CPU, whose GEMMs then run in
+    float32 on the upcast h and blocks of W (``grad_w`` is then a float32 accumulator)."""
+    if dz.dtype == weight.dtype:
+        if grad_h is not None:
+            grad_h[sel] = dz @ weight
+        if grad_w is not None:
+            _add_matmul(grad_w, dz.t(), h)
+    elif grad_h is not None or grad_w is not None:
+        h32 = h.float() if grad_w is not None else None
+        dzp = None if grad_h is None else _padded(dz)
+        acc = None if grad_h is None else dz.new_zeros((dzp.shape[0], weight.shape[1]))
+        for start, end, w32 in _vocab_blocks(weight, upcast=acc is not None):
+            if acc is not None:
+                acc.addmm_(dzp[:, start:end], w32)
+            if grad_w is not None:
+                grad_w[start:end].addmm_(dz[:, start:end].t(), h32)
+        if acc is not None:
+            grad_h[sel] = acc[: dz.shape[0]].to(grad_h.dtype)
     if grad_b is not None:
         grad_b.add_(dz.sum(0, dtype=grad_b.dtype))
 

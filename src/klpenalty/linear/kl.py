@@ -29,6 +29,7 @@ from ._heads import (
     _head_grads,
     _logits,
     _plan_rows,
+    gemm_dtype,
 )
 from .chunks import (
     ChunkAdapter,
@@ -237,12 +238,12 @@ def _chunk_grads(buffers, weights, grad_out, zp, zr, hpc, hrc, sel, tok, st, opt
     zp = zp if opts.cap_p is not None else None
     zr = zr if opts.cap_r is not None else None
     if dzp is not None:
-        dzp = _chain(dzp, zp, opts.scale_p, opts.cap_p, hpc.dtype)  # (R, V), ∂/∂(h Wᵀ + b)
+        dzp = _chain(dzp, zp, opts.scale_p, opts.cap_p, gemm_dtype(hpc))  # (R, V), ∂/∂(h Wᵀ + b)
         zp = None
         _head_grads(dzp, hpc, weights[0], sel, grad_hp, grad_wp, grad_bp)
         dzp = None
     if dzr is not None:
-        dzr = _chain(dzr, zr, opts.scale_r, opts.cap_r, hrc.dtype)
+        dzr = _chain(dzr, zr, opts.scale_r, opts.cap_r, gemm_dtype(hrc))
         zr = None
         _head_grads(dzr, hrc, weights[1], sel, grad_hr, grad_wr, grad_br)
 

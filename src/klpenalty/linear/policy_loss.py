@@ -25,6 +25,7 @@ from ._heads import (
     _head_grads,
     _logits,
     _plan_rows,
+    gemm_dtype,
 )
 from .chunks import LocalChunks, host_checks
 
@@ -124,7 +125,7 @@ class _PolicyLoss(torch.autograd.Function):
                 dzp, _ = adapter.backward(grad_out, zp, zr, tok, st, temperature, True, False)
                 zr = None
                 zp = zp if cap_p is not None else None  # read again only by the soft-cap
-                dzp = _chain(dzp, zp, scale_p, cap_p, wp.dtype)  # (R, V), ∂/∂(h Wᵀ + b)
+                dzp = _chain(dzp, zp, scale_p, cap_p, gemm_dtype(wp))  # (R, V), ∂/∂(h Wᵀ + b)
                 zp = None
                 _head_grads(dzp, hpc, wp, sel, grad_hp, grad_wp, grad_bp)
                 dzp = None

@@ -40,6 +40,16 @@ def pair():
     return student, teacher, ids, attention
 
 
+def _materialised(student, teacher, ids, attention):
+    """Both models' own (B, T - 1, V) logits (the teacher's without gradients) and the counted
+    positions, as a plain training loop aligns them."""
+    pos = generate_position_ids(attention)
+    zs = student(input_ids=ids, attention_mask=attention, position_ids=pos).logits[:, :-1]
+    with torch.no_grad():
+        zt = teacher(input_ids=ids, attention_mask=attention, position_ids=pos).logits[:, :-1]
+    return zs, zt, (attention[:, 1:] * attention[:, :-1]).bool()
+
+
 @pytest.mark.parametrize("kind", klpenalty.DIVERGENCES)
 def test_matches_the_materialised_logits(pair, kind):
     student, teacher, ids, attention = pair
@@ -50,11 +60,7 @@ def test_matches_the_materialised_logits(pair, kind):
     got.sum().backward()
     fused = {n: p.grad.clone() for n, p in student.named_parameters()}
     student.zero_grad()
-    pos = generate_position_ids(attention)
-    zs = student(input_ids=ids, attention_mask=attention, position_ids=pos).logits[:, :-1]
-    with torch.no_grad():
-        zt = teacher(input_ids=ids, attention_mask=attention, position_ids=pos).logits[:, :-1]
-    counted = (attention[:, 1:] * attention[:, :-1]).bool()
+    zs, zt, counted = _materialised(student, teacher, ids, attention)
     want = torch.where(counted, divergence_reference(zs, zt, kind, 0.3, 0.2, 0.9), 0.0)
     torch.testing.assert_close(got, want.detach(), **tol(torch.float64))
     want.sum().backward()
@@ -77,11 +83,7 @@ def test_the_sampled_support_matches_the_materialised_logits(pair, kind):
     (got * w).sum().backward()
     fused = {n: p.grad.clone() for n, p in student.named_parameters()}
     student.zero_grad()
-    pos = generate_position_ids(attention)
-    zs = student(input_ids=ids, attention_mask=attention, position_ids=pos).logits[:, :-1]
-    with torch.no_grad():
-        zt = teacher(input_ids=ids, attention_mask=attention, position_ids=pos).logits[:, :-1]
-    counted = (attention[:, 1:] * attention[:, :-1]).bool()
+    zs, zt, counted = _materialised(student, teacher, ids, attention)
     want = klpenalty.divergence(zs, zt, kind, mask=counted, temperature=0.9, beta=0.3,
                                 top_p=0.8, min_p=0.02)
     torch.testing.assert_close(got, want.detach(), **tol(torch.float64))

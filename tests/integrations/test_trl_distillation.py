@@ -187,13 +187,24 @@ def test_every_kind_equals_the_float64_reference(models, tmp_path, kind):
                 reference_loss_and_grads(models, inputs, kind, beta))
 
 
-def test_the_sampler_settings_raise_unless_the_whole_vocabulary_is_asked(models, tmp_path):
-    with pytest.raises(ValueError, match="sampler_support=False"):
-        make_trainer(DistillationTrainer, models, tmp_path, top_p=0.9)
-    with pytest.raises(ValueError, match="'top_k': 4"):  # generation_kwargs override the config
-        make_trainer(DistillationTrainer, models, tmp_path, generation_kwargs={"top_k": 4})
-    # the whole vocabulary, as TRL's loss: equal to TRL's on the same batch
+def test_the_sampler_settings_score_the_student_on_its_kept_set(models, tmp_path):
+    """A truncating sampler (the config's top_k / top_p, or generation_kwargs overriding them):
+    the loss of π̃ on the kept set, finite for a mixture kind and unlike the full vocabulary's;
+    sampler_support=False is TRL's full-vocabulary loss."""
     inputs = batch(tool_mask=False)
+    jsd = {"divergence": "jsd"}
+    kept = loss_and_grads(make_trainer(DistillationTrainer, models, tmp_path / "kept", top_p=0.9,
+                                       top_k=4, beta=0.5, trainer_kwargs=jsd), inputs)
+    overridden = loss_and_grads(make_trainer(DistillationTrainer, models, tmp_path / "gen",
+                                             top_p=0.9, beta=0.5, trainer_kwargs=jsd,
+                                             generation_kwargs={"top_k": 4}), inputs)
+    assert_same(overridden, kept)
+    whole = loss_and_grads(make_trainer(DistillationTrainer, models, tmp_path / "whole",
+                                        top_p=0.9, top_k=4, beta=0.5,
+                                        trainer_kwargs={**jsd, "sampler_support": False}), inputs)
+    assert torch.isfinite(kept[0]) and abs(float(kept[0]) - float(whole[0])) > 1e-4
+    assert all(torch.isfinite(g).all() for g in kept[1].values())
+    # the whole vocabulary, as TRL's loss: equal to TRL's on the same batch
     ours = make_trainer(DistillationTrainer, models, tmp_path / "ours", top_p=0.9, top_k=4,
                         trainer_kwargs={"sampler_support": False})
     theirs = make_trainer(trl.DistillationTrainer, models, tmp_path / "trl", top_p=0.9, top_k=4)

@@ -37,9 +37,10 @@ recomputes, correct either way.
 by ``generation_kwargs``) but its loss compares the *untruncated* π with ν. With
 ``sampler_support=True`` (the default) the divergence is meant to score π̃, π renormalised on
 the sampler's kept set, as klpenalty's :class:`~klpenalty.integrations.trl.GRPOTrainer` does:
-the settings go to :func:`~klpenalty.hf.causal_lm_divergence` when it takes them; where it
-does not (this version), a truncating sampler raises a ValueError, and
-``sampler_support=False`` gives TRL's full-vocabulary loss.
+the settings go to :func:`~klpenalty.hf.causal_lm_divergence` (the teacher is never
+truncated; KL(teacher‖π̃) is +inf wherever the teacher has mass off the kept set, so train a
+truncating sampler on a mixture kind or the reverse KL). ``sampler_support=False`` gives TRL's
+full-vocabulary loss.
 
 **Where it runs.** The student is handed to :func:`~klpenalty.hf.causal_lm_divergence` as
 accelerate holds it (DistributedDataParallel under ``torchrun`` / ``accelerate launch``, a
@@ -51,8 +52,7 @@ pass numbers them.
 
 **What raises** (ValueError, naming the option): ``use_liger_kernel=True``; a vision-language
 model (a ``ProcessorMixin`` processing class) or multimodal inputs; no teacher model;
-``divergence="jsd"`` with ``beta`` 0 or 1; a truncating sampler with ``sampler_support=True``
-where :func:`~klpenalty.hf.causal_lm_divergence` has no sampler settings. TRL's own refusals
+``divergence="jsd"`` with ``beta`` 0 or 1. TRL's own refusals
 (a PEFT adapter on the LM head, prompt learning, a teacher of another vocabulary) stay.
 
 **Metrics.** TRL's ``entropy`` (the student's mean entropy) is not logged: the divergence pass
@@ -64,7 +64,6 @@ length.
 
 from __future__ import annotations
 
-import inspect
 
 import torch
 from trl import DistillationTrainer as _TRLDistillationTrainer
@@ -87,14 +86,6 @@ _MULTIMODAL_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
-_SAMPLER_ARGS = ("top_k", "top_p", "min_p")
-
-
-def _takes_sampler_settings() -> bool:
-    """Whether :func:`klpenalty.hf.causal_lm_divergence` scores the student on its sampler's
-    kept set (takes ``top_k``, ``top_p``, ``min_p``)."""
-    params = inspect.signature(causal_lm_divergence).parameters
-    return all(name in params for name in _SAMPLER_ARGS)
 
 
 def divergence_of_beta(beta: float) -> str:
@@ -161,15 +152,6 @@ class DistillationTrainer(_TRLDistillationTrainer):
         # the β and λ of causal_lm_divergence (β is used by "jsd" only, λ by the skew KLs)
         self._mixture = {"beta": args.beta if self.divergence == "jsd" else 0.5, "skew": skew}
         check_kind(self.divergence, **self._mixture)
-        cuts = sampler_settings(self)
-        if cuts and sampler_support and not _takes_sampler_settings():
-            raise ValueError(
-                f"the generation samples with {cuts} (DistillationConfig top_k / top_p / min_p "
-                "or generation_kwargs), and sampler_support=True scores the student on the "
-                "sampler's kept set, which this klpenalty's causal_lm_divergence does not "
-                "take: pass sampler_support=False for the divergence over the whole vocabulary "
-                "(TRL's loss), or sample without truncation"
-            )
         # TRL leaves the teacher's parameters requiring grad (it runs it under no_grad);
         # frozen, causal_lm_divergence runs it without building a graph
         self.teacher_model.requires_grad_(False)

@@ -163,19 +163,23 @@ def plain_model(case: dict, weights: dict[str, torch.Tensor]) -> torch.nn.Module
     return model.double().eval()
 
 
-def independent_kl(case: dict, record: dict, ref_dir: Path) -> tuple[float, int]:
-    """(Σ of the exact KL over the completion tokens, their count) from the models' logits."""
-    inputs = record["inputs"]
+def recorded_batch(inputs: dict) -> tuple[dict, slice]:
+    """The model inputs of a recorded micro-batch (prompt and completion joined, positions
+    0..T-1 as TRL's own passes number them) and the slice of the logits that predict the
+    completion's tokens (the logits at j predict token j + 1)."""
     ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
     attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
     b, t = ids.shape
     n = inputs["completion_ids"].shape[1]
-    keep = slice(t - 1 - n, t - 1)  # logits at j predict token j + 1: the completion's
-    batch = {
-        "input_ids": ids,
-        "attention_mask": attention,
-        "position_ids": torch.arange(t).expand(b, t),  # as TRL's log-prob pass numbers them
-    }
+    batch = {"input_ids": ids, "attention_mask": attention,
+             "position_ids": torch.arange(t).expand(b, t)}
+    return batch, slice(t - 1 - n, t - 1)
+
+
+def independent_kl(case: dict, record: dict, ref_dir: Path) -> tuple[float, int]:
+    """(Σ of the exact KL over the completion tokens, their count) from the models' logits."""
+    inputs = record["inputs"]
+    batch, keep = recorded_batch(inputs)
     policy = plain_model(case, record["weights"])
     with torch.no_grad():
         x = policy(**batch).logits[:, keep]
@@ -194,13 +198,7 @@ def independent_loss(case: dict, record: dict, teacher: torch.nn.Module, world: 
     """The rank's distillation loss of the recorded batch and weights, as TRL reduces it, from
     the float64 reference divergence of float64 copies of both models' logits."""
     inputs = record["inputs"]
-    ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
-    attention = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
-    b, t = ids.shape
-    n = inputs["completion_ids"].shape[1]
-    keep = slice(t - 1 - n, t - 1)  # logits at j predict token j + 1: the completion's
-    batch = {"input_ids": ids, "attention_mask": attention,
-             "position_ids": torch.arange(t).expand(b, t)}  # as TRL's hidden-state pass
+    batch, keep = recorded_batch(inputs)
     beta, kind = case["distill"]
     kind = kind or {0.0: "forward_kl", 1.0: "reverse_kl"}.get(beta, "jsd")
     with torch.no_grad():

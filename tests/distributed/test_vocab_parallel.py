@@ -34,6 +34,7 @@ VALUE_CHECKS = [
     "check_linear_kl_options_streaming",
     "check_linear_kl_options_native",
     "check_linear_kl_options_triton",
+    "check_linear_kl_bfloat16_softcap",
     "check_divergences_float32_streaming",
     "check_divergences_float32_native",
     "check_divergences_float64_native",

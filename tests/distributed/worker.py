@@ -675,6 +675,52 @@ def check_linear_kl_options_native(ctx: Ctx):
     return _linear_kl_options_vs_whole_head(ctx, "native")
 
 
+def check_linear_kl_bfloat16_softcap(ctx: Ctx):
+    """bf16 heads with a soft-cap, a logit scale and a temperature (Gemma 2's head as it is
+    trained): vocab_parallel_linear_kl equals linear_kl on the whole heads (the same float32
+    math on every chunk), and its KL's error against float64 is within twice the plain bf16
+    path's (``F.linear`` in bf16, then the transform and log_softmax in float32)."""
+    g = _generator(43)
+    n, hid, scale, cap, temp = 24, 8, 2.0, 30.0, 0.7
+    rnd = lambda *s, a=1.0: (torch.randn(*s, generator=g) * a).bfloat16()  # noqa: E731
+    hp, hr = rnd(n, hid, a=3.0), rnd(n, hid, a=3.0)
+    wp, wr = rnd(VOCAB, hid, a=3.0 / math.sqrt(hid)), rnd(VOCAB, hid, a=3.0 / math.sqrt(hid))
+    w = torch.randn(n, generator=g)
+    kw = dict(logit_scale=scale, softcap=cap, temperature=temp, backend="native")
+    leaves = [t.detach().clone().requires_grad_() for t in (hp, hr)]
+    shards = [t[ctx.start : ctx.end].detach().clone().requires_grad_() for t in (wp, wr)]
+    got = kd.vocab_parallel_linear_kl(leaves[0], shards[0], leaves[1], shards[1],
+                                      vocab_start=ctx.start, chunk_rows=8, **kw).kl
+    (got * w).sum().backward()
+    full = [t.detach().clone().requires_grad_() for t in (hp, wp, hr, wr)]
+    ref = klpenalty.linear_kl(*full, chunk_rows=8, **kw).kl
+    (ref * w).sum().backward()
+    assert gather_equal(got), "the KL differs across ranks"
+    assert_close(got, ref, **tol(torch.float32))
+    rows = slice(ctx.start, ctx.end)
+    for what, a, b in (("policy_hidden", leaves[0].grad, full[0].grad),
+                       ("ref_hidden", leaves[1].grad, full[2].grad),
+                       ("policy_weight_shard", shards[0].grad, full[1].grad[rows]),
+                       ("ref_weight_shard", shards[1].grad, full[3].grad[rows])):
+        assert a is not None and a.dtype == torch.bfloat16, what
+        assert_close(a, b, **grad_tol(torch.bfloat16))
+
+    def kl_of(zp, zr):
+        lp, lr = torch.log_softmax(zp / temp, -1), torch.log_softmax(zr / temp, -1)
+        return (lp.exp() * (lp - lr)).sum(-1)
+
+    def logits(h, wt, dtype):
+        z = torch.nn.functional.linear(h, wt).to(dtype) * scale
+        return torch.tanh(z / cap) * cap
+
+    truth = kl_of(*(logits(h.double(), wt.double(), torch.float64) for h, wt in ((hp, wp), (hr, wr))))
+    plain = kl_of(*(logits(h, wt, torch.float32) for h, wt in ((hp, wp), (hr, wr))))
+    err = (got.double() - truth).abs().max().item()
+    err_plain = (plain.double() - truth).abs().max().item()
+    assert err <= 2 * err_plain + tol(torch.float32)["atol"], (err, err_plain)
+    return {"max_abs_err_vs_f64": err, "plain_bf16_err_vs_f64": err_plain}
+
+
 def check_linear_kl_options_triton(ctx: Ctx):  # interpreted: the two ways a support reaches the op
     return _linear_kl_options_vs_whole_head(ctx, "triton", ("top_p_min_p", "support_ids"), 8)
 

@@ -64,6 +64,11 @@ def test_opcheck_every_op(name, support):
             torch.library.opcheck(backend.backward_op, bwd)
         state = (x.detach(), y.detach(), keep, tau, 0.9, int(Want.KL | Want.ENTROPY), 0, 0)
         torch.library.opcheck(backend.state_op, state)
+        if support == "keep_and_tau":
+            # the calls below take no keep / tau, or the forward's support through the stats:
+            # the "none" case checks them (each opcheck runs its op a few times over)
+            _opcheck_divergence(backend, name, x, y, stats, mask, keep, tau)
+            return
         # the sampler's settings: the forward computes their threshold itself
         sampled = (x, y, x.detach().argmax(-1), mask, None, None, 0.9, -100, want, True, 0, 0,
                    30, 0.95, 0.0)
@@ -76,18 +81,22 @@ def test_opcheck_every_op(name, support):
         ids[4] = int(x.detach().reshape(6, 33)[1].argmin())
         offsets = torch.arange(0, 19, 3)
         torch.library.opcheck(backend._op("support_from_ids"), (x.detach(), ids, offsets, 0))
-        # the second walk and its backward (the student on the forward's support): every kind
-        # on the compiled backends; on the interpreted Triton kernel, where each call is slow,
-        # the first walk's kind, a mixture and the TVD (the kind is a compile-time branch of one
-        # kernel, the op's schema, fake and autograd the same for all; every kind's values:
-        # tests/ops/test_triton_divergence.py)
-        for kind in range(6) if name != "triton" else (0, 2, 5):
-            div = (x, y.detach(), stats.detach(), mask, keep, tau, 0.9, kind, 0.3)
-            torch.library.opcheck(backend._op("divergence"), div)
-            value, gbar = backend._op("divergence")(*div)
-            torch.library.opcheck(backend._op("divergence_backward"), (
-                torch.randn(2, 3), x.detach(), y.detach(), stats.detach(), gbar.detach(), mask,
-                keep, tau, 0.9, kind, 0.3))
+        _opcheck_divergence(backend, name, x, y, stats, mask, keep, tau)
+
+
+def _opcheck_divergence(backend, name, x, y, stats, mask, keep, tau):
+    """opcheck of the second walk and its backward (the student on the forward's support):
+    every kind on the compiled backends; on the interpreted Triton kernel, where each call is
+    slow, the first walk's kind, a mixture and the TVD (the kind is a compile-time branch of
+    one kernel, the op's schema, fake and autograd the same for all; every kind's values:
+    tests/ops/test_triton_divergence.py)."""
+    for kind in range(6) if name != "triton" else (0, 2, 5):
+        div = (x, y.detach(), stats.detach(), mask, keep, tau, 0.9, kind, 0.3)
+        torch.library.opcheck(backend._op("divergence"), div)
+        value, gbar = backend._op("divergence")(*div)
+        torch.library.opcheck(backend._op("divergence_backward"), (
+            torch.randn(2, 3), x.detach(), y.detach(), stats.detach(), gbar.detach(), mask,
+            keep, tau, 0.9, kind, 0.3))
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -31,6 +31,7 @@ from ..linear.chunks import (
     chunk_row_ids,
     chunk_support,
 )
+from ..linear._heads import _accumulator
 from ..linear.kl import run_linear_kl
 from ..ops import contract, engine
 from ..ops.dispatch import get_backend as _op_backend  # the op backend (not c10d's)
@@ -654,6 +655,9 @@ class _VocabParallelChunks(ChunkAdapter):
         tok, owned = self._local(tokens)
         return chunk_backward(grad_out, zp, zr, tok, None, stats, temperature, need_p, need_r,
                               self.impl, owned=owned, ignore=_IGNORED, keep=keep, tau=tau)
+
+    def hidden_buffer(self, hidden):
+        return _accumulator(hidden)  # the ranks' parts summed in float32, rounded once
 
     def hidden_grad(self, grad):
         _all_reduce(grad, dist.ReduceOp.SUM, self.group)

@@ -104,8 +104,13 @@ class ChunkAdapter(Protocol):
         """(dzp, dzr) of Σ grad_out·out, as :func:`chunk_backward`."""
         ...
 
+    def hidden_buffer(self, hidden: Tensor) -> Tensor:
+        """A zero (N, H) buffer for this process's part of the gradient of ``hidden``."""
+        ...
+
     def hidden_grad(self, grad: Tensor) -> Tensor:
-        """The returned gradient of a hidden state from this process's (N, H) part."""
+        """The returned gradient of a hidden state from this process's (N, H) part (in the
+        buffer's dtype; the caller casts it to the hidden state's)."""
         ...
 
     def divergence(self, zp: Tensor, zr: Tensor, stats: Tensor, temperature: float, kind: int,
@@ -229,6 +234,9 @@ class LocalChunks(ChunkAdapter):
         return chunk_backward(grad_out, zp, zr, tokens, None, stats, temperature, need_p,
                               need_r, self.impl, keep=keep, tau=tau)
 
+    def hidden_buffer(self, hidden: Tensor) -> Tensor:
+        return torch.zeros_like(hidden)  # each row written once: no sum to keep in float32
+
     def hidden_grad(self, grad: Tensor) -> Tensor:
         return grad
 
@@ -279,6 +287,9 @@ class DivergenceChunks(ChunkAdapter):
         return self.inner.divergence_backward(grad, zp, zr, stats[:, :-1], stats[:, -1],
                                               temperature, self.kind, self.param, keep,
                                               tau), None
+
+    def hidden_buffer(self, hidden: Tensor) -> Tensor:
+        return self.inner.hidden_buffer(hidden)
 
     def hidden_grad(self, grad: Tensor) -> Tensor:
         return self.inner.hidden_grad(grad)

@@ -102,7 +102,7 @@ class _LinearKL(torch.autograd.Function):
         outs = [hp.new_zeros(n, dtype=dtype) for _ in range(contract.OUT_COLS)]
         m = n if rows is None else rows.shape[0]
         need = ctx.needs_input_grad[:6]
-        held = _Held(hp, wp, bp, hr, wr, br, need, n, dtype) if opts.plan is not None \
+        held = _Held(hp, wp, bp, hr, wr, br, need, n, dtype, opts.adapter) if opts.plan is not None \
             and any(need) else None
         starts = list(range(0, m, opts.chunk))
         stats = None
@@ -152,7 +152,7 @@ class _LinearKL(torch.autograd.Function):
             return (*_handed_over(held.buffers, opts.adapter, (hp, wp, bp, hr, wr, br)),
                     None, None, None)
         del held
-        buffers = _gradient_buffers(hp, wp, bp, hr, wr, br, need)
+        buffers = _gradient_buffers(hp, wp, bp, hr, wr, br, need, opts.adapter)
         # the reference's logits are recomputed only when a gradient needs them: its own, or
         # the KL's (∂KL/∂zp holds log ρ). Log-probs/entropy alone (e.g. the KL detached into
         # the reward) cost the policy's matmuls only.
@@ -185,8 +185,8 @@ class _Held:
     (:func:`_gradient_buffers`) and the (N, OUT_COLS) upstream gradients they were formed
     for."""
 
-    def __init__(self, hp, wp, bp, hr, wr, br, need, n: int, dtype: torch.dtype):
-        self.buffers = _gradient_buffers(hp, wp, bp, hr, wr, br, need)
+    def __init__(self, hp, wp, bp, hr, wr, br, need, n: int, dtype: torch.dtype, adapter):
+        self.buffers = _gradient_buffers(hp, wp, bp, hr, wr, br, need, adapter)
         self.planned = hp.new_zeros((n, contract.OUT_COLS), dtype=dtype)
 
     def matches(self, grads, rows: Optional[Tensor]) -> bool:
@@ -209,16 +209,17 @@ def _handed_over(buffers, adapter, inputs) -> tuple:
     out = []
     for i, (g, t) in enumerate(zip(buffers, inputs)):
         if g is not None:
-            g = adapter.hidden_grad(g) if i in (0, 3) else g.to(t.dtype)
+            g = (adapter.hidden_grad(g) if i in (0, 3) else g).to(t.dtype)
         out.append(g)
     return tuple(out)
 
 
-def _gradient_buffers(hp, wp, bp, hr, wr, br, need) -> list:
-    """[grad_hp, grad_wp, grad_bp, grad_hr, grad_wr, grad_br], None where not needed: zeros
-    of the hidden states' shapes, float32 accumulators for bf16/fp16 weights and biases."""
+def _gradient_buffers(hp, wp, bp, hr, wr, br, need, adapter) -> list:
+    """[grad_hp, grad_wp, grad_bp, grad_hr, grad_wr, grad_br], None where not needed: the
+    adapter's buffers for the hidden states (float32 for bf16/fp16 ones where the processes'
+    parts are summed), float32 accumulators for bf16/fp16 weights and biases."""
     return [
-        None if not need[i] else (torch.zeros_like(t) if i in (0, 3) else _accumulator(t))
+        None if not need[i] else (adapter.hidden_buffer(t) if i in (0, 3) else _accumulator(t))
         for i, t in enumerate((hp, wp, bp, hr, wr, br))
     ]
 

@@ -14,7 +14,7 @@ from . import _validation as v
 from .ops import dispatch
 from .ops.contract import Want
 from .ops.dispatch import get_backend
-from .sampling import check_sampler, parse_support, support_args
+from .sampling import check_sampler, ids_args, parse_support, support_args
 
 __all__ = [
     "full_kl",
@@ -373,13 +373,15 @@ def _token_stats(
     if mask is not None:
         mask = v.check_mask(mask, leading, x.device)
     impl = get_backend(backend, x.device)
-    keep, tau, sampler = support_args(
-        *parse_support(support, top_k, top_p, min_p, x.shape, x.device), x
-    )
+    kind, payload = parse_support(support, top_k, top_p, min_p, x.shape, x.device)
+    ids = offsets = None
+    if kind == "ids":  # the op finds the sets' thresholds in its pass over the rows
+        (ids, offsets), kind, payload = ids_args(*payload), "none", None
+    keep, tau, sampler = support_args(kind, payload, x)
     want = Want.KL * kl | Want.LOGP * logp | Want.REF_LOGP * ref_logp | Want.ENTROPY * entropy
     out = dispatch.token_stats(
         impl, x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,
-        check=check, sampler=sampler,
+        check=check, sampler=sampler, ids=ids, offsets=offsets,
     )
     return TokenStats(  # (...) contiguous fields: callers may .view() them
         *(out[..., col].contiguous() if want & bit else None for col, bit in enumerate(Want))

@@ -62,6 +62,7 @@ from torch import Tensor
 
 from . import _validation as v
 from .ops import dispatch
+from .ops.contract import keep_of_ids
 
 __all__ = [
     "sampling_threshold",
@@ -73,6 +74,7 @@ __all__ = [
     "rows_of_support",
     "ids_of_rows",
     "support_args",
+    "ids_args",
     "op_sampler",
 ]
 
@@ -177,19 +179,10 @@ def _support_from_ids(
     logits: Tensor, ids: Tensor, offsets: Tensor, chunk_rows: int | None = None
 ) -> tuple[Tensor | None, Tensor | None]:
     """:func:`support_from_ids` of validated arguments."""
-    vocab = logits.shape[-1]
-    n = math.prod(logits.shape[:-1])
     tau, exact = _threshold_of_ids(logits, ids, offsets, chunk_rows, None)
     if bool(exact.all()):
         return None, tau
-    # one write of True at the flat positions row·V + id of the kept ids
-    counts = (offsets[1:] - offsets[:-1]).long()  # (N,); repeat_interleave takes int32/64
-    rows = torch.repeat_interleave(
-        torch.arange(n, device=ids.device), counts, output_size=ids.shape[0]
-    )  # (K,)
-    keep = torch.zeros(n * vocab, dtype=torch.bool, device=logits.device)
-    keep[rows * vocab + ids.long()] = True
-    return keep.reshape(logits.shape), None
+    return keep_of_ids(logits.shape, ids, offsets), None
 
 
 @torch.no_grad()
@@ -247,11 +240,16 @@ def _threshold_of_ids(
         raise RuntimeError(f"native=True needs the native kernel: {status}")
     name = "auto" if native is None else ("native" if native else "streaming")
     impl = dispatch.get_backend(name, logits.device)
-    as_index = [t if t.dtype in (torch.int32, torch.int64) else t.long()
-                for t in (ids, offsets)]  # the ops read int32 / int64
-    tau, exact = impl.support_from_ids(logits.detach(), *as_index, chunk_rows=chunk_rows or 0)
+    tau, exact = impl.support_from_ids(logits.detach(), *ids_args(ids, offsets),
+                                       chunk_rows=chunk_rows or 0)
     leading = logits.shape[:-1]
     return tau.reshape(leading), exact.reshape(leading)
+
+
+def ids_args(ids: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
+    """Validated compact kept sets as the ops' ``ids`` / ``offsets``: int32 and int64 as they
+    are, other integer dtypes as int64 (the ops read int32 / int64)."""
+    return tuple(t if t.dtype in (torch.int32, torch.int64) else t.long() for t in (ids, offsets))
 
 
 def _check_compact(ids: object, offsets: object, n: int, vocab: int, device) -> None:

@@ -6,12 +6,20 @@ A backend ``<b>`` implements four ops of ``torch.ops.klpenalty`` with the schema
 :data:`SCHEMAS` (see docs/design.md):
 
 - ``<b>_token_stats(x, y?, tokens?, mask?, keep?, tau?, temperature, ignore_index, want, check,
-  tile_rows, tile_cols, top_k, top_p, min_p) -> (out (..., 4), stats (..., 10))``: KL(π̃‖ρ),
-  log π̃(t), log ρ(t), H(π̃), the columns in ``want`` (:class:`Want`), in one read of the
-  logits. Where the sampler settings cut (:func:`sampler_cuts`), the op computes their
+  tile_rows, tile_cols, top_k, top_p, min_p, ids?, offsets?) -> (out (..., 4), stats (..., 10))``:
+  KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃), the columns in ``want`` (:class:`Want`), in one read of
+  the logits. Where the sampler settings cut (:func:`sampler_cuts`), the op computes their
   threshold τ_s itself, row by row (the ``sampling_threshold`` op's), and the support is
   keep ∧ x ≥ max(tau, τ_s); the τ used is the stats column ``ST_TAU``, which the backward is
-  given as its ``tau``;
+  given as its ``tau``. Given an engine's kept sets ``ids`` (K,) / ``offsets`` (N + 1,) (int32
+  or int64 each; row r keeps ``ids[offsets[r]:offsets[r + 1]]``), the op finds each counted
+  row's τ_r, the smallest kept logit, and whether the set is exactly {x ≥ τ_r} (the
+  ``support_from_ids`` op's rule), and τ_r joins the threshold (x ≥ max(tau, τ_r, τ_s)); a row
+  whose set is not {x ≥ τ_r} holds NaN in ``ST_TAU`` (its out unspecified) and the checks are
+  not made: the caller passes such sets another way (:func:`klpenalty.ops.dispatch.token_stats`
+  passes the dense ``keep`` of :func:`keep_of_ids`). The native kernel finds τ_r in its own
+  visit of the row, just before the walk; the other backends run their ``support_from_ids`` op
+  first (:func:`tau_of_ids`);
 - ``<b>_token_stats_backward(grad (..., 4), x, y?, tokens?, owned?, stats, mask?, keep?, tau?,
   temperature, ignore_index, want, need_x, need_y, tile_rows, tile_cols) -> (grad_x or empty,
   grad_y or empty)``; ``owned`` (...) bool or None: where False the token lies outside these
@@ -35,6 +43,7 @@ Shape letters: N rows (positions), V vocabulary (the columns of the call).
 
 from __future__ import annotations
 
+import math
 import sys
 from enum import IntFlag
 
@@ -67,6 +76,9 @@ __all__ = [
     "sampler_cuts",
     "sampler_keys",
     "combined_tau",
+    "keep_of_ids",
+    "check_ids_args",
+    "tau_of_ids",
     "constant_result",
 ]
 
@@ -122,7 +134,8 @@ SCHEMAS = {
     "token_stats": (
         "{b}_token_stats(Tensor x, Tensor? y, Tensor? tokens, Tensor? mask, Tensor? keep, "
         "Tensor? tau, float temperature, int ignore_index, int want, bool check, int tile_rows, "
-        "int tile_cols, int top_k, float top_p, float min_p) -> (Tensor, Tensor)"
+        "int tile_cols, int top_k, float top_p, float min_p, Tensor? ids=None, "
+        "Tensor? offsets=None) -> (Tensor, Tensor)"
     ),
     "token_stats_backward": (
         "{b}_token_stats_backward(Tensor grad, Tensor x, Tensor? y, Tensor? tokens, "
@@ -487,6 +500,56 @@ def check_sampler_args(top_k: int, top_p: float, min_p: float, temperature: floa
     v.check_temperature(temperature)
 
 
+def keep_of_ids(shape, ids: Tensor, offsets: Tensor) -> Tensor:
+    """The dense bool kept set (..., V) of ``shape`` of compact kept sets (validated; row r
+    keeps ``ids[offsets[r]:offsets[r + 1]]``): one write of True at the flat positions
+    row·V + id. N·V bytes: the price of sets that no threshold describes."""
+    n, vocab = math.prod(shape[:-1]), shape[-1]
+    counts = (offsets[1:] - offsets[:-1]).long()  # (N,); repeat_interleave takes int32/64
+    rows = torch.repeat_interleave(
+        torch.arange(n, device=ids.device), counts, output_size=ids.shape[0]
+    )  # (K,)
+    keep = torch.zeros(n * vocab, dtype=torch.bool, device=ids.device)
+    keep[rows * vocab + ids.long()] = True
+    return keep.reshape(shape)
+
+
+def check_ids_args(ids: Tensor | None, offsets: Tensor | None) -> None:
+    """The op arguments ``ids`` / ``offsets``: both or neither, int32 or int64 each (TypeError
+    naming the argument and its dtype); their values are the support_from_ids op's to check."""
+    if (ids is None) != (offsets is None):
+        raise ValueError(
+            "support ids and offsets must be given together (or neither), got "
+            + ("ids alone" if offsets is None else "offsets alone")
+        )
+    for name, t in (("ids", ids), ("offsets", offsets)):
+        if t is not None and t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"support {name} must be int32 or int64, got {v.describe(t)}")
+
+
+def tau_of_ids(
+    backend: str, x: Tensor, mask: Tensor | None, tau: Tensor | None, ids: Tensor | None,
+    offsets: Tensor | None, check: bool,
+) -> tuple[Tensor | None, bool]:
+    """The forward's threshold and ``check`` given the kept sets ``ids`` / ``offsets`` (None:
+    ``(tau, check)`` as given), for a backend without a fused form: its ``support_from_ids``
+    op first, then max(tau, τ_r) with NaN in the rows whose set is not {x ≥ τ_r} (their
+    support is empty, their ``ST_TAU`` NaN), and ``check`` False where such a row counts (the
+    checks are not made: the caller passes those sets another way). One host read when
+    ``check`` is True."""
+    check_ids_args(ids, offsets)
+    if ids is None:
+        return tau, check
+    op = getattr(torch.ops.klpenalty, f"{backend}_support_from_ids").default
+    tau_ids, exact = op(x.detach(), ids, offsets, 0)  # (N,) each
+    leading = x.shape[:-1]
+    tau_ids, exact = tau_ids.reshape(leading), exact.reshape(leading)
+    if check:
+        check = bool((exact if mask is None else exact | ~mask).all())
+    tau_ids = tau_ids.masked_fill(~exact, float("nan"))
+    return (tau_ids if tau is None else torch.maximum(tau.to(tau_ids.dtype), tau_ids)), check
+
+
 def combined_tau(tau: Tensor | None, tau_s: Tensor | None) -> Tensor | None:
     """The threshold of both supports x ≥ tau and x ≥ tau_s (either may be None): their
     maximum, NaN where either is NaN."""
@@ -512,7 +575,7 @@ def define_ops(backend: str) -> None:
 
     @torch.library.register_fake(fwd)
     def _(x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tr, tc, top_k,
-          top_p, min_p):
+          top_p, min_p, ids=None, offsets=None):
         dtype = compute_dtype(x) if y is None else compute_dtype(x, y)
         leading = x.shape[:-1]
         return (
@@ -544,8 +607,9 @@ def define_ops(backend: str) -> None:
 
     def setup_context(ctx, inputs, output):
         x, y, tokens, mask, keep, tau, temperature, ignore_index, want, _, tr, tc = inputs[:12]
-        if sampler_cuts(x.shape[-1], *inputs[12:]):  # the backward's support: the τ used
-            tau = output[1][..., ST_TAU]
+        ids = inputs[15] if len(inputs) > 15 else None
+        if ids is not None or sampler_cuts(x.shape[-1], *inputs[12:15]):
+            tau = output[1][..., ST_TAU]  # the backward's support: the τ used
         ctx.save_for_backward(x, y, tokens, mask, keep, tau, output[1])
         ctx.args = (temperature, ignore_index, want, tr, tc)
 
@@ -568,7 +632,7 @@ def define_ops(backend: str) -> None:
                 grad_out, x, y, tokens, None, stats, mask, keep, tau, temperature,
                 ignore_index, want, need_x, need_y, tr, tc,
             )
-        return (gx if need_x else None, gy if need_y else None, *([None] * 13))
+        return (gx if need_x else None, gy if need_y else None, *([None] * 15))
 
     torch.library.register_autograd(fwd, backward, setup_context=setup_context)
     _define_divergence(backend, div, div_bwd)

@@ -30,7 +30,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from . import native, streaming
+from . import contract, native, streaming
 from . import triton as triton_backend
 
 __all__ = [
@@ -123,12 +123,16 @@ class Backend:
         mask: Tensor | None = None, keep: Tensor | None = None, tau: Tensor | None = None, *,
         temperature: float, want: int, ignore_index: int = -100, check: bool = False,
         tile_rows: int = 0, tile_cols: int = 0, sampler: tuple[int, float, float] = (0, 1.0, 0.0),
+        ids: Tensor | None = None, offsets: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """(out, stats) of the forward op (differentiable through the contract's autograd)."""
+        """(out, stats) of the forward op (differentiable through the contract's autograd);
+        ``ids`` / ``offsets``: kept sets (int32/int64), a row whose set no threshold describes
+        holding NaN in ``ST_TAU`` (:func:`token_stats` passes such sets as a dense ``keep``)."""
         top_k, top_p, min_p = sampler
         return self.forward_op(
             x, y, tokens, mask, keep, tau, float(temperature), int(ignore_index), int(want),
             bool(check), int(tile_rows), int(tile_cols), int(top_k), float(top_p), float(min_p),
+            ids, offsets,
         )
 
     def backward(
@@ -258,6 +262,8 @@ def token_stats(
     tile_rows: int = 0,
     tile_cols: int = 0,
     sampler: tuple[int, float, float] = (0, 1.0, 0.0),
+    ids: Tensor | None = None,
+    offsets: Tensor | None = None,
 ) -> Tensor:
     """out (..., 4) of ``backend``'s forward op on validated tensors: KL(π̃‖ρ), log π̃(t),
     log ρ(t), H(π̃), 0 in the columns not in ``want``; differentiable (also twice).
@@ -265,10 +271,18 @@ def token_stats(
     Shapes: x, y, keep (..., V); tokens, mask, tau (...). ``tile_rows``/``tile_cols``: a
     backend's tile (0 = its default; the native kernel ignores both). ``sampler``: the op's
     ``top_k, top_p, min_p`` (unused by default), whose threshold the op computes itself.
+    ``ids`` (K,) / ``offsets`` (N + 1,): an engine's kept sets (validated, int32/int64), whose
+    thresholds the op finds itself; where a counted row's set is not {x ≥ τ_r} (``ST_TAU``
+    NaN: one host read), the call is made again with the sets as a dense ``keep``
+    (:func:`.contract.keep_of_ids`), as :func:`klpenalty.sampling.support_from_ids` gives them.
     """
-    out, _ = backend.forward(
-        x, y, tokens, mask, keep, tau, temperature=temperature, want=want,
-        ignore_index=ignore_index, check=check, tile_rows=tile_rows, tile_cols=tile_cols,
-        sampler=sampler,
-    )
+    kw = dict(temperature=temperature, want=want, ignore_index=ignore_index, check=check,
+              tile_rows=tile_rows, tile_cols=tile_cols, sampler=sampler)
+    out, stats = backend.forward(x, y, tokens, mask, keep, tau, ids=ids, offsets=offsets, **kw)
+    if ids is not None:
+        inexact = stats[..., contract.ST_TAU].isnan()
+        if bool((inexact if mask is None else inexact & mask).any()):
+            keep_ids = contract.keep_of_ids(x.shape, ids, offsets)
+            keep = keep_ids if keep is None else keep & keep_ids
+            out, _ = backend.forward(x, y, tokens, mask, keep, tau, **kw)
     return out

@@ -220,13 +220,15 @@ def token_stats_state_op(x, y, keep, tau, temperature, want, tile_rows, tile_col
 
 def token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
     x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
-    tile_cols, top_k, top_p, min_p,
+    tile_cols, top_k, top_p, min_p, ids=None, offsets=None,
 ):
     """(..., V) logits → out (..., 4): KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃), and stats (..., 10)
     (the forward op of :mod:`.contract`): one read of each logit for all the wanted outputs;
-    the support (``keep``, ``tau``, the sampler's threshold) applied per tile."""
+    the support (``keep``, ``tau``, the kept sets' and the sampler's thresholds) applied per
+    tile; the kept sets' thresholds from ``streaming_support_from_ids`` first."""
     v.check_want(want, y is not None, tokens is not None)
     contract.check_sampler_args(top_k, top_p, min_p, temperature)
+    tau, check = contract.tau_of_ids("streaming", x, mask, tau, ids, offsets, check)
     if contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):
         tau = contract.combined_tau(
             tau, threshold.sampling_threshold_op(x, top_k, top_p, min_p, temperature)

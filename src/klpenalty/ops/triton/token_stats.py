@@ -262,20 +262,23 @@ def token_stats_state_op(x, y, keep, tau, temperature, want, tile_rows, tile_col
 
 def token_stats_op(  # the schema: contract.SCHEMAS["token_stats"]
     x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
-    tile_cols, top_k, top_p, min_p,
+    tile_cols, top_k, top_p, min_p, ids=None, offsets=None,
 ):
     """(..., V) logits → out (..., 4) = (KL(π̃‖ρ), log π̃(t), log ρ(t), H(π̃)) and stats (..., 10)
     (the forward op of :mod:`..contract`), in one read of each logit, written by the kernels;
     ``tile_cols`` > 0 forces the split width (``tile_rows`` is unused: one program per row).
     Where the sampler settings cut, :func:`.threshold.tau_rows` runs first (its τ, max with
-    ``tau``, is the support's threshold and the stats column ``ST_TAU``)."""
+    ``tau``, is the support's threshold and the stats column ``ST_TAU``); given kept sets
+    ``ids`` / ``offsets``, their thresholds from ``triton_support_from_ids`` first
+    (:func:`..contract.tau_of_ids`)."""
     if _host.portable(x, y):
         return _host.portable_op("token_stats")(
             x, y, tokens, mask, keep, tau, temperature, ignore_index, want, check, tile_rows,
-            tile_cols, top_k, top_p, min_p,
+            tile_cols, top_k, top_p, min_p, ids, offsets,
         )
     v.check_want(want, y is not None, tokens is not None)
     contract.check_sampler_args(top_k, top_p, min_p, temperature)
+    tau, check = contract.tau_of_ids("triton", x, mask, tau, ids, offsets, check)
     if contract.sampler_cuts(x.shape[-1], top_k, top_p, min_p):  # τ = max(tau, τ_s), (N,)
         tau = tau_rows(x, top_k, top_p, min_p, temperature, tau)
     out, stats = _forward(x, y, tokens, mask, keep, tau, temperature, ignore_index, want,

@@ -1,12 +1,18 @@
 // The forward and state ops of the contract in klpenalty/ops/contract.py (schemas defined there;
 // these are their CPU implementations):
 //   native_token_stats(x, y?, tokens?, mask?, keep?, tau?, temperature, ignore_index, want,
-//                      check, tile_rows, tile_cols, top_k, top_p, min_p)
+//                      check, tile_rows, tile_cols, top_k, top_p, min_p, ids?, offsets?)
 //     -> (out (..., 4), stats (..., 10))
 //     out: KL(π̃‖ρ), log π̃(token), log ρ(token), H(π̃), 0 where not in `want`; where the
 //     sampler settings cut (1 <= top_k < V, top_p < 1, min_p > 0) each row's threshold τ_s is
 //     computed from x first (row_threshold) and the support is keep ∧ x >= max(tau, τ_s);
-//     stats[..., kStTau] is the threshold used (−inf: none), the backward's tau
+//     stats[..., kStTau] is the threshold used (−inf: none), the backward's tau. Given an
+//     engine's kept sets (ids, offsets), each counted row's τ_r (their smallest logit) and
+//     whether the set is exactly {x >= τ_r} are found in the same visit of the row, just
+//     before its walk (ids.h: the ids are marked while the row is requested from memory, one
+//     pass over it, then the walk reads it from L2), and τ_r joins the support's threshold;
+//     a row whose set is not {x >= τ_r} is not walked: its stats hold NaN in kStTau (its out
+//     0), and the checks are not made (the caller passes such a set another way)
 //   native_token_stats_state(x, y?, keep?, tau?, temperature, want, tile_rows, tile_cols)
 //     -> (state (N, 6): m_x, s_x, m_y, s_y, a, b unfinalized; careful (N,) bool)
 // π̃ is the policy restricted to its support: kept(v) = keep[v] and x_v >= tau (either optional).
@@ -27,6 +33,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -39,6 +46,7 @@
 
 #include "args.h"
 #include "contract.h"
+#include "ids.h"
 #include "rows.h"
 #include "simd.h"
 #include "threshold.h"
@@ -201,8 +209,14 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
     const std::optional<at::Tensor>& tokens, const std::optional<at::Tensor>& mask,
     const std::optional<at::Tensor>& keep, const std::optional<at::Tensor>& tau, double T,
     int64_t ignore_index, int64_t want, bool check, int64_t /*tile_rows*/,
-    int64_t /*tile_cols*/, int64_t top_k, double top_p, double min_p) {
+    int64_t /*tile_cols*/, int64_t top_k, double top_p, double min_p,
+    const std::optional<at::Tensor>& ids, const std::optional<at::Tensor>& offsets) {
   const StatsArgs a(x_arg, y_arg, tokens, mask, keep, tau, T, want);
+  TORCH_CHECK_VALUE(ids.has_value() == offsets.has_value(),
+                    "support ids and offsets must be given together (or neither), got ",
+                    ids.has_value() ? "ids alone" : "offsets alone");
+  const IdSets sets = ids.has_value() ? IdSets(*ids, *offsets, a.N) : IdSets();
+  std::atomic<bool> bad_id{false}, inexact{false};
   const RowAccess ra(a);
   check_sampler_args(top_k, top_p, min_p);
   const Sampler sampler(a.V, top_k, top_p, min_p, T);
@@ -247,6 +261,21 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
             finalize_row(row, want, false, true, xr, yr, Support(), t, T, o, s);
           } else {
             Support sup = ra.support(r);
+            if (sets.defined()) {  // the kept set's τ_r and exactness, then its walk from L2
+              Compute<T_in> tau_ids;
+              bool exact;
+              if (!sets.row(r, xr, V, ids_bitmap((V + 63) / 64), tau_ids, exact)) {
+                bad_id.store(true, std::memory_order_relaxed);
+              }
+              if (!exact) {  // no threshold describes the set: not walked, kStTau NaN
+                inexact.store(true, std::memory_order_relaxed);
+                std::fill(o, o + kOutCols, O(0));
+                std::fill(s, s + kStatsCols, O(0));
+                s[kStTau] = std::numeric_limits<O>::quiet_NaN();
+                continue;
+              }
+              sup = with_threshold(sup, tau_ids, a.ct == at::kDouble);
+            }
             if (cuts) sup = with_threshold(sup, row_threshold(xr, V, sampler, scratch()),
                                            a.ct == at::kDouble);
             // with the sampler, the next row's logits are read into L2 during this walk
@@ -263,13 +292,14 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
       run(out.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>());
     }
   });
-  if (check) {
+  TORCH_CHECK_VALUE(!bad_id.load(), "support ids must lie in [0, ", V, ")");
+  if (check && !inexact.load()) {
     if (a.y.defined()) {
       raise_if_nan(out, want, a.leading, {{"policy_logits", a.x_in}, {"ref_logits", a.y_in}});
     } else {
       raise_if_nan(out, want, a.leading, {{"logits", a.x_in}});
     }
-    if ((a.truncated() || cuts) && (want & kWantLogp)) {
+    if ((a.truncated() || cuts || sets.defined()) && (want & kWantLogp)) {
       if (a.ct == at::kDouble) {
         check_tokens_in_support(a, ra, out.const_data_ptr<double>(), ignore_index);
       } else {

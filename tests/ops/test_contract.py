@@ -81,6 +81,14 @@ def test_opcheck_every_op(name, support):
         ids[4] = int(x.detach().reshape(6, 33)[1].argmin())
         offsets = torch.arange(0, 19, 3)
         torch.library.opcheck(backend._op("support_from_ids"), (x.detach(), ids, offsets, 0))
+        # the forward given the kept sets (int32 and int64; every row's top 3, threshold sets:
+        # a row that is not holds NaN in ST_TAU, which opcheck's comparisons take as a
+        # mismatch): their thresholds found by the op, the autograd's tau its ST_TAU (int64
+        # too where a call is fast)
+        for index in (torch.int32,) if name == "triton" else (torch.int32, torch.int64):
+            with_ids = (x, y, x.detach().argmax(-1), mask, None, None, 0.9, -100, want, True,
+                        0, 0, 0, 1.0, 0.0, top.reshape(-1).to(index), offsets.to(index))
+            torch.library.opcheck(backend.forward_op, with_ids)
         _opcheck_divergence(backend, name, x, y, stats, mask, keep, tau)
 
 

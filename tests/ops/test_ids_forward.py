@@ -1,0 +1,196 @@
+"""The forward op given an engine's kept sets (``ids``, ``offsets``): values and gradients of
+``token_stats(..., support=(ids, offsets))`` against the float64 reference on every backend
+(native, streaming, Triton interpreted), int32 and int64 ids; sets that no threshold describes
+(the call made again with the dense mask, as before); empty and masked rows; the op's own
+answer per row (``ST_TAU``: τ_r, NaN where the set is not {x ≥ τ_r}); its argument checks."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import klpenalty
+from klpenalty.ops import dispatch
+from klpenalty.ops.contract import ST_TAU, Want
+from klpenalty.ops.reference import token_stats_reference
+from tests.helpers import grad_tol, make_logits, tol, triton_interpreter_env
+
+BACKENDS = sorted(dispatch.REGISTRY)
+WANT = int(Want.KL | Want.LOGP | Want.REF_LOGP | Want.ENTROPY)
+
+
+def _backend(name: str):
+    if name == "native" and not dispatch.REGISTRY["native"].available():
+        pytest.skip("the native kernel cannot be built here (tests/ops/test_native.py says why)")
+    if name == "triton":
+        tk = dispatch.REGISTRY["triton"].module
+        if not (tk.available() and tk.interpreted()):
+            pytest.skip("Triton is not installed, or its kernels are compiled (a GPU run)")
+    return dispatch.REGISTRY[name]
+
+
+def _env(name: str):
+    return triton_interpreter_env() if name == "triton" else contextlib.nullcontext()
+
+
+def _compact(sets, index_dtype):
+    """(ids, offsets) of per-row id lists, in the given order."""
+    ids = torch.tensor([i for s in sets for i in s], dtype=torch.long)
+    counts = torch.tensor([len(s) for s in sets], dtype=torch.long)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    return ids.to(index_dtype), offsets.to(index_dtype)
+
+
+def _dense(sets, shape):
+    keep = torch.zeros(len(sets), shape[-1], dtype=torch.bool)
+    for r, s in enumerate(sets):
+        keep[r, s] = True
+    return keep.reshape(shape)
+
+
+def _case(broken: bool):
+    """x, y (2, 3, 70) float32, tokens, mask and per-row id lists (in shuffled order): threshold
+    sets (the top of each row, ties none), row 4 masked with an arbitrary set, row 5 an empty set
+    (masked too); ``broken``: row 1 drops one id from inside its set (no threshold describes
+    it)."""
+    x, y = make_logits((2, 3, 70), torch.float32, seed=11, scale=2.0)
+    flat = x.reshape(6, 70)
+    g = torch.Generator().manual_seed(3)
+    sets = []
+    for r in range(6):
+        top = flat[r].topk(5 + 7 * r).indices
+        sets.append(top[torch.randperm(top.numel(), generator=g)].tolist())
+    sets[4] = [3, 60, 17]  # arbitrary: masked, so it never decides how the call is made
+    sets[5] = []
+    if broken:
+        sets[1] = [i for i in sets[1] if i != int(flat[1].topk(3).indices[-1])]
+    tokens = torch.tensor([s[0] if s else 0 for s in sets]).reshape(2, 3)  # in each set
+    tokens[0, 2] = -100  # an ignored token
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    return x, y, tokens, mask, sets
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("broken", [False, True])
+@pytest.mark.parametrize("name", BACKENDS)
+def test_values_and_gradients_against_the_reference(name, broken, index_dtype):
+    _backend(name)
+    x, y, tokens, mask, sets = _case(broken)
+    ids, offsets = _compact(sets, index_dtype)
+    keep = _dense(sets, x.shape)
+    xr, yr = x.double().requires_grad_(), y.double().requires_grad_()
+    # off the set −1e4 (float64 mass 0): its autograd is 0 there, where −inf would give
+    # 0·(−inf) = NaN
+    xk = torch.where(keep, xr, -1e4)
+    want = token_stats_reference(xk, yr, tokens, mask, None, None, 0.8, -100, WANT)
+    w = torch.randn(2, 3, 4, dtype=torch.float64)
+    (want * w).sum().backward()
+    xg, yg = x.clone().requires_grad_(), y.clone().requires_grad_()
+    with _env(name):
+        got = klpenalty.token_stats(xg, yg, tokens, entropy=True, mask=mask,
+                                    support=(ids, offsets), temperature=0.8, backend=name,
+                                    check=True)
+        out = torch.stack([got.kl, got.logprobs, got.ref_logprobs, got.entropy], -1)
+        (out.double() * w).sum().backward()
+    torch.testing.assert_close(out.double(), want.detach(), **tol(torch.float32))
+    torch.testing.assert_close(xg.grad.double(), xr.grad, **grad_tol(torch.float32))
+    torch.testing.assert_close(yg.grad.double(), yr.grad, **grad_tol(torch.float32))
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_the_op_answers_tau_or_nan_per_counted_row(name):
+    """ST_TAU holds each counted row's τ_r (the support_from_ids op's) where its set is
+    {x ≥ τ_r}, NaN where it is not; masked rows are not looked at."""
+    backend = _backend(name)
+    x, y, tokens, mask, sets = _case(True)
+    ids, offsets = _compact(sets, torch.int32)
+    with _env(name):
+        _, stats = backend.forward(x, y, tokens, mask, temperature=0.8, want=WANT, ids=ids,
+                                   offsets=offsets)
+        tau, exact = backend.support_from_ids(x, ids, offsets)
+    counted = mask.reshape(-1)
+    got = stats.reshape(6, -1)[:, ST_TAU]
+    assert exact.tolist()[:4] == [True, False, True, True]
+    assert torch.isnan(got[1]) and not torch.isnan(got[counted & exact]).any()
+    torch.testing.assert_close(got[counted & exact], tau[counted & exact], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_errors_are_those_of_the_dense_mask(name):
+    """A sampled token off the set, and a counted empty set (no distribution), raise what the
+    same sets as a dense mask raise; a set that no threshold describes too."""
+    _backend(name)
+    x, y, tokens, mask, sets = _case(False)
+    for broken in (False, True):
+        sets_b = [list(s) for s in sets]
+        if broken:
+            sets_b[0] = sets_b[0][:-1] + [int(x.reshape(6, 70)[0].argmin())]
+        bad_tok = tokens.clone()
+        bad_tok[0, 1] = int(x[0, 1].argmin())  # far below the row's threshold set
+        for tok, m in ((bad_tok, mask), (tokens, torch.ones_like(mask))):
+            ids, offsets = _compact(sets_b, torch.int64)
+            errors = []
+            for support in ((ids, offsets), _dense(sets_b, x.shape)):
+                with _env(name), pytest.raises(ValueError) as err:
+                    klpenalty.token_stats(x, y, tok, mask=m, support=support, backend=name,
+                                          check=True)
+                errors.append(str(err.value))
+            assert errors[0] == errors[1]
+            assert ("outside the support" in errors[0]) == (m is mask)
+
+
+@pytest.mark.parametrize("name", ["native", "streaming"])
+def test_op_argument_checks(name):
+    backend = _backend(name)
+    x, y, _, _, sets = _case(False)
+    ids, offsets = _compact(sets, torch.int64)
+    with pytest.raises(TypeError, match=r"support ids must be int32 or int64, got .*int16"):
+        backend.forward(x, y, temperature=1.0, want=1, ids=ids.to(torch.int16), offsets=offsets)
+    with pytest.raises(TypeError, match=r"support offsets must be int32 or int64, got .*float"):
+        backend.forward(x, y, temperature=1.0, want=1, ids=ids, offsets=offsets.float())
+    with pytest.raises(ValueError, match="given together"):
+        backend.forward(x, y, temperature=1.0, want=1, ids=ids)
+    if name == "native":  # its own check of the values (the other backends': the caller's)
+        bad = ids.clone()
+        bad[3] = 70
+        with pytest.raises(ValueError, match=r"support ids must lie in \[0, 70\)"):
+            backend.forward(x, y, temperature=1.0, want=1, ids=bad, offsets=offsets)
+        swapped = offsets.clone()
+        swapped[1:3] = offsets[1:3].flip(0)
+        with pytest.raises(ValueError, match="non-decreasing"):
+            backend.forward(x, y, temperature=1.0, want=1, ids=ids, offsets=swapped)
+
+
+def test_public_narrow_index_dtypes_still_work():
+    """The public call takes any integer ids (int16 / uint8 as int64), as before."""
+    x, y, _, mask, sets = _case(False)
+    ids, offsets = _compact(sets, torch.int64)
+    want = klpenalty.full_kl(x, y, mask=mask, support=_dense(sets, x.shape))
+    for narrow in ((ids.to(torch.uint8), offsets.to(torch.int16)), (ids, offsets)):
+        got = klpenalty.full_kl(x, y, mask=mask, support=narrow)
+        torch.testing.assert_close(got, want, **tol(torch.float32))
+
+
+def test_fullgraph_compile_of_the_op_with_ids():
+    """torch.compile(fullgraph=True) traces the native op given ids / offsets (its fake) and
+    gives the eager numbers and gradient."""
+    backend = _backend("native")
+    x, y, tokens, mask, sets = _case(False)
+    ids, offsets = _compact(sets, torch.int32)
+
+    def step(x, y, tokens, mask, ids, offsets):
+        out, _ = backend.forward(x, y, tokens, mask, temperature=0.8, want=WANT, ids=ids,
+                                 offsets=offsets)
+        return (out * torch.tensor([1.0, -0.5, 0.25, 0.1])).sum()
+
+    xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
+    want = step(xe, y, tokens, mask, ids, offsets)
+    want.backward()
+    torch._dynamo.reset()
+    got = torch.compile(step, fullgraph=True, backend="aot_eager")(xc, y, tokens, mask, ids,
+                                                                    offsets)
+    got.backward()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(xc.grad, xe.grad, rtol=0, atol=0)

@@ -14,7 +14,13 @@ from . import _validation as v
 from .ops import dispatch
 from .ops.contract import Want
 from .ops.dispatch import get_backend
-from .sampling import check_sampler, ids_args, parse_support, support_args
+from .sampling import (
+    check_compact_values,
+    check_sampler,
+    ids_args,
+    parse_support,
+    support_args,
+)
 
 __all__ = [
     "full_kl",
@@ -373,10 +379,14 @@ def _token_stats(
     if mask is not None:
         mask = v.check_mask(mask, leading, x.device)
     impl = get_backend(backend, x.device)
-    kind, payload = parse_support(support, top_k, top_p, min_p, x.shape, x.device)
+    kind, payload = parse_support(support, top_k, top_p, min_p, x.shape, x.device, values=False)
     ids = offsets = None
     if kind == "ids":  # the op finds the sets' thresholds in its pass over the rows
-        (ids, offsets), kind, payload = ids_args(*payload), "none", None
+        ids, offsets = ids_args(*payload)
+        if impl.name != "native" or ids is not payload[0] or offsets is not payload[1]:
+            # the native op checks int32/int64 sets' values itself, with these messages
+            check_compact_values(*payload, x.shape[-1])
+        kind, payload = "none", None
     keep, tau, sampler = support_args(kind, payload, x)
     want = Want.KL * kl | Want.LOGP * logp | Want.REF_LOGP * ref_logp | Want.ENTROPY * entropy
     out = dispatch.token_stats(

@@ -75,6 +75,7 @@ __all__ = [
     "ids_of_rows",
     "support_args",
     "ids_args",
+    "check_compact_values",
     "op_sampler",
 ]
 
@@ -252,8 +253,10 @@ def ids_args(ids: Tensor, offsets: Tensor) -> tuple[Tensor, Tensor]:
     return tuple(t if t.dtype in (torch.int32, torch.int64) else t.long() for t in (ids, offsets))
 
 
-def _check_compact(ids: object, offsets: object, n: int, vocab: int, device) -> None:
-    """Shapes, dtypes, device and values of a compact support (reads the values: one sync)."""
+def _check_compact(ids: object, offsets: object, n: int, vocab: int, device,
+                   values: bool = True) -> None:
+    """Shapes, dtypes, device and (``values``) values of a compact support (reads the values:
+    one sync; :func:`check_compact_values`)."""
     for name, t in (("ids", ids), ("offsets", offsets)):
         if not isinstance(t, Tensor):
             raise TypeError(f"support {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -268,6 +271,15 @@ def _check_compact(ids: object, offsets: object, n: int, vocab: int, device) -> 
             f"support offsets must have N + 1 = {n + 1} entries (N = {n} positions), "
             f"got {v.describe(offsets)}"
         )
+    if values:
+        check_compact_values(ids, offsets, vocab)
+
+
+def check_compact_values(ids: Tensor, offsets: Tensor, vocab: int) -> None:
+    """The values of a compact support of the right shapes: offsets from 0 to len(ids),
+    non-decreasing, ids in [0, vocab) (one sync). The native forward makes the same checks,
+    with the same messages, on int32/int64 sets (csrc/ids.h)."""
+    n = offsets.shape[0] - 1
     k = ids.shape[0]
     first, last = (int(t) for t in offsets[[0, -1]].tolist())
     if first != 0 or last != k:
@@ -284,7 +296,8 @@ def _check_compact(ids: object, offsets: object, n: int, vocab: int, device) -> 
 
 
 def parse_support(
-    support: object, top_k: object, top_p: object, min_p: object, shape, device
+    support: object, top_k: object, top_p: object, min_p: object, shape, device,
+    values: bool = True,
 ) -> tuple[str, object]:
     """The ``support=`` / ``top_k=`` / ``top_p=`` / ``min_p=`` arguments of a public function,
     validated against policy logits of ``shape`` (..., V) on ``device`` (the logits need not
@@ -293,6 +306,8 @@ def parse_support(
     Returns ``(kind, payload)``: ``("none", None)`` (the untruncated policy), ``("keep", mask)``
     a bool (..., V) tensor, ``("ids", (ids, offsets))`` a compact kept set (checked), or
     ``("rule", (top_k, top_p, min_p))`` sampler settings of which at least one cuts.
+    ``values``: False leaves the values of a compact kept set unread (the caller checks them,
+    :func:`check_compact_values`, or has its op check them).
     """
     samplers = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
     given = [name for name, val in samplers.items() if val is not None]
@@ -318,7 +333,8 @@ def parse_support(
                 raise ValueError(f"support must be on {device}, got {support.device}")
             return "keep", support
         if isinstance(support, (tuple, list)) and len(support) == 2:
-            _check_compact(support[0], support[1], math.prod(shape[:-1]), shape[-1], device)
+            _check_compact(support[0], support[1], math.prod(shape[:-1]), shape[-1], device,
+                           values)
             return "ids", (support[0], support[1])
         raise TypeError(
             "support must be a bool tensor (..., V) or a pair (ids, offsets) of integer "

@@ -194,3 +194,25 @@ def test_fullgraph_compile_of_the_op_with_ids():
     got.backward()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     torch.testing.assert_close(xc.grad, xe.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_invalid_sets_raise_the_messages_of_before(name):
+    """Bad offsets or an id out of range (also in a masked row, which the native forward does
+    not walk) raise sampling's messages on every backend, the native op checking int32/int64
+    sets itself."""
+    _backend(name)
+    x, y, _, mask, sets = _case(False)
+    for index in (torch.int32, torch.int64, torch.int16):
+        ids, offsets = _compact(sets, index)
+        bad_ids = ids.clone()
+        bad_ids[int(offsets[4])] = 70  # row 4: masked
+        swapped = offsets.clone()
+        swapped[1:3] = offsets[1:3].flip(0)
+        for support, match in (
+            ((bad_ids, offsets), r"support ids must lie in \[0, 70\) \(shape=\(\d+,\), dtype="),
+            ((ids, swapped), r"support offsets must be non-decreasing \(shape=\(7,\)"),
+            ((ids, offsets[:-1].contiguous()), r"support offsets must have N \+ 1 = 7"),
+        ):
+            with _env(name), pytest.raises(ValueError, match=match):
+                klpenalty.full_kl(x, y, mask=mask, support=support, backend=name)

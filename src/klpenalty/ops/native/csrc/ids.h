@@ -249,13 +249,30 @@ struct IdSets {
     offsets32 = offsets.scalar_type() == at::kInt;
     pi = ids.const_data_ptr();
     po = offsets.const_data_ptr();
+    // the messages of klpenalty.sampling._check_compact
     TORCH_CHECK_VALUE(offset(0) == 0 && offset(N) == K,
                       "support offsets must start at 0 and end at len(ids) = ", K, ", got ",
-                      offset(0), " and ", offset(N));
+                      offset(0), " and ", offset(N), " (", describe(offsets_in), ")");
     for (int64_t r = 0; r < N; ++r) {
-      TORCH_CHECK_VALUE(offset(r) <= offset(r + 1), "support offsets must be non-decreasing, got ",
-                        offset(r), " then ", offset(r + 1), " at row ", r);
+      TORCH_CHECK_VALUE(offset(r) <= offset(r + 1), "support offsets must be non-decreasing (",
+                        describe(offsets_in), ")");
     }
+  }
+
+  // Whether row r's ids lie in [0, V) (a row whose rule is not evaluated: masked, say).
+  bool in_range(int64_t r, int64_t V) const {
+    bool ok = true;
+    for (int64_t k = offset(r), e = offset(r + 1); k < e; ++k) {
+      const int64_t id = ids32 ? static_cast<const int32_t*>(pi)[k]
+                               : static_cast<const int64_t*>(pi)[k];
+      ok &= id >= 0 && id < V;
+    }
+    return ok;
+  }
+
+  // The error of an id outside [0, V) (klpenalty.sampling._check_compact's message).
+  void fail_range(int64_t V) const {
+    TORCH_CHECK_VALUE(false, "support ids must lie in [0, ", V, ") (", describe(ids), ")");
   }
 
   bool defined() const { return pi != nullptr; }

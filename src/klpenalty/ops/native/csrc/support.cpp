@@ -88,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor> support_from_ids(const at::Tensor& x_in,
     support_rows<scalar_t>(x, sets, N, V, tau.mutable_data_ptr<Compute<scalar_t>>(),
                            exact.mutable_data_ptr<bool>(), bad_id);
   });
-  TORCH_CHECK_VALUE(!bad_id.load(), "support ids must lie in [0, ", V, ")");
+  if (bad_id.load()) sets.fail_range(V);
   return {tau, exact};
 }
 

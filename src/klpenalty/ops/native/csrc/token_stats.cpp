@@ -248,6 +248,9 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
           O* s = stp + kStatsCols * r;
           const int64_t t = ra.token(r, ignore_index);
           if (ra.masked(r) || (tokens_only && t < 0)) {  // not computed: 0 whatever it holds
+            if (sets.defined() && !sets.in_range(r, V)) {  // every id is checked
+              bad_id.store(true, std::memory_order_relaxed);
+            }
             std::fill(o, o + kOutCols, O(0));
             std::fill(s, s + kStatsCols, O(0));
             continue;
@@ -255,6 +258,9 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
           const T_in* xr = px + ra.rx.offset(r);
           const T_in* yr = py ? py + ra.ry.offset(r) : nullptr;
           if (y_only) {
+            if (sets.defined() && !sets.in_range(r, V)) {
+              bad_id.store(true, std::memory_order_relaxed);
+            }
             RowState row = walk(yr, yr, Support(), V, T, false, false);
             std::swap(row.m_x, row.m_y);
             std::swap(row.s_x, row.s_y);
@@ -292,7 +298,7 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
       run(out.mutable_data_ptr<float>(), stats.mutable_data_ptr<float>());
     }
   });
-  TORCH_CHECK_VALUE(!bad_id.load(), "support ids must lie in [0, ", V, ")");
+  if (bad_id.load()) sets.fail_range(V);
   if (check && !inexact.load()) {
     if (a.y.defined()) {
       raise_if_nan(out, want, a.leading, {{"policy_logits", a.x_in}, {"ref_logits", a.y_in}});

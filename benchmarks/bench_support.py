@@ -7,8 +7,9 @@ Rows, side by side in one process, interleaved rounds, medians, the ratio to ``p
 - ``plain``: no support;
 - ``top_k=50``, ``top_p=0.9``, ``min_p=0.05``, ``top_k=50, top_p=0.9``: the sampler settings;
 - ``support=bool mask``: a dense (N, V) bool kept set (that of top_p=0.9);
-- ``support=(ids, offsets)``: the same kept set as compact ids (found to be a threshold set,
-  so it becomes a per-row tau).
+- ``support=(ids, offsets)``: the same kept set as compact int64 ids, in row order (each row's
+  set is a threshold set: the forward finds its tau in its visit of the row);
+- ``support=(ids, offsets) int32``: the same with int32 ids and offsets.
 
 x = 2·N(0, 1) (top-p 0.9 keeps thousands of tokens per row), y = x + 0.3·N(0, 1). Writes
 ``benchmarks/results/bench_support.{md,csv}`` with the 1-minute load average and the CPU model.
@@ -83,6 +84,7 @@ def main() -> None:
         "top_k=50, top_p=0.9": dict(top_k=50, top_p=0.9, temperature=T),
         "support=bool mask": dict(support=kept, temperature=T),
         "support=(ids, offsets)": dict(support=(ids, offsets), temperature=T),
+        "support=(ids, offsets) int32": dict(support=(ids.int(), offsets.int()), temperature=T),
     }
     clock = time.perf_counter if args.clock == "wall" else time.process_time
     times = {name: [] for name in cases}

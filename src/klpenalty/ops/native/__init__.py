@@ -12,7 +12,8 @@ wanted, in float32 vectors (``at::vec::Vectorized``) with a polynomial exp2 (flo
 double), reads bf16/fp16 directly, and uses one ``at::parallel_for`` over rows per call.
 
 ``klpenalty::native_support_from_ids`` (``csrc/support.cpp``) is the contract's kept-set
-check of :func:`klpenalty.sampling.threshold_of_ids`, one pass over each row's logits and ids;
+check of :func:`klpenalty.sampling.threshold_of_ids`, one pass over each row's logits and ids
+(``csrc/ids.h``, which the forward given ``ids``/``offsets`` applies in its visit of each row);
 ``klpenalty::native_divergence`` and its backward (``csrc/divergence.cpp``) are the second walk
 of :mod:`..divergence`: one vectorised pass per row over both logits from the forward's
 statistics, rows with −inf or NaN entries redone by a careful scalar path. One op

@@ -319,8 +319,10 @@ def token_stats(
         support: the kept set per position: a bool tensor (..., V) (True = kept), or the
             compact form of inference engines, a pair ``(ids, offsets)``: flat kept ids (K,)
             and offsets (N + 1,), row r keeping ``ids[offsets[r]:offsets[r+1]]`` (rows in
-            row-major order of the leading dims). It becomes a per-row threshold when each
-            set is exactly {v : x_v ≥ τ} (checked), else a dense mask (N·V bytes).
+            row-major order of the leading dims), any integer dtype (int32 and int64 read as
+            they are). It becomes a per-row threshold when each set is exactly
+            {v : x_v ≥ τ} (checked by the kernel in its pass over each row), else a dense mask
+            (N·V bytes).
             Excludes ``top_k``/``top_p``/``min_p``.
         top_k: int ≥ 1; top_p: in (0, 1]; min_p: in [0, 1]: the sampler's settings (with its
             ``temperature``).

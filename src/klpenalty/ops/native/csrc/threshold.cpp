@@ -127,8 +127,7 @@ template <typename T>
 void gather_at_least_blocks(const T* x, int64_t V, double tau, const float* lm, int64_t lanes,
                             ThresholdScratch& w) {
   const float ft = static_cast<float>(tau);  // one of the (float) logits
-  w.kbuf.resize(V + VF::size());
-  float* b = w.kbuf.data();
+  float* b = room(w.kbuf, V + VF::size());
   const VF vt(ft);
   int64_t n = 0;
   auto scan = [&](int64_t i0, int64_t i1) { n = gather_range(x, i0, i1, ft, b, n); };
@@ -170,8 +169,7 @@ double kth_largest(const T* x, int64_t V, double M, double row_min, const Sample
     }
     if (V > kSmallRow) return select_large<true>(x, V, M, row_min, -kInf, s, w);
   }
-  w.cand.resize(V);
-  for (int64_t j = 0; j < V; ++j) w.cand[j] = static_cast<double>(x[j]);
+  w.cand.assign(x, x + V);
   std::nth_element(w.cand.begin(), w.cand.begin() + (s.top_k - 1), w.cand.end(), std::greater<>());
   return w.cand[s.top_k - 1];
 }
@@ -242,8 +240,7 @@ double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& 
   int64_t lanes = 0;
   float* lane_max = nullptr;
   if (!std::is_same_v<T, double> && s.cut_k) {
-    w.lm.resize(V / kLaneBlock * VF::size() + VF::size());
-    lane_max = w.lm.data();
+    lane_max = room(w.lm, V / kLaneBlock * VF::size() + VF::size());
   }
   const auto [M, row_min] = row_max_min(x, V, lane_max, &lanes);
   if (std::isnan(M)) return kNaN;  // a row holding NaN keeps nothing

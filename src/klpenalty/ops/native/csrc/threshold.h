@@ -78,6 +78,14 @@ struct ThresholdScratch {
   int64_t survivors = -1;  // kth_largest's: the logits >= its lower bound, kept in kbuf
 };
 
+// v's data with room for at least n elements: grown, never shrunk (a resize down and up again
+// would zero the elements in between for every row).
+template <typename E>
+E* room(std::vector<E>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
 // This thread's buffers.
 ThresholdScratch& scratch();
 

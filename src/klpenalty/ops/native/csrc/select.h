@@ -261,9 +261,10 @@ template <typename T>
 // members' masses computed again from their logits), if the crossing surely lies inside (margins
 // of kMargin·Z).
 template <typename T>
-[[gnu::noinline]] bool sample_members(const T* x, int64_t V, const Weights<false>& wt,
+[[gnu::noinline]] bool sample_members(const T* x, int64_t V, const Weights<false>& weights,
                                       double cut_lo, double cut_hi, double p,
                                       ThresholdScratch& w, Bracket& br) {
+  const Weights<false> wt = weights;  // a local copy: the members' stores cannot alias it
   const float fa = static_cast<float>(cut_lo), fb = static_cast<float>(cut_hi);
   if (!(fb > fa)) return false;
   float* od = room(w.cx0, V + VF::size());

@@ -160,6 +160,29 @@ def test_top_k_survivors_in_one_block_or_the_tail(dtype):
             assert torch.equal(got, kept_by(x, python_rule(x, k, p))), (k, p)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_k_alone_from_the_lane_maxima(dtype):
+    """top-k alone takes a block's logits >= its lower bound from the block's lane maxima where
+    every lane's second largest lies below it, and reads the block again otherwise: a tied
+    maximum in one lane (its second equals it), two large logits in one lane, in one block but
+    different lanes, and random rows (most blocks not read again) give the reference's sets."""
+    g = torch.Generator().manual_seed(11)
+    vocab = 125 * 256 + 37
+    x = 2.0 * torch.randn(6, vocab, generator=g, dtype=torch.float64)
+    # 32 and 64 elements apart: one lane (of 8 or 16 float lanes per vector)
+    x[1, 40 * 256 + 3] = x[1, 40 * 256 + 3 + 32] = 12.0  # one lane's tied maximum
+    x[2, 7 * 256 + 5] = 11.0
+    x[2, 7 * 256 + 5 + 64] = 10.5
+    x[3, 9 * 256 : 9 * 256 + 16] += 9.0  # one block, several lanes
+    x[4] = (x[4] * 2).round() / 2  # ties at every level
+    x[5, -37:] += 10.0  # the tail alone
+    x = x.to(dtype)
+    for k in (1, 2, 3, 17, 50, 250):
+        got = kept_by(x, threshold(x, k))
+        assert torch.equal(got, reference_kept(x, k)), k
+        assert torch.equal(got, kept_by(x, python_rule(x, k))), k
+
+
 def test_nothing_cut_nan_inf_and_tiny_rows():
     x = torch.randn(5, 40)
     x[1, 7] = float("nan")

@@ -104,8 +104,7 @@ void gather_at_least(const T* x, int64_t V, double tau, ThresholdScratch& w) {
   } else {
     // tau is −inf or one of the (float) logits
     const float ft = tau == -kInf ? std::numeric_limits<float>::lowest() : static_cast<float>(tau);
-    w.kbuf.resize(V + VF::size());
-    float* b = w.kbuf.data();
+    float* b = room(w.kbuf, V + VF::size());
     w.cand.assign(b, b + gather_range(x, 0, V, ft, b, 0));
   }
 }
@@ -225,10 +224,8 @@ template <typename T>
   gd.place(lo_t, hi);
   for (int b = 0; b < kLevelCuts; ++b) acc[b] = zero;
   const int64_t ns = (V / VF::size() + kSampleEvery - 1) / kSampleEvery * VF::size();
-  w.xs.resize(ns + VF::size());
-  w.ce0.resize(ns + VF::size());
-  float* sx = w.xs.data();
-  float* se = w.ce0.data();
+  float* sx = room(w.xs, ns + VF::size());
+  float* se = room(w.ce0, ns + VF::size());
   VF za = zero;
   int64_t j = 0;
   for (int64_t i = 0; i + VF::size() <= V; i += kSampleEvery * VF::size(), j += VF::size()) {
@@ -260,18 +257,17 @@ template <typename T>
 }
 
 // One pass over a row: Z, the mass above the sample's bracket (cut_lo, cut_hi] and that of its
-// members, in double, the members (logits and masses) compressed. True, with br set to that
-// bracket, if the crossing surely lies inside (margins of kMargin·Z).
+// members, in double, the members' logits compressed. True, with br set to that bracket (and the
+// members' masses computed again from their logits), if the crossing surely lies inside (margins
+// of kMargin·Z).
 template <typename T>
-[[gnu::noinline]] bool sample_members(const T* x, int64_t V, const Weights<false>& wt,
+[[gnu::noinline]] bool sample_members(const T* x, int64_t V, const Weights<false>& weights,
                                       double cut_lo, double cut_hi, double p,
                                       ThresholdScratch& w, Bracket& br) {
+  const Weights<false> wt = weights;  // a local copy: the members' stores cannot alias it
   const float fa = static_cast<float>(cut_lo), fb = static_cast<float>(cut_hi);
   if (!(fb > fa)) return false;
-  w.cx0.resize(V + VF::size());
-  w.ce0.resize(V + VF::size());  // (the sample's masses are no longer needed)
-  float* od = w.cx0.data();
-  float* oe = w.ce0.data();
+  float* od = room(w.cx0, V + VF::size());
   const VF va(fa), vb(fb), zero(0.0f);
   WideSum zw, uw, mw;
   int64_t m = 0, i = 0;
@@ -284,7 +280,6 @@ template <typename T>
     u8 = add_where(u8, upper, e);
     const LaneMask in = lanes_andnot(lanes_gt(v, va), upper);
     m8 = add_where(m8, in, e);
-    compress_store(oe + m, in, e);
     m += compress_store(od + m, in, v);
   };
   // groups of 8 vectors (whole groups unrolled), each group's float sums added in double
@@ -300,6 +295,7 @@ template <typename T>
     zw.add(z8), uw.add(u8), mw.add(m8);
   }
   double zz = zw.value(), up = uw.value(), mm = mw.value();
+  const int64_t m_vec = m;  // the members from whole vectors; then the tail's
   for (; i < V; ++i) {
     const float v = static_cast<float>(x[i]);
     const float e = wt.row1(v);
@@ -308,12 +304,17 @@ template <typename T>
       up += e;
     } else if (v > fa) {
       mm += e;
-      oe[m] = e;
       od[m++] = v;
     }
   }
   const double Pz = p * zz, mz = kMargin * zz;
   if (!(up < Pz - mz && up + mm >= Pz + mz)) return false;
+  // the members' masses, computed again from their logits as the pass computed them (lane-wise
+  // vector arithmetic for those from whole vectors, the scalar exp2 for the tail's)
+  float* oe = room(w.ce0, m + VF::size());
+  int64_t j = 0;
+  for (; j < m_vec; j += VF::size()) wt.member(VF::loadu(od + j)).store(oe + j);
+  for (j = m_vec; j < m; ++j) oe[j] = wt.row1(od[j]);
   br.z = zz, br.P = Pz, br.margin = mz, br.above = up, br.n = m, br.cx = od, br.ce = oe;
   br.lo = fa, br.hi = fb, br.lo_t = std::max(br.lo_t, static_cast<double>(fa));
   return true;
@@ -387,13 +388,11 @@ bool keep_members(const T* x, const float* es, bool first, double nlo, double nh
   const int64_t n = br.n;
   const float* cx = br.cx;
   const float* ce = br.ce;
-  ox.resize(n + VF::size());
-  if constexpr (!kCount) oxe.resize(n + VF::size());
+  float* od = room(ox, n + VF::size());
+  float* oe = kCount ? nullptr : room(oxe, n + VF::size());
   const VF vnlo(static_cast<float>(nlo)), vnhi(static_cast<float>(nhi));
   WideSum up;
   int64_t m = 0, j = 0;
-  float* od = ox.data();
-  float* oe = kCount ? nullptr : oxe.data();
   auto member = [&](const VF& v, const VF& e, VF& a) {
     const LaneMask upper = lanes_gt(v, vnhi);
     a = add_where(a, upper, e);
@@ -474,8 +473,7 @@ template <bool kCount, typename T>
 double select_large(const T* x, int64_t V, double M, double row_min, double lo, const Sampler& s,
                     ThresholdScratch& w) {
   const Weights<kCount> wt(M, lo, s.T);
-  if constexpr (!kCount) w.es.resize(V + VF::size());
-  float* es = w.es.data();
+  float* es = kCount ? nullptr : room(w.es, V + VF::size());
   // the guide's thresholds start above M − kSpan·T (lower logits hold below 1e-9 of Z)
   Bracket br{lo, M, std::max({lo, row_min, M - kSpan * s.T}), V};
   Guide gd;

@@ -10,6 +10,7 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -331,7 +332,32 @@ inline LaneMask lanes_or(const LaneMask& a, const LaneMask& b) { return a | b; }
 inline LaneMask lanes_empty() { return VF(0.0f); }
 inline LaneMask lanes_all() { return VF(0.0f) == VF(0.0f); }
 inline VF select(const LaneMask& m, const VF& a, const VF& b) { return VF::blendv(b, a, m); }
+#if defined(CPU_CAPABILITY_AVX2)
+// For each 8-lane mask, the indices of its set lanes in order, one per byte from the lowest.
+constexpr std::array<uint64_t, 256> compress_indices() {
+  std::array<uint64_t, 256> t{};
+  for (unsigned m = 0; m < 256; ++m) {
+    uint64_t packed = 0;
+    int n = 0;
+    for (unsigned k = 0; k < 8; ++k) {
+      if (m >> k & 1u) packed |= static_cast<uint64_t>(k) << (8 * n++);
+    }
+    t[m] = packed;
+  }
+  return t;
+}
+constexpr std::array<uint64_t, 256> kCompressIndices = compress_indices();
+#endif
+// The lanes of v where m is set, stored in order at dst (a whole vector is written: dst must have
+// room for VF::size() floats); their number.
 inline int64_t compress_store(float* dst, const LaneMask& m, const VF& v) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const int bits = _mm256_movemask_ps(m);
+  const __m256i idx = _mm256_cvtepu8_epi32(
+      _mm_cvtsi64_si128(static_cast<long long>(kCompressIndices[bits])));
+  _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(v, idx));
+  return __builtin_popcount(static_cast<unsigned>(bits));
+#else
   float f[VF::size()], mk[VF::size()];
   v.store(f);
   m.store(mk);
@@ -342,6 +368,7 @@ inline int64_t compress_store(float* dst, const LaneMask& m, const VF& v) {
     if (u) dst[n++] = f[k];
   }
   return n;
+#endif
 }
 #endif
 

@@ -37,11 +37,14 @@ constexpr int64_t kSmallRow = 256;  // candidates sorted and walked directly
 // (max, min) of a row; max NaN if the row holds NaN. The first read of the row: four
 // independent vectors per step and the lines kAhead elements ahead requested meanwhile. For float
 // rows, lane_max (if given) receives the lane maxima of each block of kLaneBlock elements
-// (kLaneBlock/VF::size() elements each, distinct elements of the row), *lanes their number.
+// (kLaneBlock/VF::size() elements each, distinct elements of the row), *lanes their number;
+// kSecond: lane_max2 the second largest of each lane (with multiplicity: a tied maximum is also
+// the second), so that a lane whose second is below a bound holds one logit at least that bound
+// at most, its maximum.
 constexpr int64_t kLaneBlock = 256;
-template <typename T>
+template <bool kSecond = false, typename T>
 std::pair<double, double> row_max_min(const T* x, int64_t V, float* lane_max = nullptr,
-                                      int64_t* lanes = nullptr) {
+                                      int64_t* lanes = nullptr, float* lane_max2 = nullptr) {
   if constexpr (std::is_same_v<T, double>) {
     double mx = -kInf, mn = kInf;
     for (int64_t j = 0; j < V; ++j) {
@@ -56,21 +59,36 @@ std::pair<double, double> row_max_min(const T* x, int64_t V, float* lane_max = n
     constexpr float finf = std::numeric_limits<float>::infinity();
     static_assert(kLaneBlock % kStep == 0, "a lane block is whole steps");
     VF mx[U], mn[U], gmax(-finf);
+    [[maybe_unused]] VF sx[U];
     for (int k = 0; k < U; ++k) mn[k] = VF(finf);
     LaneMask nan = lanes_empty();
     int64_t i = 0, nl = 0;
     while (i + kLaneBlock <= V) {
       for (int k = 0; k < U; ++k) mx[k] = VF(-finf);
+      if constexpr (kSecond) {
+        for (int k = 0; k < U; ++k) sx[k] = VF(-finf);
+      }
       for (int64_t e = i + kLaneBlock; i < e; i += kStep) {
         const char* ahead = reinterpret_cast<const char*>(x + i + kAhead);
         for (int64_t b = 0; b < kBytes; b += 64) __builtin_prefetch(ahead + b);
 #pragma GCC unroll 4
         for (int k = 0; k < U; ++k) {
           const VF v = load1(x + i + k * VF::size());
+          if constexpr (kSecond) sx[k] = max_fast(sx[k], at::vec::clamp_max(mx[k], v));
           mx[k] = max_fast(mx[k], v);
           mn[k] = at::vec::clamp_max(mn[k], v);
           nan = lanes_or(nan, lanes_nan(v));
         }
+      }
+      if constexpr (kSecond) {  // (max, second) of two pairs: the larger max, and the second
+        auto merge = [](VF& m1, VF& s1, const VF& m2, const VF& s2) {
+          s1 = max_fast(max_fast(s1, s2), at::vec::clamp_max(m1, m2));
+          m1 = max_fast(m1, m2);
+        };
+        merge(mx[0], sx[0], mx[1], sx[1]);
+        merge(mx[2], sx[2], mx[3], sx[3]);
+        merge(mx[0], sx[0], mx[2], sx[2]);
+        sx[0].store(lane_max2 + nl);
       }
       const VF bm = max_fast(max_fast(mx[0], mx[1]), max_fast(mx[2], mx[3]));
       if (lane_max) bm.store(lane_max + nl);
@@ -127,8 +145,7 @@ template <typename T>
 void gather_at_least_blocks(const T* x, int64_t V, double tau, const float* lm, int64_t lanes,
                             ThresholdScratch& w) {
   const float ft = static_cast<float>(tau);  // one of the (float) logits
-  w.kbuf.resize(V + VF::size());
-  float* b = w.kbuf.data();
+  float* b = room(w.kbuf, V + VF::size());
   const VF vt(ft);
   int64_t n = 0;
   auto scan = [&](int64_t i0, int64_t i1) { n = gather_range(x, i0, i1, ft, b, n); };
@@ -139,6 +156,31 @@ void gather_at_least_blocks(const T* x, int64_t V, double tau, const float* lm, 
     }
   }
   scan(blocks * kLaneBlock, V);
+  w.cand.assign(b, b + n);
+}
+
+// The same logits (not in index order) where the second lane maxima lm2 are known too: a block
+// whose lanes' seconds are all below tau holds no logit >= tau but its lane maxima >= tau, which
+// are taken from lm without reading the block.
+template <typename T>
+void gather_at_least_lanes(const T* x, int64_t V, double tau, const float* lm, const float* lm2,
+                           int64_t lanes, ThresholdScratch& w) {
+  const float ft = static_cast<float>(tau);  // one of the (float) logits
+  float* b = room(w.kbuf, V + VF::size());
+  const VF vt(ft);
+  int64_t n = 0;
+  const int64_t blocks = lanes / VF::size();
+  for (int64_t k = 0; k < blocks; ++k) {
+    const VF m1 = VF::loadu(lm + k * VF::size());
+    const LaneMask top = lanes_ge(m1, vt);
+    if (lanes_none(top)) continue;
+    if (lanes_none(lanes_ge(VF::loadu(lm2 + k * VF::size()), vt))) {
+      n += compress_store(b + n, top, m1);
+    } else {
+      n = gather_range(x, k * kLaneBlock, (k + 1) * kLaneBlock, ft, b, n);
+    }
+  }
+  n = gather_range(x, blocks * kLaneBlock, V, ft, b, n);
   w.cand.assign(b, b + n);
 }
 
@@ -155,14 +197,19 @@ double kth_largest(const T* x, int64_t V, double M, double row_min, const Sample
     // largest logit is the k-th largest of the logits >= th0, a few times k of them)
     if (4 * s.top_k <= lanes) {
       const double th0 = select_large<true>(w.lm.data(), lanes, M, row_min, -kInf, s, w);
-      if (th0 > -kInf) {
+      // with the second lane maxima (top-k alone: the candidates' order does not matter) the
+      // blocks whose lanes hold one logit >= th0 at most are not read again
+      const bool seconds = th0 > -kInf && !s.cut_p;
+      if (seconds) {
+        gather_at_least_lanes(x, V, th0, w.lm.data(), w.lm2.data(), lanes, w);
+      } else if (th0 > -kInf) {
         gather_at_least_blocks(x, V, th0, w.lm.data(), lanes, w);
       } else {
         gather_at_least(x, V, th0, w);
       }
       const int64_t n = static_cast<int64_t>(w.cand.size());
       if (n >= s.top_k && n <= 64 * s.top_k + 4096) {
-        w.survivors = n;  // w.kbuf[0, n): the logits >= th0, in index order
+        if (!seconds) w.survivors = n;  // w.kbuf[0, n): the logits >= th0, in index order
         std::nth_element(w.cand.begin(), w.cand.begin() + (s.top_k - 1), w.cand.end(),
                          std::greater<>());
         return w.cand[s.top_k - 1];
@@ -170,8 +217,7 @@ double kth_largest(const T* x, int64_t V, double M, double row_min, const Sample
     }
     if (V > kSmallRow) return select_large<true>(x, V, M, row_min, -kInf, s, w);
   }
-  w.cand.resize(V);
-  for (int64_t j = 0; j < V; ++j) w.cand[j] = static_cast<double>(x[j]);
+  w.cand.assign(x, x + V);
   std::nth_element(w.cand.begin(), w.cand.begin() + (s.top_k - 1), w.cand.end(), std::greater<>());
   return w.cand[s.top_k - 1];
 }
@@ -241,11 +287,18 @@ template <typename T>
 double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& w) {
   int64_t lanes = 0;
   float* lane_max = nullptr;
+  double M, row_min;
   if (!std::is_same_v<T, double> && s.cut_k) {
-    w.lm.resize(V / kLaneBlock * VF::size() + VF::size());
-    lane_max = w.lm.data();
+    const int64_t nl = V / kLaneBlock * VF::size() + VF::size();
+    lane_max = room(w.lm, nl);
+    if (s.cut_p) {  // (top-k's candidates then kept in index order: no second maxima)
+      std::tie(M, row_min) = row_max_min(x, V, lane_max, &lanes);
+    } else {
+      std::tie(M, row_min) = row_max_min<true>(x, V, lane_max, &lanes, room(w.lm2, nl));
+    }
+  } else {
+    std::tie(M, row_min) = row_max_min(x, V);
   }
-  const auto [M, row_min] = row_max_min(x, V, lane_max, &lanes);
   if (std::isnan(M)) return kNaN;  // a row holding NaN keeps nothing
   if (M == -kInf) return -kInf;    // every logit −inf: every step keeps them all
   double tau = -kInf;

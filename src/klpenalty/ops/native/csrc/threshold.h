@@ -12,7 +12,9 @@
 //
 // - top-k: the k-th largest logit (counted with multiplicity). For a small k (4k at most the
 //   number of lane maxima that the max pass stores, distinct logits), the k-th largest lane
-//   maximum bounds it below and nth_element runs over the few logits above that bound; float
+//   maximum bounds it below and nth_element runs over the few logits above that bound (top-k
+//   alone: the max pass also stores each lane's second largest, and a block whose seconds lie
+//   below the bound gives its lane maxima above it without being read again); float
 //   rows of more than kSmallRow logits otherwise narrow as top-p below with unit weights; else
 //   nth_element over a copy of the row. Then its group_floor.
 // - top-p on the top-k distribution: masses e_v = exp(k_v − log Z), k = key_of(x), m = max k,
@@ -73,10 +75,18 @@ inline void check_sampler_args(int64_t top_k, double top_p, double min_p) {
 
 // Per-thread buffers of the threshold (reused across rows and calls).
 struct ThresholdScratch {
-  std::vector<float> xs, es, cx0, ce0, cx1, ce1, kbuf, lm;
+  std::vector<float> xs, es, cx0, ce0, cx1, ce1, kbuf, lm, lm2;
   std::vector<double> cand;
   int64_t survivors = -1;  // kth_largest's: the logits >= its lower bound, kept in kbuf
 };
+
+// v's data with room for at least n elements: grown, never shrunk (a resize down and up again
+// would zero the elements in between for every row).
+template <typename E>
+E* room(std::vector<E>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
 
 // This thread's buffers.
 ThresholdScratch& scratch();

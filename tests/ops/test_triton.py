@@ -685,6 +685,36 @@ def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
         op(_on(row), -2, 1.0, 0.0, 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sampling_threshold_kernel_on_rows_split_across_programs(dtype):
+    """Two rows of V = 2500 split into programs (the plan for few rows): the programs' maxima,
+    NaN flags and top-k's digit histograms merged per row give the rule's τ — the k-th's tie
+    group spread over both programs, the row's max in the second, a NaN in one program only,
+    an +inf logit; 32-bit keys take three digits, 16-bit ones two."""
+    from klpenalty.ops.triton import token_stats as ts
+
+    vocab = 2500
+    assert ts.split_columns(2, vocab, torch.device("cpu"))[1] < vocab
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(2, vocab, generator=g) * 2.0).to(dtype)
+    x[0, 2300] = 12.0  # the row's max, in the second program
+    kth = x[0].float().sort(descending=True).values[20]
+    x[0, [100, 1900, 2100, 2400]] = kth.to(dtype)  # a tie group in both programs
+    k = int((x[0].float() > kth).sum()) + 2  # the k-th inside that group
+    y = x.clone()
+    y[0, 2200] = float("nan")  # a NaN in the second program only
+    y[1, 30] = float("inf")
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    for top_k, top_p, min_p, temperature in [(k, 1.0, 0.0, 1.0), (24, 0.9, 0.05, 1.0),
+                                             (3, 1.0, 0.0, 0.7), (0, 0.8, 0.0, 1.0)]:
+        for rows in (x, y):
+            tau = op(_on(rows), top_k, top_p, min_p, temperature).cpu()
+            want = _threshold_rule(rows, top_k, top_p, min_p, temperature)
+            assert _same(tau, want), (top_k, top_p, min_p, temperature, tau, want)
+        assert torch.isnan(tau[0])  # (y: the NaN row)
+    assert op(_on(x), k, 1.0, 0.0, 1.0)[0].item() == kth.item()
+
+
 @pytest.mark.parametrize("vocab", [8, 300, 4096])
 def test_sampling_threshold_kernel_keeps_ties_made_by_the_temperature(vocab):
     """Rows holding two adjacent float32 logits whose keys x/T (``div_rn``) round equal, at the
@@ -769,8 +799,9 @@ def test_forward_with_the_sampler_settings(dtype, vocab_chunk):
 
 @pytest.mark.slow
 def test_threshold_kernel_compiles_for_a_cuda_target():
-    """The threshold kernel lowers to PTX for sm_90 in each combination of the settings the
-    host launches (top-k, top-p, min-p, a tau given) and each key width (bf16, fp16, fp32)."""
+    """The threshold kernels (the row's, and the split scan's passes) lower to PTX for sm_90 in
+    each combination of the settings the host launches (top-k, top-p, min-p, a tau given) and
+    each key width (bf16, fp16, fp32)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = textwrap.dedent(f"""
         import itertools, triton
@@ -782,17 +813,34 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
         for (dt, shift), (top_k, top_p, min_p, has_tau) in itertools.product(
                 [("*bf16", 16), ("*fp16", 13), ("*fp32", 0)],
                 [(1, 0, 0, 0), (0, 1, 0, 1), (0, 0, 1, 0), (1, 1, 1, 1)]):
-            sig = {{"x_ptr": dt, "tau_in_ptr": "*fp32", "tau_ptr": "*fp32", "T": "i32",
-                   "stride_xb": "i64", "stride_xt": "i64", "V": "i32", "top_k": "i32",
+            sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32", "tau_in_ptr": "*fp32",
+                   "tau_ptr": "*fp32", "T": "i32", "stride_xb": "i64", "stride_xt": "i64",
+                   "V": "i32", "n_splits": "i32", "hist_stride": "i32", "top_k": "i32",
                    "top_p_bits": "i64", "log_min_p_bits": "i64", "window_bits": "i64",
                    "temperature": "fp32"}}
             c = dict(TOP_K=bool(top_k), TOP_P=bool(top_p), MIN_P=bool(min_p),
-                     HAS_TAU=bool(has_tau), KEY_SHIFT=shift, BLOCK={th.THRESHOLD_BLOCK},
-                     BT={32 * th.THRESHOLD_WARPS}, F={th.THRESHOLD_BUCKETS})
+                     HAS_TAU=bool(has_tau), KEY_SHIFT=shift, NB_LAST=32, SPLITS=4,
+                     BLOCK={th.THRESHOLD_BLOCK}, BT={32 * th.THRESHOLD_WARPS},
+                     F={th.THRESHOLD_BUCKETS})
             s = {{**sig, **{{name: "constexpr" for name in c}}}}
             src = ASTSource(fn=k.threshold_kernel, signature=s, constexprs=c)
             assert ".entry" in triton.compile(src, target=t).asm["ptx"]
             n += 1
+            for pass_, (high, low) in enumerate([(32 - shift, 21 - shift),
+                                                     (21 - shift, max(10 - shift, 0))]):
+                sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32", "T": "i32",
+                       "stride_xb": "i64", "stride_xt": "i64", "V": "i32", "cols": "i32",
+                       "n_splits": "i32", "hist_stride": "i32"}}
+                c = dict(SCAN=pass_ == 0, HIST=bool(top_k), PASS=pass_, KEY_SHIFT=shift,
+                         DIGIT_HI=high, DIGIT_LO=low, BLOCK=1024)
+                s = {{**sig, **{{name: "constexpr" for name in c}}}}
+                src = ASTSource(fn=k.threshold_scan_kernel, signature=s, constexprs=c)
+                assert ".entry" in triton.compile(src, target=t).asm["ptx"]
+        sig = {{"hist_ptr": "*i32", "n_splits": "i32", "hist_stride": "i32", "top_k": "i32",
+               "PASS": "constexpr", "NB": "constexpr"}}
+        src = ASTSource(fn=k.threshold_select_kernel, signature=sig,
+                        constexprs=dict(PASS=1, NB=2048))
+        assert ".entry" in triton.compile(src, target=t).asm["ptx"]
         print("OK", n)
     """)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))

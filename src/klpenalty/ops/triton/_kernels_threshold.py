@@ -1,12 +1,18 @@
-"""The Triton kernel of the sampler's threshold (imported only by the package, lazily:
+"""The Triton kernels of the sampler's threshold (imported only by the package, lazily:
 importing this module imports Triton).
 
-:func:`threshold_kernel` serves the ``sampling_threshold`` op, and runs before
-:func:`._kernels_stats.stats_kernel` where the forward's sampler settings cut: one program per
-row computes the top-k → top-p → min-p threshold τ by radix selects over order-preserving keys
-of the logits (:func:`_order_key`), with float64 masses, and writes it (or its maximum with a
-given tau) into an (N,) float32 buffer. The host is :mod:`.threshold`; docs/triton.md describes
-the searches and ``tests/ops/test_triton_compiled.py`` checks their machine code.
+They serve the ``sampling_threshold`` op, and run before :func:`._kernels_stats.stats_kernel`
+where the forward's sampler settings cut. Each row is split into programs as the forward's
+(:func:`threshold_scan_kernel`, grid (rows, splits)): one read gives each program's max,
+smallest finite logit and NaN flag and, for top-k, the count histogram (``tl.histogram``) of
+the first 11-bit digit of the logits' order-preserving keys (:func:`_radix_key`); each
+further digit takes one program per row that merges the row's histograms and picks the digit
+of the k-th (:func:`threshold_select_kernel`) and one more split read. One program per row
+(:func:`threshold_kernel`) then picks the last digit (the k-th largest key exactly) and runs
+top-p's and min-p's reads (radix selects over the keys with float64 masses), and writes τ (or
+its maximum with a given tau) into an (N,) float32 buffer. The host is :mod:`.threshold`;
+docs/triton.md describes the searches and ``tests/ops/test_triton_compiled.py`` checks their
+machine code.
 """
 
 from __future__ import annotations
@@ -14,9 +20,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernels_common import _device, _row_offset
+from ._kernels_common import _device, _row_offset, _split_columns
 
-__all__ = ["threshold_kernel"]
+__all__ = ["threshold_kernel", "threshold_scan_kernel", "threshold_select_kernel"]
 
 
 @_device
@@ -148,12 +154,106 @@ def _pick(v, bins, j):
     """v[j] of a [F] vector (0 where j is outside)."""
     return tl.sum(tl.where(bins == j, v, 0 * v), 0)
 
+@_device
+def _radix_key(x, KEY_SHIFT: tl.constexpr):
+    """The key of :func:`_order_key` as an unsigned int (uint32) of 32 − KEY_SHIFT bits: the
+    signed key plus 2^(31 − KEY_SHIFT), so that the digits of its bits, high to low, order it."""
+    return (_order_key(x, 0).to(tl.uint32, bitcast=True) ^ 0x80000000) >> KEY_SHIFT
+
+
+@_device
+def _select_digit(hist_ptr, hist_stride, row, n_splits, prefix, above, top_k,
+                  NB: tl.constexpr):
+    """One digit of top-k's radix select: the row's count histogram of the digit (NB bins),
+    merged over its ``n_splits`` programs' partial histograms (``hist_ptr``: (N, hist_stride)
+    int32, the split s's at s·NB), among the elements whose higher digits are ``prefix``
+    (``above``: the elements with larger higher digits). The digit j holding the k-th largest
+    key (counted with multiplicity): (prefix·NB + j, the elements above it)."""
+    d = tl.arange(0, NB)
+    h = tl.zeros([NB], tl.int32)
+    base = hist_ptr + row * hist_stride
+    for s in range(0, n_splits):
+        h += tl.load(base + s * NB + d)
+    # at_least[j]: the elements in digits ≥ j, plus those above
+    at_least = above + tl.sum(h, 0) - tl.cumsum(h, 0) + h
+    j = tl.maximum(tl.sum((at_least >= top_k).to(tl.int32), 0) - 1, 0)
+    return prefix * NB + j, _pick(at_least, d, j) - _pick(h, d, j)
+
+
+@triton.jit
+def threshold_scan_kernel(
+    x_ptr, part_ptr, hist_ptr, T, stride_xb, stride_xt, V, cols, n_splits, hist_stride,
+    SCAN: tl.constexpr, HIST: tl.constexpr, PASS: tl.constexpr, KEY_SHIFT: tl.constexpr,
+    DIGIT_HI: tl.constexpr, DIGIT_LO: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program (row, split) reads its columns [c0, c1) of the row once (blocks of BLOCK) and
+    writes its partials: SCAN (pass 0): (max, smallest logit > −inf, NaN held) into
+    ``part`` (N, n_splits, 4) float32; HIST: the count histogram of the bits
+    [DIGIT_LO, DIGIT_HI) of the keys of :func:`_radix_key` (``tl.histogram``: 2^(DIGIT_HI −
+    DIGIT_LO) bins), for PASS > 0 among the elements whose bits above DIGIT_HI are the row's
+    prefix of the previous passes (``hist_ptr``: (N, hist_stride) int32, the prefix at
+    n_splits·2048), into the row's split s bins at s·NB. NaN is counted in no bin."""
+    NB: tl.constexpr = 1 << (DIGIT_HI - DIGIT_LO)
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
+    c0, c1 = _split_columns(split, cols, n_splits, V)
+    offs = tl.arange(0, BLOCK)
+    big = tl.full([BLOCK], float("-inf"), tl.float32)
+    small_finite = tl.full([BLOCK], float("inf"), tl.float32)
+    nan = tl.zeros([BLOCK], tl.int32)
+    h = tl.zeros([NB], tl.int32)
+    if PASS > 0:
+        prefix = tl.load(hist_ptr + row * hist_stride + n_splits * 2048).to(tl.uint32)
+    for start in range(c0, c1, BLOCK):
+        col = start + offs
+        valid = col < c1
+        x = tl.load(x_row + col, mask=valid, other=float("nan")).to(tl.float32)
+        if SCAN:
+            big = tl.maximum(big, tl.where(x == x, x, float("-inf")))
+            small_finite = tl.minimum(small_finite, tl.where(x > float("-inf"), x,
+                                                             float("inf")))
+            nan = tl.maximum(nan, (valid & (x != x)).to(tl.int32))
+        if HIST:
+            u = _radix_key(x, KEY_SHIFT)
+            inside = x == x
+            if PASS > 0:
+                inside = inside & ((u >> DIGIT_HI) == prefix)
+            h += tl.histogram(((u >> DIGIT_LO) & (NB - 1)).to(tl.int32), NB, mask=inside)
+    slot = row * n_splits + split
+    if SCAN:
+        tl.store(part_ptr + slot * 4, tl.max(big, 0))
+        tl.store(part_ptr + slot * 4 + 1, tl.min(small_finite, 0))
+        tl.store(part_ptr + slot * 4 + 2, tl.max(nan, 0).to(tl.float32))
+    if HIST:
+        tl.store(hist_ptr + row * hist_stride + split * NB + tl.arange(0, NB), h)
+
+
+@triton.jit
+def threshold_select_kernel(hist_ptr, n_splits, hist_stride, top_k, PASS: tl.constexpr,
+                            NB: tl.constexpr):
+    """One program per row: top-k's digit of pass PASS from the row's partial histograms
+    (:func:`_select_digit`), its prefix and the count above it written at n_splits·2048 of the
+    row's scratch for the next pass."""
+    row = tl.program_id(0).to(tl.int64)
+    state = hist_ptr + row * hist_stride + n_splits * 2048
+    prefix = tl.zeros([], tl.int32)
+    above = tl.zeros([], tl.int32)
+    if PASS > 0:
+        prefix = tl.load(state)
+        above = tl.load(state + 1)
+    prefix, above = _select_digit(hist_ptr, hist_stride, row, n_splits, prefix, above, top_k,
+                                  NB)
+    tl.store(state, prefix)
+    tl.store(state + 1, above)
+
 
 @triton.jit
 def threshold_kernel(
-    x_ptr, tau_in_ptr, tau_ptr, T, stride_xb, stride_xt, V, top_k, top_p_bits,
-    log_min_p_bits, window_bits, temperature, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
-    MIN_P: tl.constexpr, HAS_TAU: tl.constexpr, KEY_SHIFT: tl.constexpr,
+    x_ptr, part_ptr, hist_ptr, tau_in_ptr, tau_ptr, T, stride_xb, stride_xt, V, n_splits,
+    hist_stride, top_k, top_p_bits, log_min_p_bits, window_bits, temperature,
+    TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr, HAS_TAU: tl.constexpr,
+    KEY_SHIFT: tl.constexpr, NB_LAST: tl.constexpr, SPLITS: tl.constexpr,
     BLOCK: tl.constexpr, BT: tl.constexpr, F: tl.constexpr,
 ):
     """τ of one row (program) for top-k → top-p → min-p sampling (:mod:`klpenalty.sampling`'s
@@ -163,82 +263,60 @@ def threshold_kernel(
     row), NaN for a row holding NaN. ``top_p``, ``log min_p`` and ``window`` come as the int64
     bits of their float64 values (a float argument would be rounded to float32).
 
-    Every search is a radix select over the order-preserving int32 keys of the logits
-    (:func:`_order_key`): the key interval [lo, hi] known to hold the answer is cut into F
-    buckets of 2^s keys, one read of the row (:func:`_bucket_sums`) sums each bucket, and the
-    bucket holding the answer becomes the interval; a bucket of single keys ends it, so a
-    search takes ⌈log_F(hi − lo + 1)⌉ reads (16-bit keys for bf16/fp16 logits: at most 4).
-    Pass 0 and the Z read take blocks of BLOCK columns (16 bytes per thread and load), the
-    searches blocks of BT (the threads: one column each).
+    Launched after :func:`threshold_scan_kernel` (and, for top-k, its histogram passes and
+    :func:`threshold_select_kernel`): the row's max M, smallest logit > −inf and NaN flag are
+    merged from the ``n_splits`` (≤ SPLITS, a power of two) partials of ``part``.
 
-    - pass 0: the row's max M, min, smallest logit > −inf, and whether it holds NaN;
-    - top-k (TOP_K): the k-th largest logit by counts (the elements above the interval carried
-      along), lowered to its tie group's smallest logit (:func:`_group_floor`): τ_k; for k ≤ BLOCK the search starts at
-      the smallest of pass 0's BLOCK partial maxima (a lower bound of τ_k);
+    - top-k (TOP_K): the last digit (NB_LAST bins) of the radix select over the keys of
+      :func:`_radix_key` (:func:`_select_digit` on the last pass's histograms, after the
+      prefix of the earlier passes): the k-th largest key exactly (counted with multiplicity,
+      so ties with the k-th are all kept), its logit lowered to its tie group's smallest
+      (:func:`_group_floor`): τ_k;
     - one read for Z = Σ exp(x/T − M/T) (float64) over x ≥ τ_k, x > −inf, and for min-p
       (MIN_P): τ_m = min{x : k_x − k_M ≥ log min_p} (the keys' float64 difference against a
       float64 log), at most M;
     - top-p (TOP_P): the smallest key K among x ≥ τ_k, x > −inf with mass(keys > K) < p·Z
-      (:func:`_mass_search`), searched with float32 masses and checked in one float64 read
-      (:func:`_mass_at`): mass(keys > K) < p·Z ≤ mass(keys ≥ K), or K the lowest candidate;
-      where the check fails the search runs again with float64 masses. The logit K (the last
-      kept in the order of the logits) is lowered to its tie group's smallest (the group's mass
-      before it is at most K's, so it is kept whole). The search starts at
-      x ≥ (M/T + window)·T (``window`` = log((1 − p)/V) − 2, rounded down): the logits below
-      hold less than 1 − p of the mass together, so each has more than p before it.
+      (:func:`_mass_search`: a radix select, each read cutting the key interval [lo, hi] into
+      F buckets of 2^s keys (:func:`_bucket_sums`), until a bucket is one key), searched with
+      float32 masses and checked in one float64 read (:func:`_mass_at`): mass(keys > K) < p·Z
+      ≤ mass(keys ≥ K), or K the lowest candidate; where the check fails the search runs again
+      with float64 masses. The logit K (the last kept in the order of the logits) is lowered
+      to its tie group's smallest (the group's mass before it is at most K's, so it is kept
+      whole). The search starts at x ≥ (M/T + window)·T (``window`` = log((1 − p)/V) − 2,
+      rounded down): the logits below hold less than 1 − p of the mass together, so each has
+      more than p before it. The Z read and the checks take blocks of BLOCK columns (16 bytes
+      per thread and load), the searches blocks of BT (the threads: one column each).
     """
     XBITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
     INNER: tl.constexpr = 128 // XBITS
     NT: tl.constexpr = BLOCK // INNER
+    KBITS: tl.constexpr = 32 - KEY_SHIFT
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
     top_p = top_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
     log_min_p = log_min_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
     window = window_bits.to(tl.int64).to(tl.float64, bitcast=True)
     offs = tl.arange(0, NT)[:, None] * INNER + tl.arange(0, INNER)[None, :]
-    bins = tl.arange(0, F)
-    big = tl.full([NT, INNER], float("-inf"), tl.float32)
-    small = tl.full([NT, INNER], float("inf"), tl.float32)
-    small_finite = tl.full([NT, INNER], float("inf"), tl.float32)
-    nan = tl.zeros([NT, INNER], tl.int32)
-    for start in range(0, V, BLOCK):
-        col = start + offs
-        valid = col < V
-        x = tl.load(x_row + col, mask=valid, other=float("-inf")).to(tl.float32)
-        num = valid & (x == x)
-        big = tl.maximum(big, tl.where(num, x, float("-inf")))
-        small = tl.minimum(small, tl.where(num, x, float("inf")))
-        small_finite = tl.minimum(small_finite, tl.where(valid & (x > float("-inf")), x,
-                                                         float("inf")))
-        nan = tl.maximum(nan, (valid & (x != x)).to(tl.int32))
-    top = tl.max(tl.max(big, 1), 0)
-    has_nan = tl.max(tl.max(nan, 1), 0) > 0
+    # the row's pass 0, merged from its programs' partials
+    sp = tl.arange(0, SPLITS)
+    part = part_ptr + (row * n_splits + sp) * 4
+    on = sp < n_splits
+    top = tl.max(tl.load(part, mask=on, other=float("-inf")), 0)
+    smallest_finite = tl.min(tl.load(part + 1, mask=on, other=float("inf")), 0)
+    has_nan = tl.max(tl.load(part + 2, mask=on, other=0.0), 0) > 0.0
     key_top = _order_key(top, KEY_SHIFT).to(tl.int64)
     tau = float("-inf")
     tau_k = float("-inf")
     if TOP_K:
-        # for k ≤ BLOCK the search starts at the smallest of pass 0's BLOCK partial maxima
-        # (each the value of a distinct logit, or −inf: at most the row's BLOCK-th largest,
-        # so at most its k-th), else at the row's min
-        low = tl.where(top_k <= BLOCK, tl.min(tl.min(big, 1), 0), tl.min(tl.min(small, 1), 0))
-        lo = _order_key(low, KEY_SHIFT).to(tl.int64)
-        hi = tl.where(has_nan, lo, key_top)  # a NaN row: no search (its τ is NaN)
-        above = (lo * 0).to(tl.int64)  # elements with keys > hi
-        while lo < hi:
-            s = _key_shift(lo, hi, F)
-            cnt, _ = _bucket_sums(x_row, V, lo, hi, s, 0.0, temperature, 0, KEY_SHIFT, BT, F)
-            c = cnt.to(tl.int64)
-            # at_least[j]: the elements with keys in buckets ≥ j, plus those above
-            at_least = above + tl.sum(tl.where(bins[None, :] >= bins[:, None], c[None, :], 0), 1)
-            j = tl.sum((at_least >= top_k).to(tl.int32), 0) - 1  # the bucket of the k-th
-            above = _pick(at_least, bins, j) - _pick(c, bins, j)
-            lo = lo + (j.to(tl.int64) << s)
-            hi = tl.minimum(hi, lo + (((s * 0) + 1) << s) - 1)
-        tau_k = _group_floor(x_row, V, _key_value(lo, KEY_SHIFT), temperature, offs)
+        state = hist_ptr + row * hist_stride + n_splits * 2048
+        key_u, _ = _select_digit(hist_ptr, hist_stride, row, n_splits,
+                                 tl.load(state).to(tl.int64), tl.load(state + 1), top_k, NB_LAST)
+        key_k = key_u - (1 << (KBITS - 1))  # the k-th largest key, signed
+        tau_k = _group_floor(x_row, V, _key_value(key_k, KEY_SHIFT), temperature, offs)
         tau = tau_k
     if TOP_P or MIN_P:
         m_s = tl.math.div_rn(top, temperature).to(tl.float64)
-        floor = tl.maximum(tau_k, tl.min(tl.min(small_finite, 1), 0))  # top-p's candidates
+        floor = tl.maximum(tau_k, smallest_finite)  # top-p's candidates
         z_acc = tl.zeros([NT, INNER], tl.float64)
         kept_min = tl.full([NT, INNER], float("inf"), tl.float32)
         for start in range(0, V, BLOCK):

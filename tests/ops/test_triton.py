@@ -685,6 +685,45 @@ def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
         op(_on(row), -2, 1.0, 0.0, 1.0)
 
 
+def test_top_p_on_16_bit_logits_from_the_window_of_keys(monkeypatch):
+    """bf16 rows: top-p decided by the counts of the 2048 keys up to the max (one value a key)
+    without a search where the answer lies there — boundaries 1e-9 apart (float64 masses),
+    after top-k too — and by the search below the window, the window's mass carried, where it
+    does not (a deep p: the answer a negative logit under a positive max)."""
+    g = torch.Generator().manual_seed(8)
+    row = (torch.randn(1, 300, generator=g) * 1.5).to(torch.bfloat16)
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    searches = []
+    if not CUDA:
+        from klpenalty.ops.triton import _kernels_threshold
+
+        bucket_sums = _kernels_threshold._bucket_sums
+
+        def counted(*args):
+            searches.append(args[7])
+            return bucket_sums(*args)
+
+        monkeypatch.setattr(_kernels_threshold, "_bucket_sums", counted)
+    scaled = row[0].float() / 0.8
+    vals = row[0].float().sort(descending=True).values
+    log_z = scaled.max().double() + torch.exp(scaled.double() - scaled.max().double()).sum().log()
+    before = torch.cumsum(torch.exp(scaled.double().sort(descending=True).values - log_z), 0)
+    for j in (1, 5, 20):
+        p = before[j - 1].item()  # the mass before the (j + 1)-th largest
+        if vals[j] == vals[j - 1]:
+            continue
+        assert op(_on(row), 0, p * (1 + 1e-9), 0.0, 0.8).item() == vals[j].item()
+        assert op(_on(row), 0, p * (1 - 1e-9), 0.0, 0.8).item() == vals[j - 1].item()
+        after_k = op(_on(row), 40, p, 0.0, 0.8).cpu()  # top-p of the top-40 distribution
+        assert torch.equal(after_k, _threshold_rule(row, 40, p, 0.0, 0.8))
+    assert CUDA or searches == []  # all from the window
+    for top_k, top_p in [(0, 0.999), (250, 0.999)]:
+        tau = op(_on(row), top_k, top_p, 0.0, 0.8).cpu()
+        assert tau.item() < 0 < vals[0].item()
+        assert torch.equal(tau, _threshold_rule(row, top_k, top_p, 0.0, 0.8))
+    assert CUDA or 1 in searches  # below the window: the search
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_sampling_threshold_kernel_on_rows_split_across_programs(dtype):
     """Two rows of V = 2500 split into programs (the plan for few rows): the programs' maxima,
@@ -819,7 +858,8 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
                    "top_p_bits": "i64", "log_min_p_bits": "i64", "window_bits": "i64",
                    "temperature": "fp32"}}
             c = dict(TOP_K=bool(top_k), TOP_P=bool(top_p), MIN_P=bool(min_p),
-                     HAS_TAU=bool(has_tau), KEY_SHIFT=shift, NB_LAST=32, SPLITS=4,
+                     HAS_TAU=bool(has_tau), KEY_SHIFT=shift, NB_LAST=32,
+                     WINDOW=bool(top_p) and shift > 0, SPLITS=4,
                      BLOCK={th.THRESHOLD_BLOCK}, BT={32 * th.THRESHOLD_WARPS},
                      F={th.THRESHOLD_BUCKETS})
             s = {{**sig, **{{name: "constexpr" for name in c}}}}
@@ -831,8 +871,9 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
                 sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32", "T": "i32",
                        "stride_xb": "i64", "stride_xt": "i64", "V": "i32", "cols": "i32",
                        "n_splits": "i32", "hist_stride": "i32"}}
-                c = dict(SCAN=pass_ == 0, HIST=bool(top_k), PASS=pass_, KEY_SHIFT=shift,
-                         DIGIT_HI=high, DIGIT_LO=low, BLOCK=1024)
+                c = dict(SCAN=pass_ == 0, HIST=bool(top_k), PASS=pass_,
+                         WINDOW=pass_ == 1 and bool(top_p) and shift > 0, KEY_SHIFT=shift,
+                         DIGIT_HI=high, DIGIT_LO=low, SPLITS=4, BLOCK=1024)
                 s = {{**sig, **{{name: "constexpr" for name in c}}}}
                 src = ASTSource(fn=k.threshold_scan_kernel, signature=s, constexprs=c)
                 assert ".entry" in triton.compile(src, target=t).asm["ptx"]

@@ -7,9 +7,11 @@ where the forward's sampler settings cut. Each row is split into programs as the
 smallest finite logit and NaN flag and, for top-k, the count histogram (``tl.histogram``) of
 the first 11-bit digit of the logits' order-preserving keys (:func:`_radix_key`); each
 further digit takes one program per row that merges the row's histograms and picks the digit
-of the k-th (:func:`threshold_select_kernel`) and one more split read. One program per row
-(:func:`threshold_kernel`) then picks the last digit (the k-th largest key exactly) and runs
-top-p's and min-p's reads (radix selects over the keys with float64 masses), and writes τ (or
+of the k-th (:func:`threshold_select_kernel`) and one more split read; for top-p on 16-bit
+logits a split read (top-k's last, or its own) counts each of the 2048 keys up to the row's
+max. One program per row (:func:`threshold_kernel`) then picks the last digit (the k-th
+largest key exactly) and runs top-p's and min-p's reads (top-p from the window of keys where
+it holds the answer, else radix selects over the keys with float64 masses), and writes τ (or
 its maximum with a given tau) into an (N,) float32 buffer. The host is :mod:`.threshold`;
 docs/triton.md describes the searches and ``tests/ops/test_triton_compiled.py`` checks their
 machine code.
@@ -180,11 +182,45 @@ def _select_digit(hist_ptr, hist_stride, row, n_splits, prefix, above, top_k,
     return prefix * NB + j, _pick(at_least, d, j) - _pick(h, d, j)
 
 
+@_device
+def _window_answer(hist_ptr, hist_stride, row, n_splits, top, floor, target, m_s, temperature,
+                   KEY_SHIFT: tl.constexpr):
+    """top-p's answer from the counts of the 2048 keys up to the max M's (the window of
+    :func:`threshold_scan_kernel`, merged over the row's programs; 16-bit logits: every key
+    one value, so a key's mass is its count times exp(x/T − m_s), float64), the candidates'
+    (keys ≥ ``floor``'s, finite): the mass above each key, A_key = Σ_{keys above}
+    count·mass. Where the window holds ≥ target of the mass
+    (A of the key below it ≥ target), the answer is the smallest counted finite key with
+    A_key < target. Returns (the answer there, else the key below the window; whether it is
+    there; the window's mass)."""
+    NB: tl.constexpr = 2048
+    d = tl.arange(0, NB)
+    h = tl.zeros([NB], tl.int32)
+    base_ptr = hist_ptr + row * hist_stride + n_splits * 2048 + 2
+    for s in range(0, n_splits):
+        h += tl.load(base_ptr + s * NB + d)
+    base = _radix_key(top, KEY_SHIFT).to(tl.int64) - (NB - 1)
+    key = base + d - (1 << (31 - KEY_SHIFT))  # the signed keys of :func:`_order_key`
+    x = _key_value(key, KEY_SHIFT)
+    counted = (h > 0) & (base + d >= 0) & (x > float("-inf")) & (x == x)
+    counted = counted & (key >= _order_key(floor, KEY_SHIFT).to(tl.int64))
+    e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
+    w = tl.where(counted, h.to(tl.float64) * e, 0.0)
+    total = tl.sum(w, 0)
+    above = total - tl.cumsum(w, 0)  # A_key
+    j = tl.min(tl.where(counted & (above < target), d, NB), 0)
+    found = base + j - (1 << (31 - KEY_SHIFT))
+    below = base - 1 - (1 << (31 - KEY_SHIFT))
+    inside = (total >= target) & (j < NB)
+    return tl.where(inside, found, below), inside, tl.where(inside, 0.0, total)
+
+
 @triton.jit
 def threshold_scan_kernel(
     x_ptr, part_ptr, hist_ptr, T, stride_xb, stride_xt, V, cols, n_splits, hist_stride,
-    SCAN: tl.constexpr, HIST: tl.constexpr, PASS: tl.constexpr, KEY_SHIFT: tl.constexpr,
-    DIGIT_HI: tl.constexpr, DIGIT_LO: tl.constexpr, BLOCK: tl.constexpr,
+    SCAN: tl.constexpr, HIST: tl.constexpr, PASS: tl.constexpr, WINDOW: tl.constexpr,
+    KEY_SHIFT: tl.constexpr, DIGIT_HI: tl.constexpr, DIGIT_LO: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program (row, split) reads its columns [c0, c1) of the row once (blocks of BLOCK) and
     writes its partials: SCAN (pass 0): (max, smallest logit > −inf, NaN held) into
@@ -192,7 +228,10 @@ def threshold_scan_kernel(
     [DIGIT_LO, DIGIT_HI) of the keys of :func:`_radix_key` (``tl.histogram``: 2^(DIGIT_HI −
     DIGIT_LO) bins), for PASS > 0 among the elements whose bits above DIGIT_HI are the row's
     prefix of the previous passes (``hist_ptr``: (N, hist_stride) int32, the prefix at
-    n_splits·2048), into the row's split s bins at s·NB. NaN is counted in no bin."""
+    n_splits·2048), into the row's split s bins at s·NB; WINDOW (top-p's, in a pass after
+    pass 0): the count of each of the 2048 keys up to the row's max M's (M merged from the
+    ``n_splits`` ≤ SPLITS partials of pass 0; bin 2047 M's own), into the row's split s bins
+    at n_splits·2048 + 2 + s·2048. NaN is counted in no bin."""
     NB: tl.constexpr = 1 << (DIGIT_HI - DIGIT_LO)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -205,6 +244,12 @@ def threshold_scan_kernel(
     h = tl.zeros([NB], tl.int32)
     if PASS > 0:
         prefix = tl.load(hist_ptr + row * hist_stride + n_splits * 2048).to(tl.uint32)
+    if WINDOW:
+        sp = tl.arange(0, SPLITS)
+        top = tl.max(tl.load(part_ptr + (row * n_splits + sp) * 4, mask=sp < n_splits,
+                             other=float("-inf")), 0)
+        base = _radix_key(top, KEY_SHIFT).to(tl.int32) - 2047  # the window's lowest key
+        hw = tl.zeros([2048], tl.int32)
     for start in range(c0, c1, BLOCK):
         col = start + offs
         valid = col < c1
@@ -220,6 +265,9 @@ def threshold_scan_kernel(
             if PASS > 0:
                 inside = inside & ((u >> DIGIT_HI) == prefix)
             h += tl.histogram(((u >> DIGIT_LO) & (NB - 1)).to(tl.int32), NB, mask=inside)
+        if WINDOW:
+            w = _radix_key(x, KEY_SHIFT).to(tl.int32) - base
+            hw += tl.histogram(w, 2048, mask=(x == x) & (w >= 0) & (w < 2048))
     slot = row * n_splits + split
     if SCAN:
         tl.store(part_ptr + slot * 4, tl.max(big, 0))
@@ -227,6 +275,9 @@ def threshold_scan_kernel(
         tl.store(part_ptr + slot * 4 + 2, tl.max(nan, 0).to(tl.float32))
     if HIST:
         tl.store(hist_ptr + row * hist_stride + split * NB + tl.arange(0, NB), h)
+    if WINDOW:  # after the digits' histograms and the prefix
+        tl.store(hist_ptr + row * hist_stride + n_splits * 2048 + 2 + split * 2048 +
+                 tl.arange(0, 2048), hw)
 
 
 @triton.jit
@@ -253,8 +304,8 @@ def threshold_kernel(
     x_ptr, part_ptr, hist_ptr, tau_in_ptr, tau_ptr, T, stride_xb, stride_xt, V, n_splits,
     hist_stride, top_k, top_p_bits, log_min_p_bits, window_bits, temperature,
     TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr, HAS_TAU: tl.constexpr,
-    KEY_SHIFT: tl.constexpr, NB_LAST: tl.constexpr, SPLITS: tl.constexpr,
-    BLOCK: tl.constexpr, BT: tl.constexpr, F: tl.constexpr,
+    KEY_SHIFT: tl.constexpr, NB_LAST: tl.constexpr, WINDOW: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, F: tl.constexpr,
 ):
     """τ of one row (program) for top-k → top-p → min-p sampling (:mod:`klpenalty.sampling`'s
     rule: decisions on the keys x/T, ``div_rn``, the float32 quotient by float32(T); tie groups
@@ -280,7 +331,10 @@ def threshold_kernel(
       F buckets of 2^s keys (:func:`_bucket_sums`), until a bucket is one key), searched with
       float32 masses and checked in one float64 read (:func:`_mass_at`): mass(keys > K) < p·Z
       ≤ mass(keys ≥ K), or K the lowest candidate; where the check fails the search runs again
-      with float64 masses. The logit K (the last kept in the order of the logits) is lowered
+      with float64 masses; WINDOW (16-bit logits): first from the counts of the 2048 keys up
+      to M's (:func:`_window_answer`), with no read where the answer lies there, else the
+      search runs below them, their mass carried. The logit K (the last kept in the order of
+      the logits) is lowered
       to its tie group's smallest (the group's mass before it is at most K's, so it is kept
       whole). The search starts at x ≥ (M/T + window)·T (``window`` = log((1 − p)/V) − 2,
       rounded down): the logits below hold less than 1 − p of the mass together, so each has
@@ -344,15 +398,21 @@ def threshold_kernel(
             # a search with float32 masses, its answer K checked in float64 (mass(keys > K) <
             # target ≤ mass(keys ≥ K), or K the lowest candidate); where the check fails (the
             # target within float32 rounding of a bucket's edge) the search in float64
+            above_w = tl.zeros([], tl.float64)  # the mass of the candidates above hi
+            if WINDOW:  # the window's keys decide where they hold the answer
+                hi_w, in_window, above_w = _window_answer(hist_ptr, hist_stride, row, n_splits,
+                                                          top, floor, target, m_s,
+                                                          temperature, KEY_SHIFT)
+                hi = tl.where(lo < hi, tl.maximum(lo, hi_w), hi)
+                lo = tl.where(in_window, hi, lo)
             lo0 = lo
             hi0 = hi
-            zero = tl.zeros([], tl.float64)
-            lo, hi, above_m = _mass_search(x_row, V, lo, hi, zero, target, m_s, temperature, 1,
-                                           KEY_SHIFT, BT, F)
+            lo, hi, above_m = _mass_search(x_row, V, lo, hi, above_w, target, m_s, temperature,
+                                           1, KEY_SHIFT, BT, F)
             if lo0 < hi0:
                 above_k, at_k = _mass_at(x_row, V, lo, m_s, temperature, offs, KEY_SHIFT)
                 if (above_k >= target) | ((above_k + at_k < target) & (lo > lo0)):
-                    lo, hi, above_m = _mass_search(x_row, V, lo0, hi0, zero, target, m_s,
+                    lo, hi, above_m = _mass_search(x_row, V, lo0, hi0, above_w, target, m_s,
                                                    temperature, 2, KEY_SHIFT, BT, F)
             tau = tl.maximum(tau, _group_floor(x_row, V, _key_value(lo, KEY_SHIFT), temperature,
                                                offs))

@@ -382,7 +382,7 @@ _COUNTING = r"""
 import json, sys, torch
 import klpenalty
 from klpenalty.ops.triton import _kernels_threshold as k
-counts = {"count": 0, "mass32": 0, "mass64": 0, "check": 0}
+counts = {"count": 0, "mass32": 0, "mass64": 0, "check": 0, "z": 0}
 names = {0: "count", 1: "mass32", 2: "mass64"}
 bucket_sums, mass_at = k._bucket_sums, k._mass_at
 def counted_sums(*args):
@@ -392,6 +392,12 @@ def counted_at(*args):
     counts["check"] += 1
     return mass_at(*args)
 k._bucket_sums, k._mass_at = counted_sums, counted_at
+z_read = getattr(k, "_z_read", None)  # (the kernel before it read Z unconditionally)
+def counted_z(*args):
+    counts["z"] += 1
+    return z_read(*args)
+if z_read is not None:
+    k._z_read = counted_z
 out = {}
 for vocab, dtype, top_k, top_p, min_p in json.loads(sys.argv[1]):
     for c in counts:
@@ -401,13 +407,16 @@ for vocab, dtype, top_k, top_p, min_p in json.loads(sys.argv[1]):
     x = (torch.randn(2, vocab, generator=gen) * 2).to(dt)
     torch.ops.klpenalty.triton_sampling_threshold(x, top_k, top_p, min_p, 1.0)
     out[repr((vocab, dtype, top_k, top_p, min_p))] = {c: n / 2 for c, n in counts.items()}
+    if z_read is None:
+        out[repr((vocab, dtype, top_k, top_p, min_p))]["z"] = 1
 print(json.dumps(out))
 """
 
 
 def search_reads(keys: list[tuple]) -> dict:
-    """The reads of the row program's searches per row — top-k's count reads (the kernel
-    before the split scan), top-p's float32 and float64 mass reads and its float64 check —
+    """The reads of the row program per row — top-k's count reads (the kernel before the
+    split scan), the Z read (made where the window of keys does not hold Z and τ_m), top-p's
+    float32 and float64 mass reads and its float64 check —
     counted in Triton's interpreter on 2 rows of N(0, 2²) logits at T = 1 (where a tie group
     made by the division takes no read), for each (vocab, dtype, top_k, top_p, min_p)."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -432,13 +441,14 @@ def _row_loops(flags: dict, split_scan: bool) -> list[str]:
     (``split_scan``: pass 0 and top-k's histograms run before it, its top-k is the last digit
     and the tie group) or the one-program-per-row kernel before it (pass 0 and top-k's radix
     select in the row's program), for the comparison."""
+    window = flags.get("WINDOW", False)  # the loops over the window of keys: no row read
     names = [] if split_scan else ["pass0"]
     if flags["TOP_K"]:
         names += ["group"] if split_scan else ["count", "group"]
     if flags["TOP_P"] or flags["MIN_P"]:
-        names += ["z"]
+        names += ["window", "z"] if window else ["z"]
     if flags["TOP_P"]:
-        names += ["mass32", "check", "mass64", "group"]
+        names += (["window"] if window else []) + ["mass32", "check", "mass64", "group"]
     return names
 
 
@@ -491,7 +501,8 @@ def threshold_cost() -> list[dict]:
                     want = _row_loops(flags, split_scan)
                     assert len(loops) == len(want), (want, loops)
                     for name, lp in zip(want, loops):
-                        k = {"pass0": 1, "z": 1, "group": 0}.get(name, got.get(name, 0))
+                        k = {"pass0": 1, "z": got["z"], "group": 0, "window": 0}.get(
+                            name, got.get(name, 0))
                         t += k * read_time(elems, lp["per_elem"], b, n)
                         nreads += k
                 else:

@@ -688,8 +688,9 @@ def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
 def test_top_p_on_16_bit_logits_from_the_window_of_keys(monkeypatch):
     """bf16 rows: top-p decided by the counts of the 2048 keys up to the max (one value a key)
     without a search where the answer lies there — boundaries 1e-9 apart (float64 masses),
-    after top-k too — and by the search below the window, the window's mass carried, where it
-    does not (a deep p: the answer a negative logit under a positive max)."""
+    after top-k too, where Z and min-p's τ come from the window with no read of the row — and
+    by the search below the window, the window's mass carried, where it does not (a deep p:
+    the answer a negative logit under a positive max)."""
     g = torch.Generator().manual_seed(8)
     row = (torch.randn(1, 300, generator=g) * 1.5).to(torch.bfloat16)
     op = torch.ops.klpenalty.triton_sampling_threshold
@@ -717,6 +718,18 @@ def test_top_p_on_16_bit_logits_from_the_window_of_keys(monkeypatch):
         after_k = op(_on(row), 40, p, 0.0, 0.8).cpu()  # top-p of the top-40 distribution
         assert torch.equal(after_k, _threshold_rule(row, 40, p, 0.0, 0.8))
     assert CUDA or searches == []  # all from the window
+    if not CUDA:  # after top-k (its set inside the window) Z and min-p's τ come from it too
+        z_reads = []
+        z_read = _kernels_threshold._z_read
+        monkeypatch.setattr(_kernels_threshold, "_z_read",
+                            lambda *args: z_reads.append(1) or z_read(*args))
+    # the reads of Z: none after top-k, one for min-p without top-p (no window) and for top-p
+    # alone (candidates below the window)
+    for top_k, top_p, min_p, reads in [(40, 0.7, 0.05, 0), (40, 1.0, 0.05, 1), (0, 0.7, 0.0, 1)]:
+        before = 0 if CUDA else len(z_reads)
+        tau = op(_on(row), top_k, top_p, min_p, 0.8).cpu()
+        assert torch.equal(tau, _threshold_rule(row, top_k, top_p, min_p, 0.8))
+        assert CUDA or len(z_reads) - before == reads, (top_k, top_p, min_p)
     for top_k, top_p in [(0, 0.999), (250, 0.999)]:
         tau = op(_on(row), top_k, top_p, 0.0, 0.8).cpu()
         assert tau.item() < 0 < vals[0].item()

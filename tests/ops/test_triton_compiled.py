@@ -125,7 +125,11 @@ def test_forward_instructions_per_element_pair(compiled):
 # the Z read, top-p's search with float32 masses, the float64 check of its answer, the float64
 # search (where the check fails), the last kept logit's tie group: Triton 3.9, plus a little
 # room.
-THRESHOLD_BUDGET = (26.0, 95.0, 150.0, 105.0, 250.0, 26.0)
+THRESHOLD_BUDGET = (26.0, 95.0, 150.0, 105.0, 260.0, 26.0)
+# 16-bit logits add two loops over the window of 2048 keys (8 chunks of 256, reading the
+# window's histograms, not the row; reductions across threads there): Z and τ_m from the
+# window before the Z read, top-p's answer from it after. Instructions per chunk.
+WINDOW_BUDGET = (200, 280)
 # The split scan's column loop (one read of the row), by (pass 0, the window of keys counted):
 # pass 0 with top-k's first histogram; a later digit's histogram, alone (fp32) and with top-p's
 # window of keys (bf16: two histograms in the read).
@@ -135,11 +139,17 @@ SCAN_BUDGET = {(True, False): 30.0, (False, False): 24.0, (False, True): 35.0}
 def test_the_threshold_kernel_loops(compiled):
     """The sampler's threshold kernel (launched before the forward where the settings cut):
     its column loops reduce nothing across threads (no barrier, no shuffle inside) and stay
-    within their instruction budgets per element."""
+    within their instruction budgets per element; on bf16 its two loops over the window of
+    keys within theirs per chunk."""
     found = _launches(compiled, "threshold_kernel")
     assert {r["dtype"] for r in found} == {"bf16", "fp32"}
     for r in found:
         loops = r["inner_loops"]
+        if r["constexprs"]["WINDOW"]:
+            assert r["dtype"] == "bf16" and len(loops) == len(THRESHOLD_BUDGET) + 2, loops
+            window = [loops.pop(3), loops.pop(1)][::-1]
+            for lp, budget in zip(window, WINDOW_BUDGET):
+                assert lp["instructions"] <= budget, (lp, budget)
         assert len(loops) == len(THRESHOLD_BUDGET), (r["dtype"], loops)
         for lp, budget in zip(loops, THRESHOLD_BUDGET):
             assert lp["bar"] == 0 and lp["shfl"] == 0, (r["dtype"], lp)

@@ -131,6 +131,28 @@ def _mass_at(x_row, V, key, m_s, temperature, offs, KEY_SHIFT: tl.constexpr):
 
 
 @_device
+def _z_read(x_row, V, floor, m_s, log_min_p, temperature, offs, TOP_P: tl.constexpr,
+            MIN_P: tl.constexpr):
+    """One read of the row: Z = Σ exp(x/T − m_s) over x ≥ ``floor`` (TOP_P; float64) and the
+    smallest x with x/T − m_s ≥ log min_p (MIN_P; +inf if none)."""
+    BLOCK: tl.constexpr = offs.shape[0] * offs.shape[1]
+    z_acc = tl.zeros(offs.shape, tl.float64)
+    kept_min = tl.full(offs.shape, float("inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        col = start + offs
+        valid = col < V
+        x = tl.load(x_row + col, mask=valid, other=float("-inf")).to(tl.float32)
+        if TOP_P:
+            e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
+            z_acc += tl.where(valid & (x >= floor), e, 0.0)
+        if MIN_P:
+            u = tl.math.div_rn(x, temperature).to(tl.float64) - m_s
+            kept_min = tl.minimum(kept_min, tl.where(valid & (u >= log_min_p), x,
+                                                     float("inf")))
+    return tl.sum(tl.sum(z_acc, 1), 0), tl.min(tl.min(kept_min, 1), 0)
+
+
+@_device
 def _group_floor(x_row, V, t, temperature, offs):
     """The smallest logit of the row whose key x/T (``div_rn``: the rule's float32 quotient) is
     at least t's (t one of the row's logits): t where the float just below it has another key
@@ -183,36 +205,72 @@ def _select_digit(hist_ptr, hist_stride, row, n_splits, prefix, above, top_k,
 
 
 @_device
-def _window_answer(hist_ptr, hist_stride, row, n_splits, top, floor, target, m_s, temperature,
-                   KEY_SHIFT: tl.constexpr):
-    """top-p's answer from the counts of the 2048 keys up to the max M's (the window of
-    :func:`threshold_scan_kernel`, merged over the row's programs; 16-bit logits: every key
-    one value, so a key's mass is its count times exp(x/T − m_s), float64), the candidates'
-    (keys ≥ ``floor``'s, finite): the mass above each key, A_key = Σ_{keys above}
-    count·mass. Where the window holds ≥ target of the mass
-    (A of the key below it ≥ target), the answer is the smallest counted finite key with
-    A_key < target. Returns (the answer there, else the key below the window; whether it is
-    there; the window's mass)."""
-    NB: tl.constexpr = 2048
-    d = tl.arange(0, NB)
-    h = tl.zeros([NB], tl.int32)
+def _window(hist_ptr, hist_stride, row, n_splits, c, top, m_s, temperature,
+            KEY_SHIFT: tl.constexpr):
+    """Keys [c, c + 256) of the 2048 up to the max M's (the window of
+    :func:`threshold_scan_kernel`, merged over the row's programs) as [256] vectors: the
+    counts, the signed keys (of :func:`_order_key`), their values (16-bit logits: a key is one
+    value), exp(x/T − m_s) in float64, and whether a key is the row's (counted, inside the
+    key range, not NaN); and the window's lowest key (a scalar). A chunk at a time: the
+    whole window's vectors would spill registers."""
+    d = c + tl.arange(0, 256)
+    h = tl.zeros([256], tl.int32)
     base_ptr = hist_ptr + row * hist_stride + n_splits * 2048 + 2
     for s in range(0, n_splits):
-        h += tl.load(base_ptr + s * NB + d)
-    base = _radix_key(top, KEY_SHIFT).to(tl.int64) - (NB - 1)
-    key = base + d - (1 << (31 - KEY_SHIFT))  # the signed keys of :func:`_order_key`
+        h += tl.load(base_ptr + s * 2048 + d)
+    base = _radix_key(top, KEY_SHIFT).to(tl.int64) - 2047 - (1 << (31 - KEY_SHIFT))
+    key = base + d
     x = _key_value(key, KEY_SHIFT)
-    counted = (h > 0) & (base + d >= 0) & (x > float("-inf")) & (x == x)
-    counted = counted & (key >= _order_key(floor, KEY_SHIFT).to(tl.int64))
     e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
-    w = tl.where(counted, h.to(tl.float64) * e, 0.0)
-    total = tl.sum(w, 0)
-    above = total - tl.cumsum(w, 0)  # A_key
-    j = tl.min(tl.where(counted & (above < target), d, NB), 0)
-    found = base + j - (1 << (31 - KEY_SHIFT))
-    below = base - 1 - (1 << (31 - KEY_SHIFT))
-    inside = (total >= target) & (j < NB)
-    return tl.where(inside, found, below), inside, tl.where(inside, 0.0, total)
+    listed = (h > 0) & (key >= -(1 << (31 - KEY_SHIFT))) & (x == x)
+    return h, key, x, e, listed, base
+
+
+@_device
+def _window_sums(hist_ptr, hist_stride, row, n_splits, top, floor, m_s, log_min_p,
+                 temperature, MIN_P: tl.constexpr, KEY_SHIFT: tl.constexpr):
+    """From the window (:func:`_window`): the candidates' mass (keys ≥ ``floor``'s, finite;
+    float64), the smallest logit x there with x/T − m_s ≥ log min_p (MIN_P; +inf if none),
+    and the window's lowest key."""
+    z = tl.zeros([], tl.float64)
+    tau_m = tl.full([], float("inf"), tl.float32)
+    key_floor = _order_key(floor, KEY_SHIFT).to(tl.int64)
+    base = key_floor
+    for c in range(0, 2048, 256):
+        h, key, x, e, listed, base = _window(hist_ptr, hist_stride, row, n_splits, c, top, m_s,
+                                             temperature, KEY_SHIFT)
+        cand = listed & (x > float("-inf")) & (key >= key_floor)
+        z += tl.sum(tl.where(cand, h.to(tl.float64) * e, 0.0), 0)
+        if MIN_P:
+            u = tl.math.div_rn(x, temperature).to(tl.float64) - m_s
+            tau_m = tl.minimum(tau_m, tl.min(tl.where(listed & (u >= log_min_p), x,
+                                                      float("inf")), 0))
+    return z, tau_m, base
+
+
+@_device
+def _window_answer(hist_ptr, hist_stride, row, n_splits, top, floor, target, m_s, temperature,
+                   KEY_SHIFT: tl.constexpr):
+    """top-p's answer from the window (:func:`_window`) of the candidates (keys ≥ ``floor``'s,
+    finite): the mass above each key, A_key = Σ_{keys above} count·exp(x/T − m_s) (float64,
+    the chunks from the top, each's mass above carried). Where the window holds ≥ target of
+    the mass, the answer is the smallest candidate key with A_key < target. Returns (the
+    answer there, else the key below the window; whether it is there; the window's mass)."""
+    key_floor = _order_key(floor, KEY_SHIFT).to(tl.int64)
+    carried = tl.zeros([], tl.float64)
+    found = key_floor * 0 + (1 << 40)
+    base = key_floor
+    for i in range(0, 8):
+        h, key, x, e, listed, base = _window(hist_ptr, hist_stride, row, n_splits,
+                                             (7 - i) * 256, top, m_s, temperature, KEY_SHIFT)
+        cand = listed & (x > float("-inf")) & (key >= key_floor)
+        w = tl.where(cand, h.to(tl.float64) * e, 0.0)
+        chunk = tl.sum(w, 0)
+        above = carried + (chunk - tl.cumsum(w, 0))  # A_key
+        found = tl.minimum(found, tl.min(tl.where(cand & (above < target), key, 1 << 40), 0))
+        carried += chunk
+    inside = (carried >= target) & (found < (1 << 40))
+    return tl.where(inside, found, base - 1), inside, tl.where(inside, 0.0, carried)
 
 
 @triton.jit
@@ -323,9 +381,10 @@ def threshold_kernel(
       prefix of the earlier passes): the k-th largest key exactly (counted with multiplicity,
       so ties with the k-th are all kept), its logit lowered to its tie group's smallest
       (:func:`_group_floor`): τ_k;
-    - one read for Z = Σ exp(x/T − M/T) (float64) over x ≥ τ_k, x > −inf, and for min-p
+    - Z = Σ exp(x/T − M/T) (float64) over x ≥ τ_k, x > −inf, and for min-p
       (MIN_P): τ_m = min{x : k_x − k_M ≥ log min_p} (the keys' float64 difference against a
-      float64 log), at most M;
+      float64 log), at most M: from the window of keys (WINDOW, :func:`_window_sums`) where
+      it holds them, else one read (:func:`_z_read`);
     - top-p (TOP_P): the smallest key K among x ≥ τ_k, x > −inf with mass(keys > K) < p·Z
       (:func:`_mass_search`: a radix select, each read cutting the key interval [lo, hi] into
       F buckets of 2^s keys (:func:`_bucket_sums`), until a bucket is one key), searched with
@@ -371,23 +430,25 @@ def threshold_kernel(
     if TOP_P or MIN_P:
         m_s = tl.math.div_rn(top, temperature).to(tl.float64)
         floor = tl.maximum(tau_k, smallest_finite)  # top-p's candidates
-        z_acc = tl.zeros([NT, INNER], tl.float64)
-        kept_min = tl.full([NT, INNER], float("inf"), tl.float32)
-        for start in range(0, V, BLOCK):
-            col = start + offs
-            valid = col < V
-            x = tl.load(x_row + col, mask=valid, other=float("-inf")).to(tl.float32)
-            if TOP_P:
-                e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
-                z_acc += tl.where(valid & (x >= floor), e, 0.0)
+        z = tl.zeros([], tl.float64)
+        tau_m = tl.full([], float("inf"), tl.float32)
+        read = True
+        if WINDOW:  # Z and τ_m from the window where it holds them, else the read
+            z, tau_m, base_w = _window_sums(hist_ptr, hist_stride, row, n_splits, top, floor,
+                                            m_s, log_min_p, temperature, MIN_P, KEY_SHIFT)
+            read = _order_key(floor, KEY_SHIFT).to(tl.int64) < base_w  # candidates below it
             if MIN_P:
-                u = tl.math.div_rn(x, temperature).to(tl.float64) - m_s
-                kept_min = tl.minimum(kept_min, tl.where(valid & (u >= log_min_p), x,
-                                                         float("inf")))
+                # decided where the value below the window (and so every one below) falls short
+                below = tl.math.div_rn(_key_value(base_w - 1, KEY_SHIFT), temperature)
+                short = (below.to(tl.float64) - m_s < log_min_p) | (
+                    base_w <= -(1 << (31 - KEY_SHIFT)))
+                read = read | (not short)
+        if read:
+            z, tau_m = _z_read(x_row, V, floor, m_s, log_min_p, temperature, offs, TOP_P, MIN_P)
         if MIN_P:
-            tau = tl.maximum(tau, tl.minimum(tl.min(tl.min(kept_min, 1), 0), top))
+            tau = tl.maximum(tau, tl.minimum(tau_m, top))
         if TOP_P:
-            target = top_p * tl.sum(tl.sum(z_acc, 1), 0)
+            target = top_p * z
             hi = key_top
             # the window's lowest logit, rounded down (a NaN or −inf bound: no narrowing)
             cut = (m_s + window) * temperature

@@ -879,6 +879,8 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
             src = ASTSource(fn=k.threshold_kernel, signature=s, constexprs=c)
             assert ".entry" in triton.compile(src, target=t).asm["ptx"]
             n += 1
+            if not (top_k and top_p):  # the scan's passes once a key width, all flags on
+                continue
             for pass_, (high, low) in enumerate([(32 - shift, 21 - shift),
                                                      (21 - shift, max(10 - shift, 0))]):
                 sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32", "T": "i32",

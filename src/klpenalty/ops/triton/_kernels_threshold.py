@@ -22,9 +22,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernels_common import _device, _row_offset, _split_columns
+from ._kernels_common import INTERPRETED, _device, _row_offset, _split_columns
 
 __all__ = ["threshold_kernel", "threshold_scan_kernel", "threshold_select_kernel"]
+
+# Keys of the window (2048 up to the max) a step of its loops in the row's program: compiled,
+# 256 (its whole [2048] vectors would spill registers); interpreted, all at once (each step
+# costs the interpreter's per-call overhead, not arithmetic).
+_CHUNK = tl.constexpr(2048 if INTERPRETED else 256)
 
 
 @_device
@@ -207,14 +212,13 @@ def _select_digit(hist_ptr, hist_stride, row, n_splits, prefix, above, top_k,
 @_device
 def _window(hist_ptr, hist_stride, row, n_splits, c, top, m_s, temperature,
             KEY_SHIFT: tl.constexpr):
-    """Keys [c, c + 256) of the 2048 up to the max M's (the window of
-    :func:`threshold_scan_kernel`, merged over the row's programs) as [256] vectors: the
+    """Keys [c, c + _CHUNK) of the 2048 up to the max M's (the window of
+    :func:`threshold_scan_kernel`, merged over the row's programs) as [_CHUNK] vectors: the
     counts, the signed keys (of :func:`_order_key`), their values (16-bit logits: a key is one
     value), exp(x/T − m_s) in float64, and whether a key is the row's (counted, inside the
-    key range, not NaN); and the window's lowest key (a scalar). A chunk at a time: the
-    whole window's vectors would spill registers."""
-    d = c + tl.arange(0, 256)
-    h = tl.zeros([256], tl.int32)
+    key range, not NaN); and the window's lowest key (a scalar)."""
+    d = c + tl.arange(0, _CHUNK)
+    h = tl.zeros([_CHUNK], tl.int32)
     base_ptr = hist_ptr + row * hist_stride + n_splits * 2048 + 2
     for s in range(0, n_splits):
         h += tl.load(base_ptr + s * 2048 + d)
@@ -236,7 +240,7 @@ def _window_sums(hist_ptr, hist_stride, row, n_splits, top, floor, m_s, log_min_
     tau_m = tl.full([], float("inf"), tl.float32)
     key_floor = _order_key(floor, KEY_SHIFT).to(tl.int64)
     base = key_floor
-    for c in range(0, 2048, 256):
+    for c in range(0, 2048, _CHUNK):
         h, key, x, e, listed, base = _window(hist_ptr, hist_stride, row, n_splits, c, top, m_s,
                                              temperature, KEY_SHIFT)
         cand = listed & (x > float("-inf")) & (key >= key_floor)
@@ -260,9 +264,10 @@ def _window_answer(hist_ptr, hist_stride, row, n_splits, top, floor, target, m_s
     carried = tl.zeros([], tl.float64)
     found = key_floor * 0 + (1 << 40)
     base = key_floor
-    for i in range(0, 8):
+    for i in range(0, 2048 // _CHUNK):
         h, key, x, e, listed, base = _window(hist_ptr, hist_stride, row, n_splits,
-                                             (7 - i) * 256, top, m_s, temperature, KEY_SHIFT)
+                                             2048 - (i + 1) * _CHUNK, top, m_s, temperature,
+                                             KEY_SHIFT)
         cand = listed & (x > float("-inf")) & (key >= key_floor)
         w = tl.where(cand, h.to(tl.float64) * e, 0.0)
         chunk = tl.sum(w, 0)

@@ -165,6 +165,7 @@ def analyse(sass: str, elems_per_thread: int) -> dict:
         "ldg_after_bar": sum(o.startswith("LDG") for o in lops[bars[0]:]) if bars else 0,
         "shfl": sum(o.startswith("SHFL") for o in lops),
         "mufu": sum(o.startswith("MUFU") for o in lops),
+        "atoms": sum(o.startswith("ATOMS") for o in lops),
         "nop": sum(o == "NOP" for o in lops),
     }
     return out
@@ -310,11 +311,13 @@ def compile_cases(cases=CASES) -> list[dict]:
                 threads = 32 * warps
                 signature = {k: v for k, v in compiled.src.signature.items() if v != "constexpr"}
                 results.append({
-                    "case": case["name"], "dtype": case["dtype"], "want": case["want"],
+                    "case": case["name"], "sampler": case.get("sampler"), "dtype": case["dtype"], "want": case["want"],
                     "support": case.get("support"), "vocab": case.get("vocab", VOCAB),
                     "stride": case.get("stride", case.get("vocab", VOCAB)), "kernel": name, "grid": list(grid), "block": block, "warps": warps,
                     "signature": signature,
                     "attrs": {str(k): str(v) for k, v in compiled.src.attrs.items()},
+                    "constexprs": {k: v for k, v in kwargs.items()
+                                   if isinstance(v, (bool, int)) and k != "num_warps"},
                     "resources": res_usage(paths["cuobjdump"], cubin),
                     **analyse(sass, max(1, (block or threads) // threads)),
                     "inner_loops": inner_loops(parse_sass(sass), {"bf16": 2, "fp16": 2,
@@ -348,24 +351,193 @@ def table(results: list[dict]) -> str:
         )
     threshold = [r for r in results if r.get("kernel") == "threshold_kernel"]
     if threshold:  # its searches: the innermost loops, in the kernel's order
-        names = ["pass 0", "top-k count", "Z read", "top-p float32", "float64 check",
-                 "top-p float64"]
+        names = ["top-k tie group", "Z read", "top-p float32", "float64 check",
+                 "top-p float64", "top-p tie group"]
         rows += ["", "threshold_kernel's column loops: instructions per element", "",
                  "| case | dtype | " + " | ".join(names) + " |",
                  "|---|---|" + "---:|" * len(names)]
         for r in threshold:
             cells = [f"{lp['per_elem']:.1f}" for lp in r["inner_loops"]]
             rows.append(f"| {r['case']} | {r['dtype']} | " + " | ".join(cells) + " |")
+    scans = [r for r in results if r.get("kernel") == "threshold_scan_kernel"]
+    if scans:  # the split scan's passes: one read of the row each
+        rows += ["", "threshold_scan_kernel's passes: instructions per element, registers", "",
+                 "| case | dtype | pass | per element | BAR | ATOMS | regs |",
+                 "|---|---|---:|---:|---:|---:|---:|"]
+        for r in scans:
+            (lp,) = r["inner_loops"]
+            rows.append(f"| {r['case']} | {r['dtype']} | {r['constexprs']['PASS']} | "
+                        f"{lp['per_elem']:.1f} | {r['loop']['bar']} | {r['loop']['atoms']} | "
+                        f"{r['resources'].get('REG')} |")
     return "\n".join(rows)
+
+
+# --threshold-cost: the sampler's threshold predicted from its machine code and the bytes it
+# moves, against the untruncated KL forward, on the model GPU of benchmarks/README.md (an H200:
+# 132 SMs at 1.98 GHz, 128 thread-instructions per SM-clock, 4.3 TB/s measured copy rate).
+GPU = dict(sms=132, clock=1.98e9, issue=128, bandwidth=4.3e12)
+COST_SHAPES = [(2048, 32000), (64, 151936)]
+COST_SAMPLERS = [(50, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.05), (50, 0.9, 0.05)]
+_COUNTING = r"""
+import json, sys, torch
+import klpenalty
+from klpenalty.ops.triton import _kernels_threshold as k
+counts = {"count": 0, "mass32": 0, "mass64": 0, "check": 0, "z": 0}
+names = {0: "count", 1: "mass32", 2: "mass64"}
+bucket_sums, mass_at = k._bucket_sums, k._mass_at
+def counted_sums(*args):
+    counts[names[args[7]]] += 1
+    return bucket_sums(*args)
+def counted_at(*args):
+    counts["check"] += 1
+    return mass_at(*args)
+k._bucket_sums, k._mass_at = counted_sums, counted_at
+z_read = getattr(k, "_z_read", None)  # (the kernel before it read Z unconditionally)
+def counted_z(*args):
+    counts["z"] += 1
+    return z_read(*args)
+if z_read is not None:
+    k._z_read = counted_z
+out = {}
+for vocab, dtype, top_k, top_p, min_p in json.loads(sys.argv[1]):
+    for c in counts:
+        counts[c] = 0
+    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    gen = torch.Generator().manual_seed(vocab)
+    x = (torch.randn(2, vocab, generator=gen) * 2).to(dt)
+    torch.ops.klpenalty.triton_sampling_threshold(x, top_k, top_p, min_p, 1.0)
+    out[repr((vocab, dtype, top_k, top_p, min_p))] = {c: n / 2 for c, n in counts.items()}
+    if z_read is None:
+        out[repr((vocab, dtype, top_k, top_p, min_p))]["z"] = 1
+print(json.dumps(out))
+"""
+
+
+def search_reads(keys: list[tuple]) -> dict:
+    """The reads of the row program per row — top-k's count reads (the kernel before the
+    split scan), the Z read (made where the window of keys does not hold Z and τ_m), top-p's
+    float32 and float64 mass reads and its float64 check —
+    counted in Triton's interpreter on 2 rows of N(0, 2²) logits at T = 1 (where a tie group
+    made by the division takes no read), for each (vocab, dtype, top_k, top_p, min_p)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", _COUNTING, json.dumps(keys)],
+                          capture_output=True, text=True, env=env, check=True)
+    return {eval(k): v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
+def read_time(elems: int, per_elem: float, elem_bytes: float, programs: int) -> float:
+    """Seconds of one pass over ``elems`` elements of ``elem_bytes`` each by ``programs``
+    programs: the larger of its issue time (``per_elem`` instructions an element on the SMs
+    its programs occupy, at most one SM a program) and its memory time (the copy rate, in
+    proportion to the SMs occupied)."""
+    sms = min(GPU["sms"], programs)
+    issue = elems * per_elem / (sms * GPU["issue"] * GPU["clock"])
+    memory = elems * elem_bytes / (GPU["bandwidth"] * sms / GPU["sms"])
+    return max(issue, memory)
+
+
+def _row_loops(flags: dict, split_scan: bool) -> list[str]:
+    """The names of threshold_kernel's column loops, in its order, for its flags: this tree's
+    (``split_scan``: pass 0 and top-k's histograms run before it, its top-k is the last digit
+    and the tie group) or the one-program-per-row kernel before it (pass 0 and top-k's radix
+    select in the row's program), for the comparison."""
+    window = flags.get("WINDOW", False)  # the loops over the window of keys: no row read
+    names = [] if split_scan else ["pass0"]
+    if flags["TOP_K"]:
+        names += ["group"] if split_scan else ["count", "group"]
+    if flags["TOP_P"] or flags["MIN_P"]:
+        names += ["window", "z"] if window else ["z"]
+    if flags["TOP_P"]:
+        names += (["window"] if window else []) + ["mass32", "check", "mass64", "group"]
+    return names
+
+
+def threshold_cost() -> list[dict]:
+    """The predicted time of the threshold (all its launches) against the KL forward's, per
+    shape of COST_SHAPES, dtype and sampler of COST_SAMPLERS. Each launch the host makes
+    (recorded, compiled for sm_90) costs per loop :func:`read_time` of its instructions per
+    element times its reads: pass 0, the Z read and a scan's pass one each, the searches'
+    counted by :func:`search_reads`, a tie group's none (T = 1); the splits are the host's plan
+    for the model's SMs (``plan_splits``), whose scratch histograms (2048 int32 a program and
+    pass, written by the scan, read by the select) add their bytes. Launch latencies (a few µs
+    each) are not counted: the launches are listed."""
+    from klpenalty.ops.triton.token_stats import plan_splits
+
+    cases = [dict(name=f"cost {smp}", dtype=dt, want=1, sampler=smp, backward=False)
+             for dt in ("bf16", "fp32") for smp in COST_SAMPLERS]
+    results = compile_cases(cases)
+    reads = search_reads([(v, dt, *smp) for _, v in COST_SHAPES for dt in ("bf16", "fp32")
+                          for smp in COST_SAMPLERS])
+    out = []
+    for n, vocab in COST_SHAPES:
+        _, cols = plan_splits(n, vocab, GPU["sms"])
+        splits = max(1, -(-vocab // cols))
+        elems = n * vocab
+        for case in cases:
+            dtype, smp = case["dtype"], case["sampler"]
+            b = {"bf16": 2, "fp32": 4}[dtype]
+            launches = [r for r in results if r.get("case") == case["name"]
+                        and r["dtype"] == dtype]
+            kl = next(r for r in launches if r["kernel"] == "stats_kernel")
+            t_kl = read_time(elems, kl["loop"]["per_pair"], 2 * b, n * splits)
+            got = reads[(vocab, dtype, *smp)]
+            t = 0.0
+            nreads = 0.0
+            names = []
+            for r in launches:
+                flags = r["constexprs"]
+                if r["kernel"] == "threshold_scan_kernel":
+                    (loop,) = r["inner_loops"]
+                    t += read_time(elems, loop["per_elem"], b, n * splits)
+                    if flags["HIST"]:
+                        t += n * splits * 2048 * 4 / GPU["bandwidth"]
+                    nreads += 1
+                elif r["kernel"] == "threshold_select_kernel":
+                    t += n * splits * 2048 * 4 / (GPU["bandwidth"] * min(n, GPU["sms"]) /
+                                                  GPU["sms"])
+                elif r["kernel"] == "threshold_kernel":
+                    split_scan = "part_ptr" in r["signature"]
+                    loops = r["inner_loops"]  # (one split per row here: no loop merges splits)
+                    want = _row_loops(flags, split_scan)
+                    assert len(loops) == len(want), (want, loops)
+                    for name, lp in zip(want, loops):
+                        k = {"pass0": 1, "z": got["z"], "group": 0, "window": 0}.get(
+                            name, got.get(name, 0))
+                        t += k * read_time(elems, lp["per_elem"], b, n)
+                        nreads += k
+                else:
+                    continue
+                names.append(r["kernel"])
+            out.append(dict(n=n, vocab=vocab, dtype=dtype, sampler=list(smp), splits=splits,
+                            reads=nreads, launches=len(names), threshold_us=t * 1e6,
+                            kl_us=t_kl * 1e6, ratio=t / t_kl))
+    return out
+
+
+def cost_table(rows: list[dict]) -> str:
+    lines = ["| N × V | dtype | top_k, top_p, min_p | splits | reads of the row | launches | "
+             "threshold (µs) | KL forward (µs) | ratio |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['n']} × {r['vocab']} | {r['dtype']} | {r['sampler']} | "
+                     f"{r['splits']} | {r['reads']:g} | {r['launches']} | "
+                     f"{r['threshold_us']:.0f} | {r['kl_us']:.0f} | {r['ratio']:.1f} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--threshold-cost", action="store_true",
+                        help="the sampler's threshold predicted against the KL forward")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: the kernels must be compiled", file=sys.stderr)
         return 2
+    if args.threshold_cost:
+        rows = threshold_cost()
+        print(json.dumps(rows) if args.json else cost_table(rows))
+        return 0
     results = compile_cases()
     if args.json:
         print(json.dumps(results))

@@ -685,6 +685,88 @@ def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
         op(_on(row), -2, 1.0, 0.0, 1.0)
 
 
+def test_top_p_on_16_bit_logits_from_the_window_of_keys(monkeypatch):
+    """bf16 rows: top-p decided by the counts of the 2048 keys up to the max (one value a key)
+    without a search where the answer lies there — boundaries 1e-9 apart (float64 masses),
+    after top-k too, where Z and min-p's τ come from the window with no read of the row — and
+    by the search below the window, the window's mass carried, where it does not (a deep p:
+    the answer a negative logit under a positive max)."""
+    g = torch.Generator().manual_seed(8)
+    row = (torch.randn(1, 300, generator=g) * 1.5).to(torch.bfloat16)
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    searches = []
+    if not CUDA:
+        from klpenalty.ops.triton import _kernels_threshold
+
+        bucket_sums = _kernels_threshold._bucket_sums
+
+        def counted(*args):
+            searches.append(args[7])
+            return bucket_sums(*args)
+
+        monkeypatch.setattr(_kernels_threshold, "_bucket_sums", counted)
+    scaled = row[0].float() / 0.8
+    vals = row[0].float().sort(descending=True).values
+    log_z = scaled.max().double() + torch.exp(scaled.double() - scaled.max().double()).sum().log()
+    before = torch.cumsum(torch.exp(scaled.double().sort(descending=True).values - log_z), 0)
+    for j in (1, 5, 20):
+        p = before[j - 1].item()  # the mass before the (j + 1)-th largest
+        if vals[j] == vals[j - 1]:
+            continue
+        assert op(_on(row), 0, p * (1 + 1e-9), 0.0, 0.8).item() == vals[j].item()
+        assert op(_on(row), 0, p * (1 - 1e-9), 0.0, 0.8).item() == vals[j - 1].item()
+        after_k = op(_on(row), 40, p, 0.0, 0.8).cpu()  # top-p of the top-40 distribution
+        assert torch.equal(after_k, _threshold_rule(row, 40, p, 0.0, 0.8))
+    assert CUDA or searches == []  # all from the window
+    if not CUDA:  # after top-k (its set inside the window) Z and min-p's τ come from it too
+        z_reads = []
+        z_read = _kernels_threshold._z_read
+        monkeypatch.setattr(_kernels_threshold, "_z_read",
+                            lambda *args: z_reads.append(1) or z_read(*args))
+    # the reads of Z: none after top-k, one for min-p without top-p (no window) and for top-p
+    # alone (candidates below the window)
+    for top_k, top_p, min_p, reads in [(40, 0.7, 0.05, 0), (40, 1.0, 0.05, 1), (0, 0.7, 0.0, 1)]:
+        before = 0 if CUDA else len(z_reads)
+        tau = op(_on(row), top_k, top_p, min_p, 0.8).cpu()
+        assert torch.equal(tau, _threshold_rule(row, top_k, top_p, min_p, 0.8))
+        assert CUDA or len(z_reads) - before == reads, (top_k, top_p, min_p)
+    for top_k, top_p in [(0, 0.999), (250, 0.999)]:
+        tau = op(_on(row), top_k, top_p, 0.0, 0.8).cpu()
+        assert tau.item() < 0 < vals[0].item()
+        assert torch.equal(tau, _threshold_rule(row, top_k, top_p, 0.0, 0.8))
+    assert CUDA or 1 in searches  # below the window: the search
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sampling_threshold_kernel_on_rows_split_across_programs(dtype):
+    """Two rows of V = 2500 split into programs (the plan for few rows): the programs' maxima,
+    NaN flags and top-k's digit histograms merged per row give the rule's τ — the k-th's tie
+    group spread over both programs, the row's max in the second, a NaN in one program only,
+    an +inf logit; 32-bit keys take three digits, 16-bit ones two."""
+    from klpenalty.ops.triton import token_stats as ts
+
+    vocab = 2500
+    assert ts.split_columns(2, vocab, torch.device("cpu"))[1] < vocab
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(2, vocab, generator=g) * 2.0).to(dtype)
+    x[0, 2300] = 12.0  # the row's max, in the second program
+    kth = x[0].float().sort(descending=True).values[20]
+    x[0, [100, 1900, 2100, 2400]] = kth.to(dtype)  # a tie group in both programs
+    k = int((x[0].float() > kth).sum()) + 2  # the k-th inside that group
+    y = x.clone()
+    y[0, 2200] = float("nan")  # a NaN in the second program only
+    y[1, 30] = float("inf")
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    for top_k, top_p, min_p, temperature in [(k, 1.0, 0.0, 1.0), (24, 0.9, 0.05, 1.0),
+                                             (3, 1.0, 0.0, 0.7), (0, 0.8, 0.0, 1.0)]:
+        for rows in (x, y):
+            tau = op(_on(rows), top_k, top_p, min_p, temperature).cpu()
+            want = _threshold_rule(rows, top_k, top_p, min_p, temperature)
+            assert _same(tau, want), (top_k, top_p, min_p, temperature, tau, want)
+        assert torch.isnan(tau[0])  # (y: the NaN row)
+    assert op(_on(x), k, 1.0, 0.0, 1.0)[0].item() == kth.item()
+
+
 @pytest.mark.parametrize("vocab", [8, 300, 4096])
 def test_sampling_threshold_kernel_keeps_ties_made_by_the_temperature(vocab):
     """Rows holding two adjacent float32 logits whose keys x/T (``div_rn``) round equal, at the
@@ -769,8 +851,9 @@ def test_forward_with_the_sampler_settings(dtype, vocab_chunk):
 
 @pytest.mark.slow
 def test_threshold_kernel_compiles_for_a_cuda_target():
-    """The threshold kernel lowers to PTX for sm_90 in each combination of the settings the
-    host launches (top-k, top-p, min-p, a tau given) and each key width (bf16, fp16, fp32)."""
+    """The threshold kernels (the row's, and the split scan's passes) lower to PTX for sm_90 in
+    each combination of the settings the host launches (top-k, top-p, min-p, a tau given) and
+    each key width (bf16, fp16, fp32)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = textwrap.dedent(f"""
         import itertools, triton
@@ -782,17 +865,38 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
         for (dt, shift), (top_k, top_p, min_p, has_tau) in itertools.product(
                 [("*bf16", 16), ("*fp16", 13), ("*fp32", 0)],
                 [(1, 0, 0, 0), (0, 1, 0, 1), (0, 0, 1, 0), (1, 1, 1, 1)]):
-            sig = {{"x_ptr": dt, "tau_in_ptr": "*fp32", "tau_ptr": "*fp32", "T": "i32",
-                   "stride_xb": "i64", "stride_xt": "i64", "V": "i32", "top_k": "i32",
+            sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32", "tau_in_ptr": "*fp32",
+                   "tau_ptr": "*fp32", "T": "i32", "stride_xb": "i64", "stride_xt": "i64",
+                   "V": "i32", "n_splits": "i32", "hist_stride": "i32", "top_k": "i32",
                    "top_p_bits": "i64", "log_min_p_bits": "i64", "window_bits": "i64",
                    "temperature": "fp32"}}
             c = dict(TOP_K=bool(top_k), TOP_P=bool(top_p), MIN_P=bool(min_p),
-                     HAS_TAU=bool(has_tau), KEY_SHIFT=shift, BLOCK={th.THRESHOLD_BLOCK},
-                     BT={32 * th.THRESHOLD_WARPS}, F={th.THRESHOLD_BUCKETS})
+                     HAS_TAU=bool(has_tau), KEY_SHIFT=shift, NB_LAST=32,
+                     WINDOW=bool(top_p) and shift > 0, SPLITS=4,
+                     BLOCK={th.THRESHOLD_BLOCK}, BT={32 * th.THRESHOLD_WARPS},
+                     F={th.THRESHOLD_BUCKETS})
             s = {{**sig, **{{name: "constexpr" for name in c}}}}
             src = ASTSource(fn=k.threshold_kernel, signature=s, constexprs=c)
             assert ".entry" in triton.compile(src, target=t).asm["ptx"]
             n += 1
+            if not (top_k and top_p):  # the scan's passes once a key width, all flags on
+                continue
+            for pass_, (high, low) in enumerate([(32 - shift, 21 - shift),
+                                                     (21 - shift, max(10 - shift, 0))]):
+                sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32", "T": "i32",
+                       "stride_xb": "i64", "stride_xt": "i64", "V": "i32", "cols": "i32",
+                       "n_splits": "i32", "hist_stride": "i32"}}
+                c = dict(SCAN=pass_ == 0, HIST=bool(top_k), PASS=pass_,
+                         WINDOW=pass_ == 1 and bool(top_p) and shift > 0, KEY_SHIFT=shift,
+                         DIGIT_HI=high, DIGIT_LO=low, SPLITS=4, BLOCK=1024)
+                s = {{**sig, **{{name: "constexpr" for name in c}}}}
+                src = ASTSource(fn=k.threshold_scan_kernel, signature=s, constexprs=c)
+                assert ".entry" in triton.compile(src, target=t).asm["ptx"]
+        sig = {{"hist_ptr": "*i32", "n_splits": "i32", "hist_stride": "i32", "top_k": "i32",
+               "PASS": "constexpr", "NB": "constexpr"}}
+        src = ASTSource(fn=k.threshold_select_kernel, signature=sig,
+                        constexprs=dict(PASS=1, NB=2048))
+        assert ".entry" in triton.compile(src, target=t).asm["ptx"]
         print("OK", n)
     """)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))

@@ -12,7 +12,8 @@ only, holds no barrier and no shuffle (every reduction in it stays inside a thre
 load after one; no kernel uses local memory; the forward's loop stays within an instruction
 budget per element pair, which sets how close to the memory floor an H200 can run it
 (benchmarks/README.md); the sampler's threshold kernel (top-k + top-p + min-p before a KL)
-keeps its column loops free of cross-thread reductions and within their budgets; the
+keeps its column loops free of cross-thread reductions and within their budgets, its split
+scan reads with 128-bit loads and histograms in shared memory within its budget; the
 divergences' kernels (the JSD, the skew forward KL, the TVD) read and write as the statistics'
 do and stay within their budgets.
 """
@@ -72,7 +73,10 @@ def test_every_case_launches_both_kernels_with_the_gpu_specialisation(compiled):
     padded = [r for r in compiled if r["vocab"] % 16]
     assert padded and all(r["stride"] % 16 == 0 for r in padded)
     for r in compiled:
-        assert r["signature"]["x_ptr"] in ("*bf16", "*fp32"), r["signature"]
+        if r["kernel"] == "threshold_select_kernel":  # top-k's selects read histograms only
+            assert r["signature"]["hist_ptr"] == "*i32", r["signature"]
+        else:
+            assert r["signature"]["x_ptr"] in ("*bf16", "*fp32"), r["signature"]
         attrs = " ".join(r["attrs"].values())
         assert "tt.divisibility" in attrs and "16" in attrs, r["attrs"]
     cases = {(r["case"], r["dtype"], r["kernel"]) for r in compiled}
@@ -116,26 +120,56 @@ def test_forward_instructions_per_element_pair(compiled):
             assert r["loop"]["per_pair"] <= FORWARD_BUDGET[key], (key, r["loop"])
 
 
-# Instructions per element of the threshold kernel's column loops, in its order: pass 0, the
-# top-k search (counts), the k-th's tie group (the read of ``_group_floor``, where the float
-# below the k-th has its x/T), the Z read, top-p's search with float32 masses, the float64
-# check of its answer, the float64 search (where the check fails), the last kept logit's tie
-# group: Triton 3.6, plus a little room.
-THRESHOLD_BUDGET = (18.0, 95.0, 26.0, 115.0, 150.0, 105.0, 250.0, 26.0)
+# Instructions per element of the row's threshold kernel's column loops, in its order: the
+# k-th's tie group (the read of ``_group_floor``, where the float below the k-th has its x/T),
+# the Z read, top-p's search with float32 masses, the float64 check of its answer, the float64
+# search (where the check fails), the last kept logit's tie group: Triton 3.9, plus a little
+# room.
+THRESHOLD_BUDGET = (26.0, 95.0, 150.0, 105.0, 260.0, 26.0)
+# 16-bit logits add two loops over the window of 2048 keys (8 chunks of 256, reading the
+# window's histograms, not the row; reductions across threads there): Z and τ_m from the
+# window before the Z read, top-p's answer from it after. Instructions per chunk.
+WINDOW_BUDGET = (200, 280)
+# The split scan's column loop (one read of the row), by (pass 0, the window of keys counted):
+# pass 0 with top-k's first histogram; a later digit's histogram, alone (fp32) and with top-p's
+# window of keys (bf16: two histograms in the read).
+SCAN_BUDGET = {(True, False): 30.0, (False, False): 24.0, (False, True): 35.0}
 
 
 def test_the_threshold_kernel_loops(compiled):
     """The sampler's threshold kernel (launched before the forward where the settings cut):
     its column loops reduce nothing across threads (no barrier, no shuffle inside) and stay
-    within their instruction budgets per element."""
+    within their instruction budgets per element; on bf16 its two loops over the window of
+    keys within theirs per chunk."""
     found = _launches(compiled, "threshold_kernel")
     assert {r["dtype"] for r in found} == {"bf16", "fp32"}
     for r in found:
         loops = r["inner_loops"]
+        if r["constexprs"]["WINDOW"]:
+            assert r["dtype"] == "bf16" and len(loops) == len(THRESHOLD_BUDGET) + 2, loops
+            window = [loops.pop(3), loops.pop(1)][::-1]
+            for lp, budget in zip(window, WINDOW_BUDGET):
+                assert lp["instructions"] <= budget, (lp, budget)
         assert len(loops) == len(THRESHOLD_BUDGET), (r["dtype"], loops)
         for lp, budget in zip(loops, THRESHOLD_BUDGET):
             assert lp["bar"] == 0 and lp["shfl"] == 0, (r["dtype"], lp)
             assert lp["per_elem"] <= budget, (r["dtype"], lp, budget)
+
+
+def test_the_threshold_scan_reads_16_bytes_a_load_and_histograms_in_shared_memory(compiled):
+    """The split scan (pass 0 and top-k's digits: 2 reads of a bf16 row, the second counting
+    top-p's window of keys too, 3 of an fp32 one): one column loop of 128-bit loads, its
+    histograms by shared-memory atomics (ATOMS, no shuffle), within its instruction budget per
+    element."""
+    found = _launches(compiled, "threshold_scan_kernel")
+    passes = {dt: [r for r in found if r["dtype"] == dt] for dt in ("bf16", "fp32")}
+    assert len(passes["bf16"]) == 2 and len(passes["fp32"]) == 3
+    for r in found:
+        (lp,) = r["inner_loops"]
+        first = (r["constexprs"]["PASS"] == 0, r["constexprs"]["WINDOW"])
+        assert r["loop"]["ldg"] == r["loop"]["ldg128"] > 0, (r["dtype"], r["loop"])
+        assert r["loop"]["shfl"] == 0 and r["loop"]["atoms"] > 0, (r["dtype"], r["loop"])
+        assert lp["per_elem"] <= SCAN_BUDGET[first], (r["dtype"], first, lp)
 
 
 # Instructions per element pair in the divergences' loops, (forward, backward): what the kernels

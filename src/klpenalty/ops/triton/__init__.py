@@ -9,7 +9,7 @@ One file per op, the host code apart from the kernels:
 - :mod:`.token_stats`: the host of the forward, state and backward ops (the split plan, the
   kernels' constexprs, the launches); their kernels are :mod:`._kernels_stats`;
 - :mod:`.threshold`: the host of the sampling threshold op (also launched by the forward
-  where the sampler settings cut); its kernel is :mod:`._kernels_threshold`;
+  where the sampler settings cut); its kernels are in :mod:`._kernels_threshold`;
 - :mod:`.divergence`: the host of the second walk's forward and backward ops (the divergences
   of :mod:`..divergence`); its kernels are :mod:`._kernels_divergence`;
 - :mod:`._host`: what the hosts share (the rows as the kernels address them, every launch,

@@ -1,12 +1,20 @@
-"""The Triton kernel of the sampler's threshold (imported only by the package, lazily:
+"""The Triton kernels of the sampler's threshold (imported only by the package, lazily:
 importing this module imports Triton).
 
-:func:`threshold_kernel` serves the ``sampling_threshold`` op, and runs before
-:func:`._kernels_stats.stats_kernel` where the forward's sampler settings cut: one program per
-row computes the top-k → top-p → min-p threshold τ by radix selects over order-preserving keys
-of the logits (:func:`_order_key`), with float64 masses, and writes it (or its maximum with a
-given tau) into an (N,) float32 buffer. The host is :mod:`.threshold`; docs/triton.md describes
-the searches and ``tests/ops/test_triton_compiled.py`` checks their machine code.
+They serve the ``sampling_threshold`` op, and run before :func:`._kernels_stats.stats_kernel`
+where the forward's sampler settings cut. Each row is split into programs as the forward's
+(:func:`threshold_scan_kernel`, grid (rows, splits)): one read gives each program's max,
+smallest finite logit and NaN flag and, for top-k, the count histogram (``tl.histogram``) of
+the first 11-bit digit of the logits' order-preserving keys (:func:`_radix_key`); each
+further digit takes one program per row that merges the row's histograms and picks the digit
+of the k-th (:func:`threshold_select_kernel`) and one more split read; for top-p on 16-bit
+logits a split read (top-k's last, or its own) counts each of the 2048 keys up to the row's
+max. One program per row (:func:`threshold_kernel`) then picks the last digit (the k-th
+largest key exactly) and runs top-p's and min-p's reads (top-p from the window of keys where
+it holds the answer, else radix selects over the keys with float64 masses), and writes τ (or
+its maximum with a given tau) into an (N,) float32 buffer. The host is :mod:`.threshold`;
+docs/triton.md describes the searches and ``tests/ops/test_triton_compiled.py`` checks their
+machine code.
 """
 
 from __future__ import annotations
@@ -14,9 +22,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._kernels_common import _device, _row_offset
+from ._kernels_common import INTERPRETED, _device, _row_offset, _split_columns
 
-__all__ = ["threshold_kernel"]
+__all__ = ["threshold_kernel", "threshold_scan_kernel", "threshold_select_kernel"]
+
+# Keys of the window (2048 up to the max) a step of its loops in the row's program: compiled,
+# 256 (its whole [2048] vectors would spill registers); interpreted, all at once (each step
+# costs the interpreter's per-call overhead, not arithmetic).
+_CHUNK = tl.constexpr(2048 if INTERPRETED else 256)
 
 
 @_device
@@ -123,6 +136,28 @@ def _mass_at(x_row, V, key, m_s, temperature, offs, KEY_SHIFT: tl.constexpr):
 
 
 @_device
+def _z_read(x_row, V, floor, m_s, log_min_p, temperature, offs, TOP_P: tl.constexpr,
+            MIN_P: tl.constexpr):
+    """One read of the row: Z = Σ exp(x/T − m_s) over x ≥ ``floor`` (TOP_P; float64) and the
+    smallest x with x/T − m_s ≥ log min_p (MIN_P; +inf if none)."""
+    BLOCK: tl.constexpr = offs.shape[0] * offs.shape[1]
+    z_acc = tl.zeros(offs.shape, tl.float64)
+    kept_min = tl.full(offs.shape, float("inf"), tl.float32)
+    for start in range(0, V, BLOCK):
+        col = start + offs
+        valid = col < V
+        x = tl.load(x_row + col, mask=valid, other=float("-inf")).to(tl.float32)
+        if TOP_P:
+            e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
+            z_acc += tl.where(valid & (x >= floor), e, 0.0)
+        if MIN_P:
+            u = tl.math.div_rn(x, temperature).to(tl.float64) - m_s
+            kept_min = tl.minimum(kept_min, tl.where(valid & (u >= log_min_p), x,
+                                                     float("inf")))
+    return tl.sum(tl.sum(z_acc, 1), 0), tl.min(tl.min(kept_min, 1), 0)
+
+
+@_device
 def _group_floor(x_row, V, t, temperature, offs):
     """The smallest logit of the row whose key x/T (``div_rn``: the rule's float32 quotient) is
     at least t's (t one of the row's logits): t where the float just below it has another key
@@ -148,13 +183,192 @@ def _pick(v, bins, j):
     """v[j] of a [F] vector (0 where j is outside)."""
     return tl.sum(tl.where(bins == j, v, 0 * v), 0)
 
+@_device
+def _radix_key(x, KEY_SHIFT: tl.constexpr):
+    """The key of :func:`_order_key` as an unsigned int (uint32) of 32 − KEY_SHIFT bits: the
+    signed key plus 2^(31 − KEY_SHIFT), so that the digits of its bits, high to low, order it."""
+    return (_order_key(x, 0).to(tl.uint32, bitcast=True) ^ 0x80000000) >> KEY_SHIFT
+
+
+@_device
+def _select_digit(hist_ptr, hist_stride, row, n_splits, prefix, above, top_k,
+                  NB: tl.constexpr):
+    """One digit of top-k's radix select: the row's count histogram of the digit (NB bins),
+    merged over its ``n_splits`` programs' partial histograms (``hist_ptr``: (N, hist_stride)
+    int32, the split s's at s·NB), among the elements whose higher digits are ``prefix``
+    (``above``: the elements with larger higher digits). The digit j holding the k-th largest
+    key (counted with multiplicity): (prefix·NB + j, the elements above it)."""
+    d = tl.arange(0, NB)
+    h = tl.zeros([NB], tl.int32)
+    base = hist_ptr + row * hist_stride
+    for s in range(0, n_splits):
+        h += tl.load(base + s * NB + d)
+    # at_least[j]: the elements in digits ≥ j, plus those above
+    at_least = above + tl.sum(h, 0) - tl.cumsum(h, 0) + h
+    j = tl.maximum(tl.sum((at_least >= top_k).to(tl.int32), 0) - 1, 0)
+    return prefix * NB + j, _pick(at_least, d, j) - _pick(h, d, j)
+
+
+@_device
+def _window(hist_ptr, hist_stride, row, n_splits, c, top, m_s, temperature,
+            KEY_SHIFT: tl.constexpr):
+    """Keys [c, c + _CHUNK) of the 2048 up to the max M's (the window of
+    :func:`threshold_scan_kernel`, merged over the row's programs) as [_CHUNK] vectors: the
+    counts, the signed keys (of :func:`_order_key`), their values (16-bit logits: a key is one
+    value), exp(x/T − m_s) in float64, and whether a key is the row's (counted, inside the
+    key range, not NaN); and the window's lowest key (a scalar)."""
+    d = c + tl.arange(0, _CHUNK)
+    h = tl.zeros([_CHUNK], tl.int32)
+    base_ptr = hist_ptr + row * hist_stride + n_splits * 2048 + 2
+    for s in range(0, n_splits):
+        h += tl.load(base_ptr + s * 2048 + d)
+    base = _radix_key(top, KEY_SHIFT).to(tl.int64) - 2047 - (1 << (31 - KEY_SHIFT))
+    key = base + d
+    x = _key_value(key, KEY_SHIFT)
+    e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
+    listed = (h > 0) & (key >= -(1 << (31 - KEY_SHIFT))) & (x == x)
+    return h, key, x, e, listed, base
+
+
+@_device
+def _window_sums(hist_ptr, hist_stride, row, n_splits, top, floor, m_s, log_min_p,
+                 temperature, MIN_P: tl.constexpr, KEY_SHIFT: tl.constexpr):
+    """From the window (:func:`_window`): the candidates' mass (keys ≥ ``floor``'s, finite;
+    float64), the smallest logit x there with x/T − m_s ≥ log min_p (MIN_P; +inf if none),
+    and the window's lowest key."""
+    z = tl.zeros([], tl.float64)
+    tau_m = tl.full([], float("inf"), tl.float32)
+    key_floor = _order_key(floor, KEY_SHIFT).to(tl.int64)
+    base = key_floor
+    for c in range(0, 2048, _CHUNK):
+        h, key, x, e, listed, base = _window(hist_ptr, hist_stride, row, n_splits, c, top, m_s,
+                                             temperature, KEY_SHIFT)
+        cand = listed & (x > float("-inf")) & (key >= key_floor)
+        z += tl.sum(tl.where(cand, h.to(tl.float64) * e, 0.0), 0)
+        if MIN_P:
+            u = tl.math.div_rn(x, temperature).to(tl.float64) - m_s
+            tau_m = tl.minimum(tau_m, tl.min(tl.where(listed & (u >= log_min_p), x,
+                                                      float("inf")), 0))
+    return z, tau_m, base
+
+
+@_device
+def _window_answer(hist_ptr, hist_stride, row, n_splits, top, floor, target, m_s, temperature,
+                   KEY_SHIFT: tl.constexpr):
+    """top-p's answer from the window (:func:`_window`) of the candidates (keys ≥ ``floor``'s,
+    finite): the mass above each key, A_key = Σ_{keys above} count·exp(x/T − m_s) (float64,
+    the chunks from the top, each's mass above carried). Where the window holds ≥ target of
+    the mass, the answer is the smallest candidate key with A_key < target. Returns (the
+    answer there, else the key below the window; whether it is there; the window's mass)."""
+    key_floor = _order_key(floor, KEY_SHIFT).to(tl.int64)
+    carried = tl.zeros([], tl.float64)
+    found = key_floor * 0 + (1 << 40)
+    base = key_floor
+    for i in range(0, 2048 // _CHUNK):
+        h, key, x, e, listed, base = _window(hist_ptr, hist_stride, row, n_splits,
+                                             2048 - (i + 1) * _CHUNK, top, m_s, temperature,
+                                             KEY_SHIFT)
+        cand = listed & (x > float("-inf")) & (key >= key_floor)
+        w = tl.where(cand, h.to(tl.float64) * e, 0.0)
+        chunk = tl.sum(w, 0)
+        above = carried + (chunk - tl.cumsum(w, 0))  # A_key
+        found = tl.minimum(found, tl.min(tl.where(cand & (above < target), key, 1 << 40), 0))
+        carried += chunk
+    inside = (carried >= target) & (found < (1 << 40))
+    return tl.where(inside, found, base - 1), inside, tl.where(inside, 0.0, carried)
+
+
+@triton.jit
+def threshold_scan_kernel(
+    x_ptr, part_ptr, hist_ptr, T, stride_xb, stride_xt, V, cols, n_splits, hist_stride,
+    SCAN: tl.constexpr, HIST: tl.constexpr, PASS: tl.constexpr, WINDOW: tl.constexpr,
+    KEY_SHIFT: tl.constexpr, DIGIT_HI: tl.constexpr, DIGIT_LO: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Program (row, split) reads its columns [c0, c1) of the row once (blocks of BLOCK) and
+    writes its partials: SCAN (pass 0): (max, smallest logit > −inf, NaN held) into
+    ``part`` (N, n_splits, 4) float32; HIST: the count histogram of the bits
+    [DIGIT_LO, DIGIT_HI) of the keys of :func:`_radix_key` (``tl.histogram``: 2^(DIGIT_HI −
+    DIGIT_LO) bins), for PASS > 0 among the elements whose bits above DIGIT_HI are the row's
+    prefix of the previous passes (``hist_ptr``: (N, hist_stride) int32, the prefix at
+    n_splits·2048), into the row's split s bins at s·NB; WINDOW (top-p's, in a pass after
+    pass 0): the count of each of the 2048 keys up to the row's max M's (M merged from the
+    ``n_splits`` ≤ SPLITS partials of pass 0; bin 2047 M's own), into the row's split s bins
+    at n_splits·2048 + 2 + s·2048. NaN is counted in no bin."""
+    NB: tl.constexpr = 1 << (DIGIT_HI - DIGIT_LO)
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
+    c0, c1 = _split_columns(split, cols, n_splits, V)
+    offs = tl.arange(0, BLOCK)
+    big = tl.full([BLOCK], float("-inf"), tl.float32)
+    small_finite = tl.full([BLOCK], float("inf"), tl.float32)
+    nan = tl.zeros([BLOCK], tl.int32)
+    h = tl.zeros([NB], tl.int32)
+    if PASS > 0:
+        prefix = tl.load(hist_ptr + row * hist_stride + n_splits * 2048).to(tl.uint32)
+    if WINDOW:
+        sp = tl.arange(0, SPLITS)
+        top = tl.max(tl.load(part_ptr + (row * n_splits + sp) * 4, mask=sp < n_splits,
+                             other=float("-inf")), 0)
+        base = _radix_key(top, KEY_SHIFT).to(tl.int32) - 2047  # the window's lowest key
+        hw = tl.zeros([2048], tl.int32)
+    for start in range(c0, c1, BLOCK):
+        col = start + offs
+        valid = col < c1
+        x = tl.load(x_row + col, mask=valid, other=float("nan")).to(tl.float32)
+        if SCAN:
+            big = tl.maximum(big, tl.where(x == x, x, float("-inf")))
+            small_finite = tl.minimum(small_finite, tl.where(x > float("-inf"), x,
+                                                             float("inf")))
+            nan = tl.maximum(nan, (valid & (x != x)).to(tl.int32))
+        if HIST:
+            u = _radix_key(x, KEY_SHIFT)
+            inside = x == x
+            if PASS > 0:
+                inside = inside & ((u >> DIGIT_HI) == prefix)
+            h += tl.histogram(((u >> DIGIT_LO) & (NB - 1)).to(tl.int32), NB, mask=inside)
+        if WINDOW:
+            w = _radix_key(x, KEY_SHIFT).to(tl.int32) - base
+            hw += tl.histogram(w, 2048, mask=(x == x) & (w >= 0) & (w < 2048))
+    slot = row * n_splits + split
+    if SCAN:
+        tl.store(part_ptr + slot * 4, tl.max(big, 0))
+        tl.store(part_ptr + slot * 4 + 1, tl.min(small_finite, 0))
+        tl.store(part_ptr + slot * 4 + 2, tl.max(nan, 0).to(tl.float32))
+    if HIST:
+        tl.store(hist_ptr + row * hist_stride + split * NB + tl.arange(0, NB), h)
+    if WINDOW:  # after the digits' histograms and the prefix
+        tl.store(hist_ptr + row * hist_stride + n_splits * 2048 + 2 + split * 2048 +
+                 tl.arange(0, 2048), hw)
+
+
+@triton.jit
+def threshold_select_kernel(hist_ptr, n_splits, hist_stride, top_k, PASS: tl.constexpr,
+                            NB: tl.constexpr):
+    """One program per row: top-k's digit of pass PASS from the row's partial histograms
+    (:func:`_select_digit`), its prefix and the count above it written at n_splits·2048 of the
+    row's scratch for the next pass."""
+    row = tl.program_id(0).to(tl.int64)
+    state = hist_ptr + row * hist_stride + n_splits * 2048
+    prefix = tl.zeros([], tl.int32)
+    above = tl.zeros([], tl.int32)
+    if PASS > 0:
+        prefix = tl.load(state)
+        above = tl.load(state + 1)
+    prefix, above = _select_digit(hist_ptr, hist_stride, row, n_splits, prefix, above, top_k,
+                                  NB)
+    tl.store(state, prefix)
+    tl.store(state + 1, above)
+
 
 @triton.jit
 def threshold_kernel(
-    x_ptr, tau_in_ptr, tau_ptr, T, stride_xb, stride_xt, V, top_k, top_p_bits,
-    log_min_p_bits, window_bits, temperature, TOP_K: tl.constexpr, TOP_P: tl.constexpr,
-    MIN_P: tl.constexpr, HAS_TAU: tl.constexpr, KEY_SHIFT: tl.constexpr,
-    BLOCK: tl.constexpr, BT: tl.constexpr, F: tl.constexpr,
+    x_ptr, part_ptr, hist_ptr, tau_in_ptr, tau_ptr, T, stride_xb, stride_xt, V, n_splits,
+    hist_stride, top_k, top_p_bits, log_min_p_bits, window_bits, temperature,
+    TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr, HAS_TAU: tl.constexpr,
+    KEY_SHIFT: tl.constexpr, NB_LAST: tl.constexpr, WINDOW: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, F: tl.constexpr,
 ):
     """τ of one row (program) for top-k → top-p → min-p sampling (:mod:`klpenalty.sampling`'s
     rule: decisions on the keys x/T, ``div_rn``, the float32 quotient by float32(T); tie groups
@@ -163,99 +377,83 @@ def threshold_kernel(
     row), NaN for a row holding NaN. ``top_p``, ``log min_p`` and ``window`` come as the int64
     bits of their float64 values (a float argument would be rounded to float32).
 
-    Every search is a radix select over the order-preserving int32 keys of the logits
-    (:func:`_order_key`): the key interval [lo, hi] known to hold the answer is cut into F
-    buckets of 2^s keys, one read of the row (:func:`_bucket_sums`) sums each bucket, and the
-    bucket holding the answer becomes the interval; a bucket of single keys ends it, so a
-    search takes ⌈log_F(hi − lo + 1)⌉ reads (16-bit keys for bf16/fp16 logits: at most 4).
-    Pass 0 and the Z read take blocks of BLOCK columns (16 bytes per thread and load), the
-    searches blocks of BT (the threads: one column each).
+    Launched after :func:`threshold_scan_kernel` (and, for top-k, its histogram passes and
+    :func:`threshold_select_kernel`): the row's max M, smallest logit > −inf and NaN flag are
+    merged from the ``n_splits`` (≤ SPLITS, a power of two) partials of ``part``.
 
-    - pass 0: the row's max M, min, smallest logit > −inf, and whether it holds NaN;
-    - top-k (TOP_K): the k-th largest logit by counts (the elements above the interval carried
-      along), lowered to its tie group's smallest logit (:func:`_group_floor`): τ_k; for k ≤ BLOCK the search starts at
-      the smallest of pass 0's BLOCK partial maxima (a lower bound of τ_k);
-    - one read for Z = Σ exp(x/T − M/T) (float64) over x ≥ τ_k, x > −inf, and for min-p
+    - top-k (TOP_K): the last digit (NB_LAST bins) of the radix select over the keys of
+      :func:`_radix_key` (:func:`_select_digit` on the last pass's histograms, after the
+      prefix of the earlier passes): the k-th largest key exactly (counted with multiplicity,
+      so ties with the k-th are all kept), its logit lowered to its tie group's smallest
+      (:func:`_group_floor`): τ_k;
+    - Z = Σ exp(x/T − M/T) (float64) over x ≥ τ_k, x > −inf, and for min-p
       (MIN_P): τ_m = min{x : k_x − k_M ≥ log min_p} (the keys' float64 difference against a
-      float64 log), at most M;
+      float64 log), at most M: from the window of keys (WINDOW, :func:`_window_sums`) where
+      it holds them, else one read (:func:`_z_read`);
     - top-p (TOP_P): the smallest key K among x ≥ τ_k, x > −inf with mass(keys > K) < p·Z
-      (:func:`_mass_search`), searched with float32 masses and checked in one float64 read
-      (:func:`_mass_at`): mass(keys > K) < p·Z ≤ mass(keys ≥ K), or K the lowest candidate;
-      where the check fails the search runs again with float64 masses. The logit K (the last
-      kept in the order of the logits) is lowered to its tie group's smallest (the group's mass
-      before it is at most K's, so it is kept whole). The search starts at
-      x ≥ (M/T + window)·T (``window`` = log((1 − p)/V) − 2, rounded down): the logits below
-      hold less than 1 − p of the mass together, so each has more than p before it.
+      (:func:`_mass_search`: a radix select, each read cutting the key interval [lo, hi] into
+      F buckets of 2^s keys (:func:`_bucket_sums`), until a bucket is one key), searched with
+      float32 masses and checked in one float64 read (:func:`_mass_at`): mass(keys > K) < p·Z
+      ≤ mass(keys ≥ K), or K the lowest candidate; where the check fails the search runs again
+      with float64 masses; WINDOW (16-bit logits): first from the counts of the 2048 keys up
+      to M's (:func:`_window_answer`), with no read where the answer lies there, else the
+      search runs below them, their mass carried. The logit K (the last kept in the order of
+      the logits) is lowered
+      to its tie group's smallest (the group's mass before it is at most K's, so it is kept
+      whole). The search starts at x ≥ (M/T + window)·T (``window`` = log((1 − p)/V) − 2,
+      rounded down): the logits below hold less than 1 − p of the mass together, so each has
+      more than p before it. The Z read and the checks take blocks of BLOCK columns (16 bytes
+      per thread and load), the searches blocks of BT (the threads: one column each).
     """
     XBITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
     INNER: tl.constexpr = 128 // XBITS
     NT: tl.constexpr = BLOCK // INNER
+    KBITS: tl.constexpr = 32 - KEY_SHIFT
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
     top_p = top_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
     log_min_p = log_min_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
     window = window_bits.to(tl.int64).to(tl.float64, bitcast=True)
     offs = tl.arange(0, NT)[:, None] * INNER + tl.arange(0, INNER)[None, :]
-    bins = tl.arange(0, F)
-    big = tl.full([NT, INNER], float("-inf"), tl.float32)
-    small = tl.full([NT, INNER], float("inf"), tl.float32)
-    small_finite = tl.full([NT, INNER], float("inf"), tl.float32)
-    nan = tl.zeros([NT, INNER], tl.int32)
-    for start in range(0, V, BLOCK):
-        col = start + offs
-        valid = col < V
-        x = tl.load(x_row + col, mask=valid, other=float("-inf")).to(tl.float32)
-        num = valid & (x == x)
-        big = tl.maximum(big, tl.where(num, x, float("-inf")))
-        small = tl.minimum(small, tl.where(num, x, float("inf")))
-        small_finite = tl.minimum(small_finite, tl.where(valid & (x > float("-inf")), x,
-                                                         float("inf")))
-        nan = tl.maximum(nan, (valid & (x != x)).to(tl.int32))
-    top = tl.max(tl.max(big, 1), 0)
-    has_nan = tl.max(tl.max(nan, 1), 0) > 0
+    # the row's pass 0, merged from its programs' partials
+    sp = tl.arange(0, SPLITS)
+    part = part_ptr + (row * n_splits + sp) * 4
+    on = sp < n_splits
+    top = tl.max(tl.load(part, mask=on, other=float("-inf")), 0)
+    smallest_finite = tl.min(tl.load(part + 1, mask=on, other=float("inf")), 0)
+    has_nan = tl.max(tl.load(part + 2, mask=on, other=0.0), 0) > 0.0
     key_top = _order_key(top, KEY_SHIFT).to(tl.int64)
     tau = float("-inf")
     tau_k = float("-inf")
     if TOP_K:
-        # for k ≤ BLOCK the search starts at the smallest of pass 0's BLOCK partial maxima
-        # (each the value of a distinct logit, or −inf: at most the row's BLOCK-th largest,
-        # so at most its k-th), else at the row's min
-        low = tl.where(top_k <= BLOCK, tl.min(tl.min(big, 1), 0), tl.min(tl.min(small, 1), 0))
-        lo = _order_key(low, KEY_SHIFT).to(tl.int64)
-        hi = tl.where(has_nan, lo, key_top)  # a NaN row: no search (its τ is NaN)
-        above = (lo * 0).to(tl.int64)  # elements with keys > hi
-        while lo < hi:
-            s = _key_shift(lo, hi, F)
-            cnt, _ = _bucket_sums(x_row, V, lo, hi, s, 0.0, temperature, 0, KEY_SHIFT, BT, F)
-            c = cnt.to(tl.int64)
-            # at_least[j]: the elements with keys in buckets ≥ j, plus those above
-            at_least = above + tl.sum(tl.where(bins[None, :] >= bins[:, None], c[None, :], 0), 1)
-            j = tl.sum((at_least >= top_k).to(tl.int32), 0) - 1  # the bucket of the k-th
-            above = _pick(at_least, bins, j) - _pick(c, bins, j)
-            lo = lo + (j.to(tl.int64) << s)
-            hi = tl.minimum(hi, lo + (((s * 0) + 1) << s) - 1)
-        tau_k = _group_floor(x_row, V, _key_value(lo, KEY_SHIFT), temperature, offs)
+        state = hist_ptr + row * hist_stride + n_splits * 2048
+        key_u, _ = _select_digit(hist_ptr, hist_stride, row, n_splits,
+                                 tl.load(state).to(tl.int64), tl.load(state + 1), top_k, NB_LAST)
+        key_k = key_u - (1 << (KBITS - 1))  # the k-th largest key, signed
+        tau_k = _group_floor(x_row, V, _key_value(key_k, KEY_SHIFT), temperature, offs)
         tau = tau_k
     if TOP_P or MIN_P:
         m_s = tl.math.div_rn(top, temperature).to(tl.float64)
-        floor = tl.maximum(tau_k, tl.min(tl.min(small_finite, 1), 0))  # top-p's candidates
-        z_acc = tl.zeros([NT, INNER], tl.float64)
-        kept_min = tl.full([NT, INNER], float("inf"), tl.float32)
-        for start in range(0, V, BLOCK):
-            col = start + offs
-            valid = col < V
-            x = tl.load(x_row + col, mask=valid, other=float("-inf")).to(tl.float32)
-            if TOP_P:
-                e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
-                z_acc += tl.where(valid & (x >= floor), e, 0.0)
+        floor = tl.maximum(tau_k, smallest_finite)  # top-p's candidates
+        z = tl.zeros([], tl.float64)
+        tau_m = tl.full([], float("inf"), tl.float32)
+        read = True
+        if WINDOW:  # Z and τ_m from the window where it holds them, else the read
+            z, tau_m, base_w = _window_sums(hist_ptr, hist_stride, row, n_splits, top, floor,
+                                            m_s, log_min_p, temperature, MIN_P, KEY_SHIFT)
+            read = _order_key(floor, KEY_SHIFT).to(tl.int64) < base_w  # candidates below it
             if MIN_P:
-                u = tl.math.div_rn(x, temperature).to(tl.float64) - m_s
-                kept_min = tl.minimum(kept_min, tl.where(valid & (u >= log_min_p), x,
-                                                         float("inf")))
+                # decided where the value below the window (and so every one below) falls short
+                below = tl.math.div_rn(_key_value(base_w - 1, KEY_SHIFT), temperature)
+                short = (below.to(tl.float64) - m_s < log_min_p) | (
+                    base_w <= -(1 << (31 - KEY_SHIFT)))
+                read = read | (not short)
+        if read:
+            z, tau_m = _z_read(x_row, V, floor, m_s, log_min_p, temperature, offs, TOP_P, MIN_P)
         if MIN_P:
-            tau = tl.maximum(tau, tl.minimum(tl.min(tl.min(kept_min, 1), 0), top))
+            tau = tl.maximum(tau, tl.minimum(tau_m, top))
         if TOP_P:
-            target = top_p * tl.sum(tl.sum(z_acc, 1), 0)
+            target = top_p * z
             hi = key_top
             # the window's lowest logit, rounded down (a NaN or −inf bound: no narrowing)
             cut = (m_s + window) * temperature
@@ -266,15 +464,21 @@ def threshold_kernel(
             # a search with float32 masses, its answer K checked in float64 (mass(keys > K) <
             # target ≤ mass(keys ≥ K), or K the lowest candidate); where the check fails (the
             # target within float32 rounding of a bucket's edge) the search in float64
+            above_w = tl.zeros([], tl.float64)  # the mass of the candidates above hi
+            if WINDOW:  # the window's keys decide where they hold the answer
+                hi_w, in_window, above_w = _window_answer(hist_ptr, hist_stride, row, n_splits,
+                                                          top, floor, target, m_s,
+                                                          temperature, KEY_SHIFT)
+                hi = tl.where(lo < hi, tl.maximum(lo, hi_w), hi)
+                lo = tl.where(in_window, hi, lo)
             lo0 = lo
             hi0 = hi
-            zero = tl.zeros([], tl.float64)
-            lo, hi, above_m = _mass_search(x_row, V, lo, hi, zero, target, m_s, temperature, 1,
-                                           KEY_SHIFT, BT, F)
+            lo, hi, above_m = _mass_search(x_row, V, lo, hi, above_w, target, m_s, temperature,
+                                           1, KEY_SHIFT, BT, F)
             if lo0 < hi0:
                 above_k, at_k = _mass_at(x_row, V, lo, m_s, temperature, offs, KEY_SHIFT)
                 if (above_k >= target) | ((above_k + at_k < target) & (lo > lo0)):
-                    lo, hi, above_m = _mass_search(x_row, V, lo0, hi0, zero, target, m_s,
+                    lo, hi, above_m = _mass_search(x_row, V, lo0, hi0, above_w, target, m_s,
                                                    temperature, 2, KEY_SHIFT, BT, F)
             tau = tl.maximum(tau, _group_floor(x_row, V, _key_value(lo, KEY_SHIFT), temperature,
                                                offs))

@@ -18,7 +18,8 @@ _error: str | None = None  # None = not tried, "" = imported, else why not
 def _kernels():
     """The kernels, imported at the first call (imports Triton; raises ImportError where it is
     missing): one namespace of the names the kernel modules export, ``stats_kernel``,
-    ``merge_kernel``, ``grad_kernel``, ``threshold_kernel``, ``divergence_kernel``,
+    ``merge_kernel``, ``grad_kernel``, ``threshold_scan_kernel``, ``threshold_select_kernel``,
+    ``threshold_kernel``, ``divergence_kernel``,
     ``divergence_merge_kernel``, ``divergence_grad_kernel`` and ``INTERPRETED``."""
     global _jit
     if _jit is None:

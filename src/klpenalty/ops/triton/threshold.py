@@ -1,16 +1,18 @@
 """The host of the Triton backend's ``klpenalty::triton_sampling_threshold`` op, and of the
 sampler's threshold that its forward computes first where the sampler settings cut.
 
-:func:`._kernels_threshold.threshold_kernel` (one program per row: radix selects over
-order-preserving keys of the logits, float64 masses; docs/triton.md) writes τ, or max(tau, τ)
-where a tau is given, into an (N,) float32 buffer: the threshold op returns it, the forward's
-statistics kernels read it as their tau and write it into the stats column ``ST_TAU``. One
-launch, nothing read back. Float64 logits and empty vocabularies run the streaming backend's
-op (:func:`._host.portable_op`).
+:func:`tau_rows` launches the kernels of :mod:`._kernels_threshold` (docs/triton.md): the
+split scan (pass 0 and top-k's digit histograms, the rows split as the forward's), top-k's
+selects between its passes, and the row's program (top-k's last digit, top-p, min-p), which
+writes τ, or max(tau, τ) where a tau is given, into an (N,) float32 buffer: the threshold op
+returns it, the forward's statistics kernels read it as their tau and write it into the stats
+column ``ST_TAU``. Nothing read back. Float64 logits and empty vocabularies run the streaming
+backend's op (:func:`._host.portable_op`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 
@@ -22,7 +24,7 @@ from . import _host
 from ._load import _kernels
 
 __all__ = ["tau_rows", "sampling_threshold_op", "THRESHOLD_BUCKETS", "THRESHOLD_BLOCK",
-           "THRESHOLD_WARPS"]
+           "THRESHOLD_WARPS", "THRESHOLD_DIGIT", "digits"]
 
 # Buckets per read of a threshold search (:func:`._kernels_threshold.threshold_kernel`): 4 bits
 # of the 32-bit key per read; a power of two.
@@ -30,6 +32,12 @@ THRESHOLD_BUCKETS = 16
 # Columns per block of the threshold kernel's pass 0, Z and check reads (vector loads; the
 # smallest of its BLOCK partial maxima bounds top-k's search for k ≤ BLOCK).
 THRESHOLD_BLOCK = 1024
+# Columns per block of the split scan (pass 0 and top-k's histograms): one histogram of a block
+# costs 3 barriers, so the larger the block the fewer per element.
+THRESHOLD_SCAN_BLOCK = 2048
+# Bits of a digit of top-k's radix select: one count histogram of 2^11 bins per read of the
+# row (tl.histogram: shared-memory atomics), so 2 reads for 16-bit keys, 3 for 32-bit ones.
+THRESHOLD_DIGIT = 11
 # Warps of a threshold program (a search reads one column per thread at a time).
 THRESHOLD_WARPS = 8
 # The low bits of a float32 key that are 0 for logits of the dtype (16-bit keys for 16-bit
@@ -42,12 +50,35 @@ def _float64_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
+def digits(dtype: torch.dtype) -> list[tuple[int, int]]:
+    """The (high, low) bit bounds of top-k's radix digits, high to low, over the keys of
+    logits of ``dtype`` (32 − KEY_SHIFT bits): :data:`THRESHOLD_DIGIT` bits each, the last
+    one what is left (bf16: 11 + 5, fp16: 11 + 8, fp32: 11 + 11 + 10)."""
+    high = 32 - _KEY_SHIFT[dtype]
+    out = []
+    while high > 0:
+        out.append((high, max(0, high - THRESHOLD_DIGIT)))
+        high = out[-1][1]
+    return out
+
+
 def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: float,
              tau: Tensor | None = None) -> Tensor:
     """τ (N,) float32 of the sampler settings on the rows of (..., V) logits (the rule of
     :mod:`klpenalty.sampling`), or max(tau, τ) (NaN where either is) where ``tau`` (...) is
-    given: one program per row of :func:`._kernels_threshold.threshold_kernel`, launched on x's
-    device, nothing read back. The settings cut (:func:`..contract.sampler_cuts`)."""
+    given, launched on x's device, nothing read back. The settings cut
+    (:func:`..contract.sampler_cuts`).
+
+    Each row is split into programs as the forward's (:func:`.token_stats.split_columns`):
+    :func:`._kernels_threshold.threshold_scan_kernel` reads it once for its max, smallest
+    finite logit, NaN and, for top-k, the count histogram of the keys' first digit; each
+    further digit of top-k takes :func:`._kernels_threshold.threshold_select_kernel` (one
+    program per row: the digit of the k-th, from the merged histograms) and one more
+    histogram read; for top-p on 16-bit logits a scan (top-k's last, or its own) counts the
+    2048 keys up to the row's max; :func:`._kernels_threshold.threshold_kernel` (one program
+    per row) then selects the last digit and runs top-p's and min-p's reads."""
+    from .token_stats import split_columns  # token_stats imports this module
+
     vocab = x.shape[-1]
     n = x.numel() // vocab
     out = torch.empty(n, dtype=torch.float32, device=x.device)
@@ -56,16 +87,47 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     rows = _host.rows(x, None, None)
     tauf = _host.flat(tau)
     block = _host.block(vocab, THRESHOLD_BLOCK)
+    _, cols = split_columns(n, vocab, x.device)
+    splits = max(1, -(-vocab // cols))
+    cut_k = 0 < top_k < vocab
     cut_p = top_p < 1.0
+    # top-p on 16-bit logits: a read (top-k's last) counts each of the 2048 keys up to the max
+    window = cut_p and x.element_size() == 2
+    part = torch.empty((n, splits, 4), dtype=torch.float32, device=x.device)
+    # the digits' histograms, the prefix and count above, the window's histograms
+    stride = (splits * (1 << THRESHOLD_DIGIT) + 2) + (splits * 2048 if window else 0)
+    hist = torch.empty((n, stride if cut_k or window else 1), dtype=torch.int32,
+                       device=x.device)
+    scan_block = _host.block(vocab, THRESHOLD_SCAN_BLOCK)
+    ds = digits(x.dtype)
+    kernels = _kernels()
+    scan = functools.partial(
+        _host.launch, kernels.threshold_scan_kernel, (n, splits), x.device, rows.x, part, hist,
+        *rows.args[:3], vocab, cols, splits, stride, KEY_SHIFT=_KEY_SHIFT[x.dtype],
+        SPLITS=1 << (splits - 1).bit_length(), BLOCK=scan_block,
+        num_warps=_host.warps(scan_block),
+    )
+    passes = ds if cut_k else ds[:1]
+    for pass_, (high, low) in enumerate(passes):
+        if pass_:
+            _host.launch(kernels.threshold_select_kernel, (n,), x.device, hist, splits, stride,
+                         top_k, PASS=pass_ - 1, NB=1 << (ds[pass_ - 1][0] - ds[pass_ - 1][1]),
+                         num_warps=4)
+        scan(SCAN=pass_ == 0, HIST=cut_k, PASS=pass_,
+             WINDOW=window and 0 < pass_ == len(passes) - 1, DIGIT_HI=high, DIGIT_LO=low)
+    if window and len(passes) == 1:  # no later pass of top-k's to count the window in
+        scan(SCAN=False, HIST=False, PASS=0, WINDOW=True, DIGIT_HI=THRESHOLD_DIGIT, DIGIT_LO=0)
     # top-p's search starts where the logits below hold < 1 − p of the mass together
-    window = math.log((1.0 - top_p) / vocab) - 2.0 if cut_p else 0.0
+    bound = math.log((1.0 - top_p) / vocab) - 2.0 if cut_p else 0.0
     _host.launch(
-        _kernels().threshold_kernel, (n,), x.device, rows.x, out if tauf is None else tauf,
-        out, *rows.args[:3], vocab, top_k if 0 < top_k < vocab else 0,
-        _float64_bits(top_p), _float64_bits(math.log(min_p) if min_p > 0.0 else 0.0),
-        _float64_bits(window), temperature, TOP_K=0 < top_k < vocab, TOP_P=cut_p,
-        MIN_P=min_p > 0.0, HAS_TAU=tauf is not None, KEY_SHIFT=_KEY_SHIFT[x.dtype],
-        BLOCK=block, BT=min(block, 32 * THRESHOLD_WARPS), F=THRESHOLD_BUCKETS,
+        kernels.threshold_kernel, (n,), x.device, rows.x, part, hist,
+        out if tauf is None else tauf, out, *rows.args[:3], vocab, splits, stride,
+        top_k if cut_k else 0, _float64_bits(top_p),
+        _float64_bits(math.log(min_p) if min_p > 0.0 else 0.0), _float64_bits(bound),
+        temperature, TOP_K=cut_k, TOP_P=cut_p, MIN_P=min_p > 0.0, HAS_TAU=tauf is not None,
+        KEY_SHIFT=_KEY_SHIFT[x.dtype], NB_LAST=1 << (ds[-1][0] - ds[-1][1]), WINDOW=window,
+        SPLITS=1 << (splits - 1).bit_length(), BLOCK=block,
+        BT=min(block, 32 * THRESHOLD_WARPS), F=THRESHOLD_BUCKETS,
         num_warps=THRESHOLD_WARPS if block >= 32 * THRESHOLD_WARPS else 1,
     )
     return out

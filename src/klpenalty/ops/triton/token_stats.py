@@ -22,9 +22,10 @@ Float64 inputs and empty vocabularies run the streaming backend's ops, through t
 dispatcher (:func:`._host.portable_op`; the kernels compute in float32).
 
 **The sampler's threshold.** Where top_k / top_p / min_p cut, the forward first launches
-:func:`._kernels_threshold.threshold_kernel` (:func:`.threshold.tau_rows`; one program per row:
-radix selects over order-preserving keys of the logits, float64 masses; docs/triton.md), which
-writes max(tau, τ_s) into an (N,) buffer that the statistics kernels read as their tau and write
+the kernels of :mod:`._kernels_threshold` (:func:`.threshold.tau_rows`: a split scan with
+top-k's digit histograms, then one program per row for top-p and min-p: radix selects over
+order-preserving keys of the logits, float64 masses; docs/triton.md), which write
+max(tau, τ_s) into an (N,) buffer that the statistics kernels read as their tau and write
 into the stats column ``ST_TAU``; the threshold op runs the same kernel alone.
 
 **Backward.** One kernel (:func:`._kernels_stats.grad_kernel`) over a (rows, vocabulary blocks)

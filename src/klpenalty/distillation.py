@@ -39,7 +39,7 @@ from .ops import dispatch
 from .ops.contract import OUT_KL, ST_TAU, Want, sampler_cuts
 from .ops.divergence import KINDS, Divergence, needs_param
 from .ops.dispatch import get_backend
-from .sampling import parse_support, support_args
+from .sampling import op_support
 
 __all__ = ["divergence", "DIVERGENCES", "check_kind"]
 
@@ -119,18 +119,23 @@ def divergence(
     if mask is not None:
         mask = v.check_mask(mask, student_logits.shape[:-1], student_logits.device)
     impl = get_backend(backend, student_logits.device)
-    keep, tau, sampler = support_args(
-        *parse_support(support, top_k, top_p, min_p, student_logits.shape,
-                       student_logits.device), student_logits,
-    )
+    # (ids, offsets): the forward op finds the sets' thresholds in its pass over the rows
+    keep, tau, sampler, ids, offsets = op_support(support, top_k, top_p, min_p, student_logits,
+                                                  impl)
     teacher = teacher_logits.detach()
     if k == Divergence.REVERSE_KL:  # the KL column, in one read of both
         out = dispatch.token_stats(impl, student_logits, teacher, None, mask, keep, tau,
-                                   temperature, want=Want.KL, check=check, sampler=sampler)
+                                   temperature, want=Want.KL, check=check, sampler=sampler,
+                                   ids=ids, offsets=offsets)
         return out[..., OUT_KL].contiguous()
-    _, stats = impl.forward(student_logits.detach(), teacher, mask=mask, keep=keep, tau=tau,
-                            temperature=temperature, want=Want.KL, check=check, sampler=sampler)
-    if sampler_cuts(student_logits.shape[-1], *sampler):  # the threshold the forward computed
+    _, stats = dispatch.forward_of_ids(
+        impl, student_logits.detach(), teacher, None, mask, keep, tau, ids=ids,
+        offsets=offsets, temperature=temperature, want=Want.KL, check=check, sampler=sampler,
+    )
+    if ids is not None:  # the sets' thresholds the forward found, or their dense mask
+        keep, tau = dispatch.support_of_ids(stats, mask, keep, tau, ids, offsets,
+                                            student_logits.shape)
+    elif sampler_cuts(student_logits.shape[-1], *sampler):  # the threshold the forward computed
         tau = stats[..., ST_TAU]
     value, _ = impl.divergence(student_logits, teacher, stats, mask, keep, tau,
                                temperature=temperature, kind=k, param=param)

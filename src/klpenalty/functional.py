@@ -14,13 +14,7 @@ from . import _validation as v
 from .ops import dispatch
 from .ops.contract import Want
 from .ops.dispatch import get_backend
-from .sampling import (
-    check_compact_values,
-    check_sampler,
-    ids_args,
-    parse_support,
-    support_args,
-)
+from .sampling import check_sampler, op_support
 
 __all__ = [
     "full_kl",
@@ -381,15 +375,8 @@ def _token_stats(
     if mask is not None:
         mask = v.check_mask(mask, leading, x.device)
     impl = get_backend(backend, x.device)
-    kind, payload = parse_support(support, top_k, top_p, min_p, x.shape, x.device, values=False)
-    ids = offsets = None
-    if kind == "ids":  # the op finds the sets' thresholds in its pass over the rows
-        ids, offsets = ids_args(*payload)
-        if impl.name != "native" or ids is not payload[0] or offsets is not payload[1]:
-            # the native op checks int32/int64 sets' values itself, with these messages
-            check_compact_values(*payload, x.shape[-1])
-        kind, payload = "none", None
-    keep, tau, sampler = support_args(kind, payload, x)
+    # (ids, offsets): the op finds the sets' thresholds in its pass over the rows
+    keep, tau, sampler, ids, offsets = op_support(support, top_k, top_p, min_p, x, impl)
     want = Want.KL * kl | Want.LOGP * logp | Want.REF_LOGP * ref_logp | Want.ENTROPY * entropy
     out = dispatch.token_stats(
         impl, x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,

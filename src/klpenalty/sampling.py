@@ -74,6 +74,7 @@ __all__ = [
     "rows_of_support",
     "ids_of_rows",
     "support_args",
+    "op_support",
     "ids_args",
     "check_compact_values",
     "op_sampler",
@@ -389,6 +390,26 @@ def support_args(kind: str, payload: object, logits: Tensor) -> tuple:
     if kind == "rule":
         return None, None, op_sampler(*payload)
     return None, None, op_sampler(None, None, None)
+
+
+def op_support(support: object, top_k: object, top_p: object, min_p: object, logits: Tensor,
+               impl) -> tuple:
+    """The forward op's support arguments ``(keep, tau, sampler, ids, offsets)`` of a public
+    function's ``support=`` / ``top_k=`` / ``top_p=`` / ``min_p=`` (validated by
+    :func:`parse_support`) for policy logits (..., V) and the backend ``impl``: a compact kept
+    set goes to the op as its ``ids`` / ``offsets`` (int32/int64, :func:`ids_args`; the op
+    finds the sets' thresholds in its pass over the rows), their values checked here
+    (:func:`check_compact_values`) unless the native op reads the given tensors and checks
+    them itself, with the same messages; anything else as :func:`support_args`."""
+    kind, payload = parse_support(support, top_k, top_p, min_p, logits.shape, logits.device,
+                                  values=False)
+    ids = offsets = None
+    if kind == "ids":
+        ids, offsets = ids_args(*payload)
+        if impl.name != "native" or ids is not payload[0] or offsets is not payload[1]:
+            check_compact_values(*payload, logits.shape[-1])
+        kind, payload = "none", None
+    return (*support_args(kind, payload, logits), ids, offsets)
 
 
 def rows_of_support(kind: str, payload: object, logits: Tensor, rows: Tensor) -> tuple:

@@ -216,3 +216,126 @@ def test_invalid_sets_raise_the_messages_of_before(name):
         ):
             with _env(name), pytest.raises(ValueError, match=match):
                 klpenalty.full_kl(x, y, mask=mask, support=support, backend=name)
+
+
+# ------------------------------------------------- the callers that pass the sets to the op
+def _heads_case(broken: bool, index_dtype):
+    """Hidden states (2, 3, 16) and weights (70, 16) of two heads, the policy logits' kept sets
+    (the top of each row, shuffled; ``broken``: row 1 drops one id from inside its set, so no
+    threshold describes it), sampled tokens inside them, row 5 masked with an arbitrary set."""
+    g = torch.Generator().manual_seed(5)
+    hp, hr = (torch.randn(2, 3, 16, generator=g) for _ in range(2))
+    wp, wr = (torch.randn(70, 16, generator=g) * 0.6 for _ in range(2))
+    z = (hp @ wp.T).reshape(6, 70)
+    sets = []
+    for r in range(6):
+        top = z[r].topk(4 + 6 * r).indices
+        sets.append(top[torch.randperm(top.numel(), generator=g)].tolist())
+    sets[5] = [3, 60, 17]  # masked
+    if broken:
+        sets[1] = [i for i in sets[1] if i != int(z[1].topk(3).indices[-1])]
+    tokens = torch.tensor([s[0] for s in sets]).reshape(2, 3)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    return (hp, wp, hr, wr), tokens, mask, _compact(sets, index_dtype), _dense(sets, (2, 3, 70))
+
+
+def _spy_ids(monkeypatch):
+    """The forward op calls that were given kept sets, counted (the sets reach the op)."""
+    calls = []
+    forward = dispatch.Backend.forward
+
+    def spy(self, *args, **kw):
+        calls.append(kw.get("ids") is not None)
+        return forward(self, *args, **kw)
+
+    monkeypatch.setattr(dispatch.Backend, "forward", spy)
+    return calls
+
+
+def _grads(fn, inputs, weights):
+    leaves = [t.clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    sum((o.double() * w).sum() for o, w in zip(outs, weights)).backward()
+    return [o.detach() for o in outs], [t.grad for t in leaves]
+
+
+def _assert_same(got, want):
+    (out_g, grad_g), (out_w, grad_w) = got, want
+    for a, b in zip(out_g, out_w):
+        torch.testing.assert_close(a, b, **tol(torch.float32))
+    for a, b in zip(grad_g, grad_w):
+        torch.testing.assert_close(a, b, **grad_tol(torch.float32))
+
+
+@pytest.mark.parametrize("name, broken, index_dtype", [
+    ("native", True, torch.int32), ("native", False, torch.int64),
+    ("streaming", True, torch.int64), ("streaming", False, torch.int32),
+])
+def test_linear_heads_given_ids_equal_the_dense_mask(name, broken, index_dtype, monkeypatch):
+    """linear_kl (with and without a gradient plan) and linear_divergence given (ids, offsets)
+    give the values and gradients of the same sets as a bool mask, chunk by chunk (chunks of
+    2 rows: the chunk holding a set no threshold describes runs on its dense mask, the others
+    on the thresholds the op found), and every chunk's forward op is given the sets."""
+    _backend(name)
+    heads, tokens, mask, ids_offsets, keep = _heads_case(broken, index_dtype)
+    w = torch.randn(4, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+
+    def kl(support, plan=None):
+        def fn(hp, wp, hr, wr):
+            s = klpenalty.linear_kl(hp, wp, hr, wr, tokens=tokens, mask=mask, entropy=True,
+                                    temperature=0.8, chunk_rows=2, backend=name,
+                                    support=support, expected_grads=plan)
+            return s.kl, s.logprobs, s.ref_logprobs, s.entropy
+        return _grads(fn, heads, w)
+
+    plan = (lambda rows, out: w.reshape(4, 6).T[rows].to(out.dtype))
+    calls = _spy_ids(monkeypatch)
+    for p in (None, plan):
+        _assert_same(kl(ids_offsets, p), kl(keep, p))
+    for kind in ("reverse_kl", "forward_kl", "jsd"):
+        def div(support, kind=kind):
+            return _grads(lambda hp, wp, hr, wr: klpenalty.linear_divergence(
+                hp, wp, hr, wr, kind, mask=mask, temperature=0.8, chunk_rows=2, backend=name,
+                support=support), heads, w[:1])
+        _assert_same(div(ids_offsets), div(keep))
+    assert calls.count(True) == 5 * 3  # 5 calls given the sets, 3 chunks each
+    assert calls.count(False) == 5 * 3 + (5 * 1 if broken else 0)  # + a chunk's dense redo
+
+
+@pytest.mark.parametrize("name", ["native", "streaming"])
+def test_divergence_given_ids_equals_the_dense_mask(name, monkeypatch):
+    """klpenalty.divergence given (ids, offsets) (int32; row 1 a set no threshold describes,
+    then every set a threshold set, row 4 masked with an arbitrary set) gives the values and
+    gradients of the same sets as a bool mask, for the KL column and the second walk."""
+    _backend(name)
+    x, y, _, mask, sets = _case(True)
+    calls = _spy_ids(monkeypatch)
+    for broken in (True, False):
+        if not broken:
+            x, y, _, mask, sets = _case(False)
+        ids, offsets = _compact(sets, torch.int32)
+        keep = _dense(sets, x.shape)
+        w = torch.randn(2, 3, dtype=torch.float64)
+        for kind in ("reverse_kl", "forward_kl"):
+            def div(support, kind=kind):
+                return _grads(lambda s: klpenalty.divergence(s, y, kind, mask=mask,
+                                                             temperature=0.8, backend=name,
+                                                             support=support), (x,), (w,))
+            with _env(name):
+                _assert_same(div((ids, offsets)), div(keep))
+    assert calls.count(True) == 4
+
+
+def test_linear_kl_given_ids_raises_the_dense_masks_errors():
+    """A sampled token off its kept set raises what the bool mask raises, given the sets as
+    (ids, offsets)."""
+    heads, tokens, mask, ids_offsets, keep = _heads_case(True, torch.int32)
+    bad = tokens.clone()
+    bad[0, 2] = int((heads[0] @ heads[1].T)[0, 2].argmin())
+    errors = []
+    for support in (ids_offsets, keep):
+        with pytest.raises(ValueError) as err:
+            klpenalty.linear_kl(*heads, tokens=bad, mask=mask, chunk_rows=2, support=support)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1] and "support" in errors[0]

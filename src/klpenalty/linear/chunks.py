@@ -12,20 +12,22 @@ Shape letters: R rows of one chunk, V the vocabulary (of this process), H a hidd
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 from torch import Tensor
 
 from ..ops.contract import OUT_KL, ST_TAU, Want
+from ..ops.dispatch import forward_of_ids, support_of_ids
 from ..ops.divergence import Divergence
-from ..sampling import rows_of_support, support_args
+from ..sampling import ids_args, ids_of_rows, rows_of_support, support_args
 
 __all__ = [
     "IGNORE",
     "NO_SAMPLER",
     "ChunkAdapter",
     "DivergenceChunks",
+    "KeptIds",
     "LocalChunks",
     "chunk_backward",
     "chunk_forward",
@@ -69,6 +71,33 @@ def chunk_support(support: tuple, zp: Tensor, rows: Optional[Tensor], r0: int,
     return rows_of_support(kind, payload, zp, chunk_row_ids(rows, r0, r1, zp.device))
 
 
+class KeptIds(NamedTuple):
+    """A chunk's kept sets as the op's ``ids`` (K,) / ``offsets`` (R + 1,) (int32/int64, the
+    offsets rebased to the chunk), given where a ``keep`` is: :class:`LocalChunks` passes them
+    to the forward op, which finds each row's threshold itself; the backward and the second
+    walk take the support from the forward's stats (:func:`chunk_keep_tau`)."""
+
+    ids: Tensor
+    offsets: Tensor
+
+
+def chunk_ids(support: tuple, rows: Optional[Tensor], r0: int, r1: int, device) -> KeptIds:
+    """The :class:`KeptIds` of the chunk of counted rows r0:r1 of a parsed compact support
+    (kind ``"ids"``)."""
+    return KeptIds(*ids_args(*ids_of_rows(*support[1], chunk_row_ids(rows, r0, r1, device))))
+
+
+def chunk_keep_tau(keep, tau: Optional[Tensor], stats: Tensor,
+                   shape) -> tuple[Optional[Tensor], Optional[Tensor]]:
+    """The op's (keep, tau) of a chunk of logits of ``shape`` (R, V) from the forward's
+    ``stats``: where ``keep`` is a :class:`KeptIds`, the threshold the forward used, or the
+    sets' dense mask where a row's set is no threshold set
+    (:func:`klpenalty.ops.dispatch.support_of_ids`); otherwise ``(keep, tau)`` as given."""
+    if not isinstance(keep, KeptIds):
+        return keep, tau
+    return support_of_ids(stats, None, None, tau, keep.ids, keep.offsets, shape)
+
+
 def chunk_row_ids(rows: Optional[Tensor], r0: int, r1: int, device) -> Tensor:
     """(R,) the flat row indices of the chunk of counted rows r0:r1 (``rows`` None = all)."""
     return torch.arange(r0, r1, device=device) if rows is None else rows[r0:r1]
@@ -79,7 +108,8 @@ class ChunkAdapter(Protocol):
 
     ``tokens`` are the chunk's (R,) ids in [0, V) or :data:`IGNORE` (or None); ``want`` the
     token_stats op's bits (:func:`want_bits`); ``keep``, ``tau``, ``sampler`` the op's support
-    arguments (:func:`klpenalty.sampling.support_args`), from :meth:`support`.
+    arguments (:func:`klpenalty.sampling.support_args`), from :meth:`support` (``keep`` may be
+    a chunk's :class:`KeptIds`, where the adapter passes the kept sets to the op).
     """
 
     def support(self, support: tuple, zp: Tensor, rows: Optional[Tensor], r0: int, r1: int,
@@ -149,16 +179,22 @@ def chunk_forward(
         temperature: > 0.
         want: the columns to compute (:func:`want_bits`).
         impl: the :class:`klpenalty.ops.dispatch.Backend` (:func:`~klpenalty.ops.dispatch.get_backend`).
-        keep, tau, sampler: the op's support arguments (:func:`klpenalty.sampling.support_args`).
+        keep, tau, sampler: the op's support arguments (:func:`klpenalty.sampling.support_args`);
+            ``keep`` a :class:`KeptIds`: the op is given the kept sets
+            (:func:`klpenalty.ops.dispatch.forward_of_ids`: made again with their dense mask
+            where a row's set is no threshold set).
 
     Returns:
         ``out`` (R, OUT_COLS) in the compute dtype, the op's columns (0 where not in
         ``want``), and ``stats`` (R, k): what :func:`chunk_backward` needs, opaque to the
         caller (the op's (R, 10) statistics, the threshold used in ``ST_TAU``).
     """
-    return impl.forward(
-        zp, zr, tokens, mask, keep, tau, temperature=temperature, want=want,
-        ignore_index=IGNORE, sampler=sampler,
+    ids = offsets = None
+    if isinstance(keep, KeptIds):
+        (ids, offsets), keep = keep, None
+    return forward_of_ids(
+        impl, zp, zr, tokens, mask, keep, tau, ids=ids, offsets=offsets,
+        temperature=temperature, want=want, ignore_index=IGNORE, sampler=sampler,
     )
 
 
@@ -190,6 +226,8 @@ def chunk_backward(
         need_p, need_r: which gradients to compute.
         owned, ignore: (R,) bool, the token lies in this slice of the vocabulary (None = the
             whole vocabulary is here), and the ignored id of ``tokens``.
+        keep, tau: as given to :func:`chunk_forward` (a :class:`KeptIds` read against
+            ``stats``: :func:`chunk_keep_tau`).
 
     Returns:
         (dzp, dzr): (R, V) in the logits' dtypes, or None where not needed.
@@ -207,6 +245,7 @@ def chunk_backward(
             torch.zeros_like(zp) if need_p else None,
             torch.zeros_like(zr) if need_r else None,
         )
+    keep, tau = chunk_keep_tau(keep, tau, stats, zp.shape)
     gx, gy = impl.backward(
         grad_out, zp, zr, tokens, owned, stats, mask, keep, tau, temperature=temperature,
         want=want, need_x=need_p, need_y=need_r, ignore_index=ignore,
@@ -216,12 +255,15 @@ def chunk_backward(
 
 class LocalChunks(ChunkAdapter):
     """The :class:`ChunkAdapter` of the whole vocabulary: :func:`chunk_forward`,
-    :func:`chunk_backward` on the backend ``impl``."""
+    :func:`chunk_backward` on the backend ``impl``; a compact kept set goes to the op as each
+    chunk's :class:`KeptIds`."""
 
     def __init__(self, impl):
         self.impl = impl
 
     def support(self, support, zp, rows, r0, r1, temperature):
+        if support[0] == "ids":
+            return chunk_ids(support, rows, r0, r1, zp.device), None, NO_SAMPLER
         return chunk_support(support, zp, rows, r0, r1)
 
     def forward(self, zp, zr, tokens, temperature, want, keep=None, tau=None,
@@ -241,11 +283,13 @@ class LocalChunks(ChunkAdapter):
         return grad
 
     def divergence(self, zp, zr, stats, temperature, kind, param, keep=None, tau=None):
+        keep, tau = chunk_keep_tau(keep, tau, stats, zp.shape)
         return self.impl.divergence(zp, zr, stats, None, keep, tau, temperature=temperature,
                                     kind=kind, param=param)
 
     def divergence_backward(self, grad, zp, zr, stats, gbar, temperature, kind, param,
                             keep=None, tau=None):
+        keep, tau = chunk_keep_tau(keep, tau, stats, zp.shape)
         return self.impl.divergence_backward(grad, zp, zr, stats, gbar, None, keep, tau,
                                              temperature=temperature, kind=kind, param=param)
 

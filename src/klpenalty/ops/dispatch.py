@@ -40,6 +40,8 @@ __all__ = [
     "available_backends",
     "device_backends",
     "token_stats",
+    "forward_of_ids",
+    "support_of_ids",
 ]
 
 
@@ -278,11 +280,45 @@ def token_stats(
     """
     kw = dict(temperature=temperature, want=want, ignore_index=ignore_index, check=check,
               tile_rows=tile_rows, tile_cols=tile_cols, sampler=sampler)
-    out, stats = backend.forward(x, y, tokens, mask, keep, tau, ids=ids, offsets=offsets, **kw)
-    if ids is not None:
-        inexact = stats[..., contract.ST_TAU].isnan()
-        if bool((inexact if mask is None else inexact & mask).any()):
-            keep_ids = contract.keep_of_ids(x.shape, ids, offsets)
-            keep = keep_ids if keep is None else keep & keep_ids
-            out, _ = backend.forward(x, y, tokens, mask, keep, tau, **kw)
+    out, _ = forward_of_ids(backend, x, y, tokens, mask, keep, tau, ids=ids, offsets=offsets,
+                            **kw)
     return out
+
+
+def forward_of_ids(
+    backend: Backend, x: Tensor, y: Tensor | None, tokens: Tensor | None, mask: Tensor | None,
+    keep: Tensor | None, tau: Tensor | None, *, ids: Tensor | None, offsets: Tensor | None,
+    **kw,
+) -> tuple[Tensor, Tensor]:
+    """(out, stats) of ``backend``'s forward op (``kw``: its keyword arguments) given kept sets
+    ``ids`` / ``offsets`` (None: one plain call): where a counted row's set is not {x ≥ τ_r}
+    (:func:`support_of_ids`, one host read), the call is made again with the sets as a dense
+    ``keep``; its stats then hold the first call's ``ST_TAU`` (NaN on those rows), so that
+    :func:`support_of_ids` of them gives the support of the backward (and of the second walk)."""
+    out, stats = backend.forward(x, y, tokens, mask, keep, tau, ids=ids, offsets=offsets, **kw)
+    if ids is None:
+        return out, stats
+    keep_used, _ = support_of_ids(stats, mask, keep, tau, ids, offsets, x.shape)
+    if keep_used is not keep:
+        taus = stats[..., contract.ST_TAU]
+        out, stats = backend.forward(x, y, tokens, mask, keep_used, tau, **kw)
+        stats = stats.detach().clone()  # the op's output is saved for its backward
+        stats[..., contract.ST_TAU] = taus
+    return out, stats
+
+
+def support_of_ids(
+    stats: Tensor, mask: Tensor | None, keep: Tensor | None, tau: Tensor | None, ids: Tensor,
+    offsets: Tensor, shape,
+) -> tuple[Tensor | None, Tensor | None]:
+    """The support ``(keep, tau)`` of the forward given ``keep`` / ``tau`` and the kept sets
+    ``ids`` / ``offsets`` for logits of ``shape`` (..., V), from its ``stats``
+    (:func:`forward_of_ids`'s): the threshold it used (``ST_TAU``) where every counted row's
+    set is {x ≥ τ_r}, else ``keep`` and the sets' dense mask (:func:`.contract.keep_of_ids`)
+    with ``tau`` (one host read)."""
+    taus = stats[..., contract.ST_TAU]
+    inexact = taus.isnan()
+    if bool((inexact if mask is None else inexact & mask).any()):
+        keep_ids = contract.keep_of_ids(shape, ids, offsets)
+        return (keep_ids if keep is None else keep & keep_ids), tau
+    return keep, taus

@@ -134,6 +134,11 @@ WINDOW_BUDGET = (200, 280)
 # pass 0 with top-k's first histogram; a later digit's histogram, alone (fp32) and with top-p's
 # window of keys (bf16: two histograms in the read).
 SCAN_BUDGET = {(True, False): 30.0, (False, False): 24.0, (False, True): 35.0}
+# Triton 3.6 (the GPU image's) lowers ``tl.histogram`` per warp: each iteration adds the warp's
+# counts of all 2048 bins to shared memory (64 ATOMS a thread, against 8 in 3.9), about 10×
+# the instructions per element (benchmarks/README.md states what that predicts)
+if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
+    SCAN_BUDGET = {(True, False): 280.0, (False, False): 275.0, (False, True): 275.0}
 
 
 def test_the_threshold_kernel_loops(compiled):

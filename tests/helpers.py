@@ -8,9 +8,11 @@ forward op, with the streaming tile options of the tests.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -186,3 +188,20 @@ def transformed(h: Tensor, w: Tensor, b: Tensor | None, scale: float, cap, *,
 def fused_logits(h: Tensor, w: Tensor, b: Tensor | None, scale: float, cap) -> Tensor:
     """The logits the fused heads see (:func:`transformed` with ``fused=True``)."""
     return transformed(h, w, b, scale, cap, fused=True)
+
+
+def op_backend(name: str):
+    """The op backend's registry entry, skipping where its ops cannot run on CPU tensors in
+    this process (no native build; Triton absent or compiled for a GPU)."""
+    if name == "native" and not dispatch.REGISTRY["native"].available():
+        pytest.skip("the native kernel cannot be built here (tests/ops/test_native.py says why)")
+    if name == "triton":
+        tk = dispatch.REGISTRY["triton"].module
+        if not (tk.available() and tk.interpreted()):
+            pytest.skip("Triton is not installed, or its kernels are compiled (a GPU run)")
+    return dispatch.REGISTRY[name]
+
+
+def backend_env(name: str):
+    """The context a backend's ops run in here: Triton's interpreter for ``triton``."""
+    return triton_interpreter_env() if name == "triton" else contextlib.nullcontext()

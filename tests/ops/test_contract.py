@@ -3,29 +3,15 @@ AOT dispatch) on every op of every registered backend, and the registry itself."
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
 
 from klpenalty.ops import contract, dispatch
 from klpenalty.ops.contract import Want
-from tests.helpers import make_logits, triton_interpreter_env
+from tests.helpers import backend_env, make_logits, op_backend
 
 
-def _backend(name: str):
-    """The registry entry, skipping where its ops cannot run on CPU tensors in this process."""
-    if name == "native" and not dispatch.REGISTRY["native"].available():
-        pytest.skip("the native kernel cannot be built here (tests/ops/test_native.py says why)")
-    if name == "triton":
-        tk = dispatch.REGISTRY["triton"].module
-        if not (tk.available() and tk.interpreted()):
-            pytest.skip("Triton is not installed, or its kernels are compiled (a GPU run)")
-    return dispatch.REGISTRY[name]
-
-
-def _env(name: str):
-    return triton_interpreter_env() if name == "triton" else contextlib.nullcontext()
 
 
 def _inputs():
@@ -46,12 +32,12 @@ BACKENDS = sorted(dispatch.REGISTRY)
 @pytest.mark.parametrize("support", ["none", "keep_and_tau"])
 @pytest.mark.parametrize("name", BACKENDS)
 def test_opcheck_every_op(name, support):
-    backend = _backend(name)
+    backend = op_backend(name)
     x, y, tokens, mask, keep, tau = _inputs()
     if support == "none":
         keep = tau = None
     want = int(Want.KL | Want.LOGP | Want.REF_LOGP | Want.ENTROPY)
-    with _env(name):
+    with backend_env(name):
         fwd = (x.requires_grad_(), y.requires_grad_(), tokens, mask, keep, tau, 0.9, -100, want,
                True, 0, 0, 0, 1.0, 0.0)
         torch.library.opcheck(backend.forward_op, fwd)
@@ -112,10 +98,10 @@ def test_state_op_is_the_forward_state(name):
     """The state op's (N, 6) state finalizes to the forward op's values (same backend)."""
     from klpenalty.ops import engine
 
-    backend = _backend(name)
+    backend = op_backend(name)
     x, y, _, _, keep, tau = _inputs()
     want = int(Want.KL | Want.ENTROPY)
-    with _env(name):
+    with backend_env(name):
         state, careful = backend.state_op(x, y, keep, tau, 0.9, want, 0, 0)
         out, _ = backend.forward_op(x, y, None, None, keep, tau, 0.9, -100, want, False, 0, 0,
                                     0, 1.0, 0.0)
@@ -133,13 +119,13 @@ def test_sampler_settings_are_their_threshold_as_tau(name):
     """The forward given top_k/top_p/min_p is the forward given their threshold op's τ (the
     same support, so the same numbers), which its stats hold (``ST_TAU``) for the backward;
     a tau given too is intersected with it."""
-    backend = _backend(name)
+    backend = op_backend(name)
     x, y = make_logits((2, 3, 40), torch.float32, seed=6, scale=2.0)
     tokens = x.argmax(-1)
     want = int(Want.KL | Want.LOGP | Want.REF_LOGP | Want.ENTROPY)
     args = (0.8, -100, want, True, 0, 0)
     g = torch.randn(2, 3, 4)
-    with _env(name):
+    with backend_env(name):
         for sampler in SAMPLERS:
             tau = backend.threshold_op(x, *sampler, 0.8)
             assert tau.shape == (2, 3) and tau.dtype == torch.float32

@@ -6,7 +6,6 @@ answer per row (``ST_TAU``: τ_r, NaN where the set is not {x ≥ τ_r}); its ar
 
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -15,24 +14,12 @@ import klpenalty
 from klpenalty.ops import dispatch
 from klpenalty.ops.contract import ST_TAU, Want
 from klpenalty.ops.reference import token_stats_reference
-from tests.helpers import grad_tol, make_logits, tol, triton_interpreter_env
+from tests.helpers import backend_env, grad_tol, make_logits, op_backend, tol
 
 BACKENDS = sorted(dispatch.REGISTRY)
 WANT = int(Want.KL | Want.LOGP | Want.REF_LOGP | Want.ENTROPY)
 
 
-def _backend(name: str):
-    if name == "native" and not dispatch.REGISTRY["native"].available():
-        pytest.skip("the native kernel cannot be built here (tests/ops/test_native.py says why)")
-    if name == "triton":
-        tk = dispatch.REGISTRY["triton"].module
-        if not (tk.available() and tk.interpreted()):
-            pytest.skip("Triton is not installed, or its kernels are compiled (a GPU run)")
-    return dispatch.REGISTRY[name]
-
-
-def _env(name: str):
-    return triton_interpreter_env() if name == "triton" else contextlib.nullcontext()
 
 
 def _compact(sets, index_dtype):
@@ -76,7 +63,7 @@ def _case(broken: bool):
 @pytest.mark.parametrize("broken", [False, True])
 @pytest.mark.parametrize("name", BACKENDS)
 def test_values_and_gradients_against_the_reference(name, broken, index_dtype):
-    _backend(name)
+    op_backend(name)
     x, y, tokens, mask, sets = _case(broken)
     ids, offsets = _compact(sets, index_dtype)
     keep = _dense(sets, x.shape)
@@ -88,7 +75,7 @@ def test_values_and_gradients_against_the_reference(name, broken, index_dtype):
     w = torch.randn(2, 3, 4, dtype=torch.float64)
     (want * w).sum().backward()
     xg, yg = x.clone().requires_grad_(), y.clone().requires_grad_()
-    with _env(name):
+    with backend_env(name):
         got = klpenalty.token_stats(xg, yg, tokens, entropy=True, mask=mask,
                                     support=(ids, offsets), temperature=0.8, backend=name,
                                     check=True)
@@ -103,10 +90,10 @@ def test_values_and_gradients_against_the_reference(name, broken, index_dtype):
 def test_the_op_answers_tau_or_nan_per_counted_row(name):
     """ST_TAU holds each counted row's τ_r (the support_from_ids op's) where its set is
     {x ≥ τ_r}, NaN where it is not; masked rows are not looked at."""
-    backend = _backend(name)
+    backend = op_backend(name)
     x, y, tokens, mask, sets = _case(True)
     ids, offsets = _compact(sets, torch.int32)
-    with _env(name):
+    with backend_env(name):
         _, stats = backend.forward(x, y, tokens, mask, temperature=0.8, want=WANT, ids=ids,
                                    offsets=offsets)
         tau, exact = backend.support_from_ids(x, ids, offsets)
@@ -121,7 +108,7 @@ def test_the_op_answers_tau_or_nan_per_counted_row(name):
 def test_errors_are_those_of_the_dense_mask(name):
     """A sampled token off the set, and a counted empty set (no distribution), raise what the
     same sets as a dense mask raise; a set that no threshold describes too."""
-    _backend(name)
+    op_backend(name)
     x, y, tokens, mask, sets = _case(False)
     for broken in (False, True):
         sets_b = [list(s) for s in sets]
@@ -133,7 +120,7 @@ def test_errors_are_those_of_the_dense_mask(name):
             ids, offsets = _compact(sets_b, torch.int64)
             errors = []
             for support in ((ids, offsets), _dense(sets_b, x.shape)):
-                with _env(name), pytest.raises(ValueError) as err:
+                with backend_env(name), pytest.raises(ValueError) as err:
                     klpenalty.token_stats(x, y, tok, mask=m, support=support, backend=name,
                                           check=True)
                 errors.append(str(err.value))
@@ -143,7 +130,7 @@ def test_errors_are_those_of_the_dense_mask(name):
 
 @pytest.mark.parametrize("name", ["native", "streaming"])
 def test_op_argument_checks(name):
-    backend = _backend(name)
+    backend = op_backend(name)
     x, y, _, _, sets = _case(False)
     ids, offsets = _compact(sets, torch.int64)
     with pytest.raises(TypeError, match=r"support ids must be int32 or int64, got .*int16"):
@@ -176,7 +163,7 @@ def test_public_narrow_index_dtypes_still_work():
 def test_fullgraph_compile_of_the_op_with_ids():
     """torch.compile(fullgraph=True) traces the native op given ids / offsets (its fake) and
     gives the eager numbers and gradient."""
-    backend = _backend("native")
+    backend = op_backend("native")
     x, y, tokens, mask, sets = _case(False)
     ids, offsets = _compact(sets, torch.int32)
 
@@ -201,7 +188,7 @@ def test_invalid_sets_raise_the_messages_of_before(name):
     """Bad offsets or an id out of range (also in a masked row, which the native forward does
     not walk) raise sampling's messages on every backend, the native op checking int32/int64
     sets itself."""
-    _backend(name)
+    op_backend(name)
     x, y, _, mask, sets = _case(False)
     for index in (torch.int32, torch.int64, torch.int16):
         ids, offsets = _compact(sets, index)
@@ -214,7 +201,7 @@ def test_invalid_sets_raise_the_messages_of_before(name):
             ((ids, swapped), r"support offsets must be non-decreasing \(shape=\(7,\)"),
             ((ids, offsets[:-1].contiguous()), r"support offsets must have N \+ 1 = 7"),
         ):
-            with _env(name), pytest.raises(ValueError, match=match):
+            with backend_env(name), pytest.raises(ValueError, match=match):
                 klpenalty.full_kl(x, y, mask=mask, support=support, backend=name)
 
 
@@ -277,7 +264,7 @@ def test_linear_heads_given_ids_equal_the_dense_mask(name, broken, index_dtype, 
     give the values and gradients of the same sets as a bool mask, chunk by chunk (chunks of
     2 rows: the chunk holding a set no threshold describes runs on its dense mask, the others
     on the thresholds the op found), and every chunk's forward op is given the sets."""
-    _backend(name)
+    op_backend(name)
     heads, tokens, mask, ids_offsets, keep = _heads_case(broken, index_dtype)
     w = torch.randn(4, 2, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
 
@@ -308,7 +295,7 @@ def test_divergence_given_ids_equals_the_dense_mask(name, monkeypatch):
     """klpenalty.divergence given (ids, offsets) (int32; row 1 a set no threshold describes,
     then every set a threshold set, row 4 masked with an arbitrary set) gives the values and
     gradients of the same sets as a bool mask, for the KL column and the second walk."""
-    _backend(name)
+    op_backend(name)
     x, y, _, mask, sets = _case(True)
     calls = _spy_ids(monkeypatch)
     for broken in (True, False):
@@ -322,7 +309,7 @@ def test_divergence_given_ids_equals_the_dense_mask(name, monkeypatch):
                 return _grads(lambda s: klpenalty.divergence(s, y, kind, mask=mask,
                                                              temperature=0.8, backend=name,
                                                              support=support), (x,), (w,))
-            with _env(name):
+            with backend_env(name):
                 _assert_same(div((ids, offsets)), div(keep))
     assert calls.count(True) == 4
 

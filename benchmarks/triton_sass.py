@@ -458,9 +458,9 @@ def threshold_cost() -> list[dict]:
     (recorded, compiled for sm_90) costs per loop :func:`read_time` of its instructions per
     element times its reads: pass 0, the Z read and a scan's pass one each, the searches'
     counted by :func:`search_reads`, a tie group's none (T = 1); the splits are the host's plan
-    for the model's SMs (``plan_splits``), whose scratch histograms (2048 int32 a program and
-    pass, written by the scan, read by the select) add their bytes. Launch latencies (a few µs
-    each) are not counted: the launches are listed."""
+    for the model's SMs (``plan_splits``), whose scratch histograms (a digit's bins in int32, a
+    program and pass, written by the scan, read by the select) add their bytes. Launch
+    latencies (a few µs each) are not counted: the launches are listed."""
     from klpenalty.ops.triton.token_stats import plan_splits
 
     cases = [dict(name=f"cost {smp}", dtype=dt, want=1, sampler=smp, backward=False)
@@ -489,12 +489,13 @@ def threshold_cost() -> list[dict]:
                 if r["kernel"] == "threshold_scan_kernel":
                     (loop,) = r["inner_loops"]
                     t += read_time(elems, loop["per_elem"], b, n * splits)
-                    if flags["HIST"]:
-                        t += n * splits * 2048 * 4 / GPU["bandwidth"]
+                    if flags["HIST"]:  # its histograms' bins written
+                        nb = 1 << (flags["DIGIT_HI"] - flags["DIGIT_LO"])
+                        t += n * splits * nb * 4 / GPU["bandwidth"]
                     nreads += 1
                 elif r["kernel"] == "threshold_select_kernel":
-                    t += n * splits * 2048 * 4 / (GPU["bandwidth"] * min(n, GPU["sms"]) /
-                                                  GPU["sms"])
+                    t += n * splits * flags["NB"] * 4 / (GPU["bandwidth"] * min(n, GPU["sms"]) /
+                                                         GPU["sms"])
                 elif r["kernel"] == "threshold_kernel":
                     split_scan = "part_ptr" in r["signature"]
                     loops = r["inner_loops"]  # (one split per row here: no loop merges splits)

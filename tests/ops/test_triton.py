@@ -742,7 +742,7 @@ def test_sampling_threshold_kernel_on_rows_split_across_programs(dtype):
     """Two rows of V = 2500 split into programs (the plan for few rows): the programs' maxima,
     NaN flags and top-k's digit histograms merged per row give the rule's τ — the k-th's tie
     group spread over both programs, the row's max in the second, a NaN in one program only,
-    an +inf logit; 32-bit keys take three digits, 16-bit ones two."""
+    an +inf logit; 32-bit keys take four digits, 16-bit ones two."""
     from klpenalty.ops.triton import token_stats as ts
 
     vocab = 2500
@@ -881,8 +881,8 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
             n += 1
             if not (top_k and top_p):  # the scan's passes once a key width, all flags on
                 continue
-            for pass_, (high, low) in enumerate([(32 - shift, 21 - shift),
-                                                     (21 - shift, max(10 - shift, 0))]):
+            for pass_, (high, low) in enumerate([(32 - shift, 24 - shift),
+                                                     (24 - shift, max(16 - shift, 0))]):
                 sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32", "T": "i32",
                        "stride_xb": "i64", "stride_xt": "i64", "V": "i32", "cols": "i32",
                        "n_splits": "i32", "hist_stride": "i32"}}
@@ -895,7 +895,7 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
         sig = {{"hist_ptr": "*i32", "n_splits": "i32", "hist_stride": "i32", "top_k": "i32",
                "PASS": "constexpr", "NB": "constexpr"}}
         src = ASTSource(fn=k.threshold_select_kernel, signature=sig,
-                        constexprs=dict(PASS=1, NB=2048))
+                        constexprs=dict(PASS=1, NB=256))
         assert ".entry" in triton.compile(src, target=t).asm["ptx"]
         print("OK", n)
     """)

@@ -133,12 +133,15 @@ WINDOW_BUDGET = (200, 280)
 # The split scan's column loop (one read of the row), by (pass 0, the window of keys counted):
 # pass 0 with top-k's first histogram; a later digit's histogram, alone (fp32) and with top-p's
 # window of keys (bf16: two histograms in the read).
-SCAN_BUDGET = {(True, False): 30.0, (False, False): 24.0, (False, True): 35.0}
+SCAN_BUDGET = {(True, False): 26.0, (False, False): 20.0, (False, True): 33.0}
 # Triton 3.6 (the GPU image's) lowers ``tl.histogram`` per warp: each iteration adds the warp's
-# counts of all 2048 bins to shared memory (64 ATOMS a thread, against 8 in 3.9), about 10×
-# the instructions per element (benchmarks/README.md states what that predicts)
+# counts of every bin to shared memory, ~3.6× the instructions per element of 3.9 with top-k's
+# 256 bins, ~10× with the window's 2048 (72 ATOMS a thread there, against 16 in 3.9;
+# benchmarks/README.md states what that predicts)
 if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
-    SCAN_BUDGET = {(True, False): 280.0, (False, False): 275.0, (False, True): 275.0}
+    SCAN_BUDGET = {(True, False): 90.0, (False, False): 100.0, (False, True): 310.0}
+    # the row's program with top-k's 256-bin last digit: its second window loop takes 285
+    WINDOW_BUDGET = (200, 290)
 
 
 def test_the_threshold_kernel_loops(compiled):
@@ -163,12 +166,12 @@ def test_the_threshold_kernel_loops(compiled):
 
 def test_the_threshold_scan_reads_16_bytes_a_load_and_histograms_in_shared_memory(compiled):
     """The split scan (pass 0 and top-k's digits: 2 reads of a bf16 row, the second counting
-    top-p's window of keys too, 3 of an fp32 one): one column loop of 128-bit loads, its
+    top-p's window of keys too, 4 of an fp32 one): one column loop of 128-bit loads, its
     histograms by shared-memory atomics (ATOMS, no shuffle), within its instruction budget per
     element."""
     found = _launches(compiled, "threshold_scan_kernel")
     passes = {dt: [r for r in found if r["dtype"] == dt] for dt in ("bf16", "fp32")}
-    assert len(passes["bf16"]) == 2 and len(passes["fp32"]) == 3
+    assert len(passes["bf16"]) == 2 and len(passes["fp32"]) == 4
     for r in found:
         (lp,) = r["inner_loops"]
         first = (r["constexprs"]["PASS"] == 0, r["constexprs"]["WINDOW"])

@@ -156,8 +156,9 @@ def test_eager_ops_per_call_are_few(monkeypatch):
     _, ops = _count(ts.token_stats_op, x, y, None, None, None, None, 1.0, -100, 1, False, 0, 0,
                     5, 0.9, 0.05)
     assert len(ops) <= OP_BOUNDS["kl-sampler"], ops
-    # float32 keys: top-k's three digits, a histogram read each (the first with the row's max)
+    # float32 keys: top-k's four digits, a histogram read each (the first with the row's max)
     assert launches.names() == ["threshold_scan_kernel", "threshold_select_kernel",
+                                "threshold_scan_kernel", "threshold_select_kernel",
                                 "threshold_scan_kernel", "threshold_select_kernel",
                                 "threshold_scan_kernel", "threshold_kernel", "stats_kernel"]
     launches.calls.clear()  # top-p alone: the scan and the row's search

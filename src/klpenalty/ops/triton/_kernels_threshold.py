@@ -5,7 +5,7 @@ They serve the ``sampling_threshold`` op, and run before :func:`._kernels_stats.
 where the forward's sampler settings cut. Each row is split into programs as the forward's
 (:func:`threshold_scan_kernel`, grid (rows, splits)): one read gives each program's max,
 smallest finite logit and NaN flag and, for top-k, the count histogram (``tl.histogram``) of
-the first 11-bit digit of the logits' order-preserving keys (:func:`_radix_key`); each
+the first 8-bit digit of the logits' order-preserving keys (:func:`_radix_key`); each
 further digit takes one program per row that merges the row's histograms and picks the digit
 of the k-th (:func:`threshold_select_kernel`) and one more split read; for top-p on 16-bit
 logits a split read (top-k's last, or its own) counts each of the 2048 keys up to the row's

@@ -35,9 +35,10 @@ THRESHOLD_BLOCK = 1024
 # Columns per block of the split scan (pass 0 and top-k's histograms): one histogram of a block
 # costs 3 barriers, so the larger the block the fewer per element.
 THRESHOLD_SCAN_BLOCK = 2048
-# Bits of a digit of top-k's radix select: one count histogram of 2^11 bins per read of the
-# row (tl.histogram: shared-memory atomics), so 2 reads for 16-bit keys, 3 for 32-bit ones.
-THRESHOLD_DIGIT = 11
+# The most bits of a digit of top-k's radix select: one count histogram of at most 2^8 bins per
+# read of the row (tl.histogram: shared-memory atomics; Triton 3.6 adds each warp's counts of
+# every bin to shared memory each iteration, so its cost grows with the bins).
+THRESHOLD_DIGIT = 8
 # Warps of a threshold program (a search reads one column per thread at a time).
 THRESHOLD_WARPS = 8
 # The low bits of a float32 key that are 0 for logits of the dtype (16-bit keys for 16-bit
@@ -52,13 +53,16 @@ def _float64_bits(value: float) -> int:
 
 def digits(dtype: torch.dtype) -> list[tuple[int, int]]:
     """The (high, low) bit bounds of top-k's radix digits, high to low, over the keys of
-    logits of ``dtype`` (32 − KEY_SHIFT bits): :data:`THRESHOLD_DIGIT` bits each, the last
-    one what is left (bf16: 11 + 5, fp16: 11 + 8, fp32: 11 + 11 + 10)."""
+    logits of ``dtype`` (32 − KEY_SHIFT bits): as few digits of at most
+    :data:`THRESHOLD_DIGIT` bits as hold them, as even as can be, the wider first (bf16: 8 + 8,
+    fp16: 7 + 6 + 6, fp32: 8 + 8 + 8 + 8)."""
     high = 32 - _KEY_SHIFT[dtype]
+    n = -(-high // THRESHOLD_DIGIT)
     out = []
-    while high > 0:
-        out.append((high, max(0, high - THRESHOLD_DIGIT)))
-        high = out[-1][1]
+    for i in range(n):
+        width = -(-high // (n - i))
+        out.append((high, high - width))
+        high -= width
     return out
 
 
@@ -94,12 +98,13 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     # top-p on 16-bit logits: a read (top-k's last) counts each of the 2048 keys up to the max
     window = cut_p and x.element_size() == 2
     part = torch.empty((n, splits, 4), dtype=torch.float32, device=x.device)
-    # the digits' histograms, the prefix and count above, the window's histograms
-    stride = (splits * (1 << THRESHOLD_DIGIT) + 2) + (splits * 2048 if window else 0)
+    ds = digits(x.dtype)
+    # the digits' histograms (2048 int32 a split, the kernels' layout: a digit's bins at the
+    # start of each), the prefix and count above, the window's histograms
+    stride = (splits * 2048 + 2) + (splits * 2048 if window else 0)
     hist = torch.empty((n, stride if cut_k or window else 1), dtype=torch.int32,
                        device=x.device)
     scan_block = _host.block(vocab, THRESHOLD_SCAN_BLOCK)
-    ds = digits(x.dtype)
     kernels = _kernels()
     scan = functools.partial(
         _host.launch, kernels.threshold_scan_kernel, (n, splits), x.device, rows.x, part, hist,
@@ -116,7 +121,7 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
         scan(SCAN=pass_ == 0, HIST=cut_k, PASS=pass_,
              WINDOW=window and 0 < pass_ == len(passes) - 1, DIGIT_HI=high, DIGIT_LO=low)
     if window and len(passes) == 1:  # no later pass of top-k's to count the window in
-        scan(SCAN=False, HIST=False, PASS=0, WINDOW=True, DIGIT_HI=THRESHOLD_DIGIT, DIGIT_LO=0)
+        scan(SCAN=False, HIST=False, PASS=0, WINDOW=True, DIGIT_HI=ds[0][0], DIGIT_LO=ds[0][1])
     # top-p's search starts where the logits below hold < 1 − p of the mass together
     bound = math.log((1.0 - top_p) / vocab) - 2.0 if cut_p else 0.0
     _host.launch(

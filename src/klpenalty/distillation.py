@@ -120,8 +120,7 @@ def divergence(
         mask = v.check_mask(mask, student_logits.shape[:-1], student_logits.device)
     impl = get_backend(backend, student_logits.device)
     # (ids, offsets): the forward op finds the sets' thresholds in its pass over the rows
-    keep, tau, sampler, ids, offsets = op_support(support, top_k, top_p, min_p, student_logits,
-                                                  impl)
+    keep, tau, sampler, ids, offsets = op_support(support, top_k, top_p, min_p, student_logits)
     teacher = teacher_logits.detach()
     if k == Divergence.REVERSE_KL:  # the KL column, in one read of both
         out = dispatch.token_stats(impl, student_logits, teacher, None, mask, keep, tau,

@@ -376,7 +376,7 @@ def _token_stats(
         mask = v.check_mask(mask, leading, x.device)
     impl = get_backend(backend, x.device)
     # (ids, offsets): the op finds the sets' thresholds in its pass over the rows
-    keep, tau, sampler, ids, offsets = op_support(support, top_k, top_p, min_p, x, impl)
+    keep, tau, sampler, ids, offsets = op_support(support, top_k, top_p, min_p, x)
     want = Want.KL * kl | Want.LOGP * logp | Want.REF_LOGP * ref_logp | Want.ENTROPY * entropy
     out = dispatch.token_stats(
         impl, x, y, tokens, mask, keep, tau, temperature, ignore_index=ignore_index, want=want,

@@ -62,7 +62,7 @@ from torch import Tensor
 
 from . import _validation as v
 from .ops import dispatch
-from .ops.contract import keep_of_ids
+from .ops.contract import check_compact_values, keep_of_ids
 
 __all__ = [
     "sampling_threshold",
@@ -76,7 +76,6 @@ __all__ = [
     "support_args",
     "op_support",
     "ids_args",
-    "check_compact_values",
     "op_sampler",
 ]
 
@@ -276,26 +275,6 @@ def _check_compact(ids: object, offsets: object, n: int, vocab: int, device,
         check_compact_values(ids, offsets, vocab)
 
 
-def check_compact_values(ids: Tensor, offsets: Tensor, vocab: int) -> None:
-    """The values of a compact support of the right shapes: offsets from 0 to len(ids),
-    non-decreasing, ids in [0, vocab) (one sync). The native forward makes the same checks,
-    with the same messages, on int32/int64 sets (csrc/ids.h)."""
-    n = offsets.shape[0] - 1
-    k = ids.shape[0]
-    first, last = (int(t) for t in offsets[[0, -1]].tolist())
-    if first != 0 or last != k:
-        raise ValueError(
-            f"support offsets must start at 0 and end at len(ids) = {k}, got {first} and "
-            f"{last} ({v.describe(offsets)})"
-        )
-    if n and bool((offsets[1:] < offsets[:-1]).any()):
-        raise ValueError(f"support offsets must be non-decreasing ({v.describe(offsets)})")
-    if k:
-        lo, hi = (int(t) for t in torch.aminmax(ids))  # one read of the ids
-        if lo < 0 or hi >= vocab:
-            raise ValueError(f"support ids must lie in [0, {vocab}) ({v.describe(ids)})")
-
-
 def parse_support(
     support: object, top_k: object, top_p: object, min_p: object, shape, device,
     values: bool = True,
@@ -392,22 +371,20 @@ def support_args(kind: str, payload: object, logits: Tensor) -> tuple:
     return None, None, op_sampler(None, None, None)
 
 
-def op_support(support: object, top_k: object, top_p: object, min_p: object, logits: Tensor,
-               impl) -> tuple:
+def op_support(support: object, top_k: object, top_p: object, min_p: object,
+               logits: Tensor) -> tuple:
     """The forward op's support arguments ``(keep, tau, sampler, ids, offsets)`` of a public
     function's ``support=`` / ``top_k=`` / ``top_p=`` / ``min_p=`` (validated by
-    :func:`parse_support`) for policy logits (..., V) and the backend ``impl``: a compact kept
+    :func:`parse_support`) for policy logits (..., V): a compact kept
     set goes to the op as its ``ids`` / ``offsets`` (int32/int64, :func:`ids_args`; the op
-    finds the sets' thresholds in its pass over the rows), their values checked here
-    (:func:`check_compact_values`) unless the native op reads the given tensors and checks
-    them itself, with the same messages; anything else as :func:`support_args`."""
+    finds the sets' thresholds in its pass over the rows and checks their values,
+    :func:`klpenalty.ops.contract.check_compact_values`); anything else as
+    :func:`support_args`."""
     kind, payload = parse_support(support, top_k, top_p, min_p, logits.shape, logits.device,
                                   values=False)
     ids = offsets = None
     if kind == "ids":
         ids, offsets = ids_args(*payload)
-        if impl.name != "native" or ids is not payload[0] or offsets is not payload[1]:
-            check_compact_values(*payload, logits.shape[-1])
         kind, payload = "none", None
     return (*support_args(kind, payload, logits), ids, offsets)
 

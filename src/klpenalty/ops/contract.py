@@ -78,6 +78,7 @@ __all__ = [
     "combined_tau",
     "keep_of_ids",
     "check_ids_args",
+    "check_compact_values",
     "tau_of_ids",
     "constant_result",
 ]
@@ -527,6 +528,27 @@ def check_ids_args(ids: Tensor | None, offsets: Tensor | None) -> None:
             raise TypeError(f"support {name} must be int32 or int64, got {v.describe(t)}")
 
 
+def check_compact_values(ids: Tensor, offsets: Tensor, vocab: int) -> None:
+    """The values of a compact support of the right shapes: offsets from 0 to len(ids),
+    non-decreasing, ids in [0, vocab) (one sync). The native forward makes the same checks,
+    with the same messages, on int32/int64 sets (csrc/ids.h); the other backends' forward
+    through :func:`tau_of_ids`."""
+    n = offsets.shape[0] - 1
+    k = ids.shape[0]
+    first, last = (int(t) for t in offsets[[0, -1]].tolist())
+    if first != 0 or last != k:
+        raise ValueError(
+            f"support offsets must start at 0 and end at len(ids) = {k}, got {first} and "
+            f"{last} ({v.describe(offsets)})"
+        )
+    if n and bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(f"support offsets must be non-decreasing ({v.describe(offsets)})")
+    if k:
+        lo, hi = (int(t) for t in torch.aminmax(ids))  # one read of the ids
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"support ids must lie in [0, {vocab}) ({v.describe(ids)})")
+
+
 def tau_of_ids(
     backend: str, x: Tensor, mask: Tensor | None, tau: Tensor | None, ids: Tensor | None,
     offsets: Tensor | None, check: bool,
@@ -540,6 +562,7 @@ def tau_of_ids(
     check_ids_args(ids, offsets)
     if ids is None:
         return tau, check
+    check_compact_values(ids, offsets, x.shape[-1])
     op = getattr(torch.ops.klpenalty, f"{backend}_support_from_ids").default
     tau_ids, exact = op(x.detach(), ids, offsets, 0)  # (N,) each
     leading = x.shape[:-1]

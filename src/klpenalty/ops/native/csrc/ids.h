@@ -249,7 +249,7 @@ struct IdSets {
     offsets32 = offsets.scalar_type() == at::kInt;
     pi = ids.const_data_ptr();
     po = offsets.const_data_ptr();
-    // the messages of klpenalty.sampling._check_compact
+    // the messages of klpenalty.ops.contract.check_compact_values
     TORCH_CHECK_VALUE(offset(0) == 0 && offset(N) == K,
                       "support offsets must start at 0 and end at len(ids) = ", K, ", got ",
                       offset(0), " and ", offset(N), " (", describe(offsets_in), ")");
@@ -270,7 +270,7 @@ struct IdSets {
     return ok;
   }
 
-  // The error of an id outside [0, V) (klpenalty.sampling._check_compact's message).
+  // The error of an id outside [0, V) (klpenalty.ops.contract.check_compact_values's message).
   void fail_range(int64_t V) const {
     TORCH_CHECK_VALUE(false, "support ids must lie in [0, ", V, ") (", describe(ids), ")");
   }

@@ -327,3 +327,68 @@ def test_linear_kl_given_ids_raises_the_dense_masks_errors():
             klpenalty.linear_kl(*heads, tokens=bad, mask=mask, chunk_rows=2, support=support)
         errors.append(str(err.value))
     assert errors[0] == errors[1] and "support" in errors[0]
+
+
+def _edge_rows(dtype):
+    """x, y (12, 4099) of ``dtype`` and per-row id lists (shuffled) probing how the forward
+    decides a set while it walks the row: V not a multiple of the vector width, several
+    chunks, maxima rising along a row (chunks redone), sets that are threshold sets and sets
+    that are not (the offending logit in a later chunk, in the last partial vector, tied with
+    τ), NaN off and in a set, −inf and +inf in a set, an empty set, duplicated ids, the whole
+    row."""
+    V = 4099
+    x, y = make_logits((12, V), dtype, seed=5, scale=2.0)
+    x[1] = (x[1].float() + torch.linspace(0, 40, V)).to(dtype)
+    g = torch.Generator().manual_seed(9)
+    sets = []
+    for r in range(12):  # {x >= the (40 + 97 r)-th largest logit}
+        row = x[r].float()
+        s = (row >= row.topk(40 + 97 * r).values[-1]).nonzero().squeeze(-1)
+        sets.append(s[torch.randperm(s.numel(), generator=g)].tolist())
+    tau2 = x[2].float()[sets[2]].min()
+    sets[2] = [j for j in sets[2] if x[2, j].float() != tau2]  # the smallest dropped: a set
+    sets[3].append(int(x[3].float()[V - 3:].argmin()) + V - 3)  # one far below, in the tail
+    off4 = [j for j in range(V) if j not in set(sets[4])]
+    x[4, off4[-1]] = float("nan")  # NaN off the set: skipped
+    x[5, sets[5][7]] = float("nan")  # NaN in the set: no threshold describes it
+    x[6, sets[6][3]] = float("-inf")  # tau = -inf
+    x[7, sets[7][2]] = float("inf")
+    sets[8] = []
+    sets[9] = sets[9] + sets[9][:50]  # duplicated ids
+    sets[10] = torch.randperm(V, generator=g).tolist()  # the whole row, −inf in it
+    x[10, 5] = float("-inf")
+    # a tie at tau: the set's smallest logit copied onto an element outside the set
+    t11 = x[11].float()[sets[11]].min()
+    out11 = [j for j in range(V) if j not in set(sets[11])]
+    x[11, out11[len(out11) // 2]] = t11.to(dtype)
+    return x, y, sets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_native_walk_decides_the_set_as_it_goes(dtype):
+    """The native forward finds each set's τ_r and whether it is {x ≥ τ_r} while it walks the
+    row (a NaN, ±inf or non-finite row: by a scan first): ST_TAU is bit for bit the
+    support_from_ids op's τ_r where the set is a threshold set, NaN where it is not, and the
+    values are bit for bit those of the same set given as a dense mask."""
+    backend = op_backend("native")
+    want_cols = int(Want.KL | Want.ENTROPY)
+    x, y, sets = _edge_rows(dtype)
+    ids, offsets = _compact(sets, torch.int32)
+    keep = _dense(sets, x.shape)
+    out, stats = backend.forward(x, y, temperature=0.8, want=want_cols, ids=ids, offsets=offsets)
+    tau, exact = backend.support_from_ids(x, ids, offsets)
+    assert exact.tolist() == [True, True, True, False, True, False, False, True, True, True,
+                              True, False]
+    got = stats[:, ST_TAU]
+    assert torch.isnan(got[~exact]).all()
+    torch.testing.assert_close(got[exact], tau[exact], rtol=0, atol=0)
+    out_k, stats_k = backend.forward(x, y, keep=keep, temperature=0.8, want=want_cols)
+    other = [c for c in range(stats.shape[-1]) if c != ST_TAU]
+    torch.testing.assert_close(out[exact], out_k[exact], rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(stats[exact][:, other], stats_k[exact][:, other], rtol=0, atol=0,
+                               equal_nan=True)
+    # and against float64 where the rows define a distribution
+    finite = torch.tensor([r not in (5, 6, 7, 8) for r in range(12)]) & exact
+    xr = torch.where(keep, x.double(), -1e4)
+    want = token_stats_reference(xr, y.double(), None, None, None, None, 0.8, -100, want_cols)
+    torch.testing.assert_close(out[finite].double(), want[finite], **tol(dtype))

@@ -8,15 +8,18 @@
 // {v : x_v >= tau}. Every kept id passes that test (tau is their minimum), so the two sets are
 // equal iff no id outside the set passes it: iff the largest logit outside the set is < tau
 // (NaN logits outside pass nothing and are skipped; a NaN tau is never exact; a tau of -inf,
-// which every other logit but NaN passes, is decided by a second look at the row). The ids are
-// marked in a per-thread bitmap of V bits (a duplicated id is marked once: a set {a, a} is
-// never taken for {a, b}), then one vectorised pass over the row, in memory order, takes the
-// minimum of the marked logits and the maximum of the others, the bitmap's words giving the
-// lanes' masks (AVX512: the mask registers themselves), and clears the bitmap. The logits are
-// read once and in order whatever the order of the ids (engines list them in order of
-// probability; reading x at the ids first was 4x slower for shuffled ids than for sorted ones),
-// and the ids once; while the ids are marked, the row's cache lines are requested, so that the
-// pass finds (most of) the row in L2 and leaves it there for a walk that follows.
+// which every other logit but NaN passes, is decided by a look at the marks).
+//
+// The ids are marked in a per-thread byte map of V bools (mark_ids: one independent store per
+// id, so a duplicated id is marked once and a set {a, a} is never taken for {a, b}; a bitmap's
+// read-modify-writes of one word made a chain through memory, 3x slower at 7.6k ids a row).
+// The marks are then the row's keep mask: one vectorised pass over the row in memory order
+// (scan_row) takes the minimum of the marked logits and the maximum of the others, or the
+// forward's walk takes them as it goes (walk.h, SupLanes with KeptBounds). The logits are read
+// in order whatever the order of the ids (engines list them in order of probability; reading x
+// at the ids first was 4x slower for shuffled ids than for sorted ones), and the ids once;
+// while the ids are marked, the row's cache lines are requested, so that the pass that follows
+// finds (most of) the row in L2.
 //
 // ids and offsets: int32 or int64 each (IdSets reads either; other dtypes are a TypeError
 // naming the argument). The offsets are checked before any read they guard (from 0 to K,
@@ -42,167 +45,75 @@
 namespace klpenalty_native {
 namespace {  // each source its own copies (internal linkage), inlined freely
 
-// The integer lanes of the size of C, and their bits 1, 2, 4, ...: lane k of a mask is set
-// iff bit k of a W-bit word is.
-template <typename C>
-using LaneInt = std::conditional_t<std::is_same_v<C, double>, int64_t, int32_t>;
-
-template <typename C>
-at::vec::Vectorized<LaneInt<C>> lane_bits() {
-  using VI = at::vec::Vectorized<LaneInt<C>>;
-  static_assert(VI::size() == at::vec::Vectorized<C>::size() && 64 % VI::size() == 0);
-  LaneInt<C> b[VI::size()];
-  for (int k = 0; k < VI::size(); ++k) b[k] = LaneInt<C>(1) << k;
-  return VI::loadu(b);
-}
-
-// All-ones lanes where ``word``'s bits (the low W) are set.
-template <typename C>
-inline at::vec::Vectorized<C> lane_mask(uint64_t word,
-                                        const at::vec::Vectorized<LaneInt<C>>& bits) {
-  using VI = at::vec::Vectorized<LaneInt<C>>;
-  const VI w(static_cast<LaneInt<C>>(word));
-  return at::vec::cast<C>((w & bits) == bits);
-}
-
-// The first 64·words elements of a row against their bits in the bitmap: (lo, hi) = the
-// smallest marked logit (NaN if one is NaN, +inf if none is marked) and the largest unmarked
-// logit that is not NaN (-inf if none). Clears the bitmap's words as it goes. Several
-// accumulators of each, so that the minima and maxima are not one chain.
+// The first n elements of a row against their marks: (lo, hi) = the smallest marked logit
+// (NaN if one is NaN, +inf if none is marked) and the largest unmarked logit that is not NaN
+// (-inf if none). Several accumulators of each, so that the minima and maxima are not one
+// chain; float64 rows elementwise.
 template <typename T>
-std::pair<Compute<T>, Compute<T>> scan_words(const T* row, int64_t words, uint64_t* bitmap) {
+std::pair<Compute<T>, Compute<T>> scan_row(const T* row, int64_t V, const bool* marks) {
   using C = Compute<T>;
-  constexpr C kInf = std::numeric_limits<C>::infinity();
-#if defined(CPU_CAPABILITY_AVX512)
+  constexpr C kInfC = std::numeric_limits<C>::infinity();
+  C lo_s = kInfC, hi_s = -kInfC;
+  int64_t j = 0;
   if constexpr (std::is_same_v<C, float>) {
-    // the word's bits are the lanes' masks: a masked min of the marked lanes, a masked max of
-    // the others (_mm512_m*_ps(x, acc) returns acc where x is NaN: NaN is skipped by both, and
-    // a marked NaN is tracked apart)
-    __m512 lo[4], hi[4];
-    for (int a = 0; a < 4; ++a) {
-      lo[a] = _mm512_set1_ps(kInf);
-      hi[a] = _mm512_set1_ps(-kInf);
-    }
-    __mmask16 nan = 0;
-    for (int64_t w = 0; w < words; ++w) {
-      const uint64_t word = std::exchange(bitmap[w], 0);
-      const T* p = row + 64 * w;
-      for (int q = 0; q < 4; ++q) {
-        const __m512 x = load1(p + 16 * q);
-        const __mmask16 k = static_cast<__mmask16>(word >> (16 * q));
-        lo[q] = _mm512_mask_min_ps(lo[q], k, x, lo[q]);
-        hi[q] = _mm512_mask_max_ps(hi[q], static_cast<__mmask16>(~k), x, hi[q]);
-        nan |= _mm512_mask_cmp_ps_mask(k, x, x, _CMP_UNORD_Q);
+    constexpr int kAcc = 4;
+    const VF pos_inf(kInfC), neg_inf(-kInfC);
+    VF lo[kAcc], hi[kAcc];
+    LaneMask nan = lanes_empty();
+    for (int a = 0; a < kAcc; ++a) lo[a] = pos_inf, hi[a] = neg_inf;
+    for (; j + kAcc * VF::size() <= V; j += kAcc * VF::size()) {
+      for (int a = 0; a < kAcc; ++a) {
+        const int64_t i = j + a * VF::size();
+        const VF x = load1(row + i);
+        const LaneMask k = keep_lanes(marks + i);
+        // clamp_max / clamp_min skip a NaN in x; a marked NaN is tracked apart
+        lo[a] = at::vec::clamp_max(lo[a], select(k, x, pos_inf));
+        hi[a] = at::vec::clamp_min(hi[a], select(k, neg_inf, x));
+        nan = lanes_or(nan, lanes_and(k, lanes_nan(x)));
       }
     }
-    const float lo_s = _mm512_reduce_min_ps(
-        _mm512_min_ps(_mm512_min_ps(lo[0], lo[1]), _mm512_min_ps(lo[2], lo[3])));
-    const float hi_s = _mm512_reduce_max_ps(
-        _mm512_max_ps(_mm512_max_ps(hi[0], hi[1]), _mm512_max_ps(hi[2], hi[3])));
-    return {nan ? std::numeric_limits<float>::quiet_NaN() : lo_s, hi_s};
-  }
-#endif
-  using Vec = at::vec::Vectorized<C>;
-  constexpr int W = Vec::size();
-  constexpr int kAcc = 64 / W < 4 ? 64 / W : 4;
-  const auto bits = lane_bits<C>();
-  const Vec pos_inf(kInf), neg_inf(-kInf);
-  const uint64_t low = W == 64 ? ~uint64_t{0} : (uint64_t{1} << W) - 1;
-  Vec lo[kAcc], hi[kAcc];
-  for (int a = 0; a < kAcc; ++a) {
-    lo[a] = pos_inf;
-    hi[a] = neg_inf;
-  }
-  for (int64_t w = 0; w < words; ++w) {
-    const uint64_t word = std::exchange(bitmap[w], 0);
-    const T* p = row + 64 * w;
-    for (int q = 0; q < 64 / W; ++q) {
-      const Vec x = load1(p + q * W);
-      const Vec marked = lane_mask<C>((word >> (q * W)) & low, bits);
-      const int a = q % kAcc;
-      lo[a] = at::vec::minimum(lo[a], Vec::blendv(pos_inf, x, marked));  // NaN propagates
-      hi[a] = at::vec::maximum(hi[a], Vec::blendv(x, neg_inf, marked | x.isnan()));
+    float lanes_lo[VF::size()], lanes_hi[VF::size()];
+    for (int a = 0; a < kAcc; ++a) {
+      lo[a].store(lanes_lo);
+      hi[a].store(lanes_hi);
+      for (int k = 0; k < VF::size(); ++k) {
+        lo_s = lanes_lo[k] < lo_s ? lanes_lo[k] : lo_s;
+        hi_s = lanes_hi[k] > hi_s ? lanes_hi[k] : hi_s;
+      }
     }
+    if (!lanes_none(nan)) lo_s = std::numeric_limits<float>::quiet_NaN();
   }
-  C lanes_lo[W], lanes_hi[W];
-  C lo_s = kInf, hi_s = -kInf;
-  for (int a = 0; a < kAcc; ++a) {
-    lo[a].store(lanes_lo);
-    hi[a].store(lanes_hi);
-    for (int k = 0; k < W; ++k) {
-      lo_s = min_nan(lo_s, lanes_lo[k]);
-      hi_s = lanes_hi[k] > hi_s ? lanes_hi[k] : hi_s;
+  for (; j < V; ++j) {
+    const C x = static_cast<C>(row[j]);
+    if (marks[j]) {
+      lo_s = min_nan(lo_s, x);
+    } else if (x > hi_s) {
+      hi_s = x;
     }
   }
   return {lo_s, hi_s};
 }
 
-// scan_words over a whole row (V elements), its last partial word elementwise.
-template <typename T>
-std::pair<Compute<T>, Compute<T>> scan_row(const T* row, int64_t V, uint64_t* bitmap) {
-  using C = Compute<T>;
-  const int64_t words = V / 64;
-  auto [lo, hi] = scan_words(row, words, bitmap);
-  if (words * 64 < V) {
-    const uint64_t word = std::exchange(bitmap[words], 0);
-    for (int64_t j = words * 64; j < V; ++j) {
-      const C x = static_cast<C>(row[j]);
-      if ((word >> (j - words * 64)) & 1) {
-        lo = min_nan(lo, x);
-      } else if (x > hi) {
-        hi = x;
-      }
-    }
-  }
-  return {lo, hi};
-}
-
-
-// Marks ids[lo, hi) in the bitmap; false (the bitmap cleared) on an id outside [0, V).
-// Meanwhile the row's cache lines are requested (one every 4 ids), so that memory works while
-// the ids are marked and the scan finds (most of) the row in L2: 15-20% faster at 7.5k ids
-// per row. The bits of one word are gathered in a register while consecutive ids fall in it
-// (ids in increasing order: one store per word, not a chain of read-modify-writes of the same
-// word through memory).
-template <typename T, typename I>
-bool mark_ids(const I* ids, int64_t lo, int64_t hi, const T* row, int64_t V,
-              uint64_t* bitmap) {
-  const char* pf = reinterpret_cast<const char*>(row);
-  const char* const pf_end = pf + V * static_cast<int64_t>(sizeof(T));
-  int64_t word = 0;
-  uint64_t bits = 0;
-  for (int64_t k = lo; k < hi; ++k) {
-    const int64_t id = static_cast<int64_t>(ids[k]);
-    if (id < 0 || id >= V) {
-      std::fill(bitmap, bitmap + (V + 63) / 64, uint64_t{0});
-      return false;
-    }
-    if ((id >> 6) != word) {
-      bitmap[static_cast<size_t>(word)] |= bits;
-      word = id >> 6;
-      bits = 0;
-    }
-    bits |= uint64_t{1} << (id & 63);
-    if ((k & 3) == 0 && pf < pf_end) {
-      __builtin_prefetch(pf, 0, 2);
-      pf += 64;
-    }
-  }
-  bitmap[static_cast<size_t>(word)] |= bits;  // V >= 1: word 0 exists
+// Marks ids[lo, hi) in the byte map of V bools (all false); false, and nothing marked, where
+// an id lies outside [0, V). The ids' range is checked first, in one vectorised pass (their
+// largest as unsigned), so that marking is a load and a store per id.
+template <typename I>
+bool mark_ids(const I* ids, int64_t lo, int64_t hi, int64_t V, bool* marks) {
+  using U = std::make_unsigned_t<I>;
+  U largest = 0;
+  for (int64_t k = lo; k < hi; ++k) largest = std::max(largest, static_cast<U>(ids[k]));
+  if (hi > lo && largest >= static_cast<U>(V)) return false;
+#pragma GCC unroll 8
+  for (int64_t k = lo; k < hi; ++k) marks[ids[k]] = true;
   return true;
 }
 
-// The rule for one row: ids[lo, hi) against its V logits (see the top of this file).
-template <typename T, typename I>
-bool ids_row(const T* row, int64_t V, const I* ids, int64_t lo, int64_t hi, uint64_t* bitmap,
-             Compute<T>& tau, bool& exact) {
+// The rule for one row whose ids are marked (mark_ids): tau and exact from one scan of its V
+// logits (see the top of this file). The marks are left as they are.
+template <typename T>
+void decide_marked(const T* row, int64_t V, const bool* marks, Compute<T>& tau, bool& exact) {
   using C = Compute<T>;
-  if (!mark_ids(ids, lo, hi, row, V, bitmap)) {
-    tau = std::numeric_limits<C>::quiet_NaN();
-    exact = false;
-    return false;
-  }
-  const auto [smallest, largest_out] = scan_row(row, V, bitmap);
+  const auto [smallest, largest_out] = scan_row(row, V, marks);
   tau = smallest;
   if (std::isnan(smallest)) {
     exact = false;  // nothing passes x >= NaN, while the set holds the NaN's id
@@ -210,16 +121,13 @@ bool ids_row(const T* row, int64_t V, const I* ids, int64_t lo, int64_t hi, uint
     exact = !(largest_out >= smallest);
   } else {
     // tau = -inf: every logit but NaN passes; exact iff every such logit is marked
-    // (largest_out = -inf cannot tell "none" from "an unmarked -inf": mark again and look)
-    mark_ids(ids, lo, hi, row, V, bitmap);
+    // (largest_out = -inf cannot tell "none" from "an unmarked -inf")
     bool all_marked = true;
     for (int64_t j = 0; j < V && all_marked; ++j) {
-      all_marked = ((bitmap[j >> 6] >> (j & 63)) & 1) || std::isnan(static_cast<C>(row[j]));
+      all_marked = marks[j] || std::isnan(static_cast<C>(row[j]));
     }
-    std::fill(bitmap, bitmap + (V + 63) / 64, uint64_t{0});
     exact = all_marked;
   }
-  return true;
 }
 
 // The kept sets' (ids, offsets) checked against N rows: int32/int64 each, 1-D, N + 1 offsets
@@ -280,23 +188,38 @@ struct IdSets {
     return offsets32 ? static_cast<const int32_t*>(po)[r] : static_cast<const int64_t*>(po)[r];
   }
 
-  // Row r's rule against its V logits (bitmap: (V + 63) / 64 words, all 0, left all 0): tau
-  // and exact; false (tau NaN, not exact) where an id lies outside [0, V).
+  // Marks row r's ids in the byte map of V bools (all false); false (nothing marked) where an
+  // id lies outside [0, V).
+  bool mark(int64_t r, int64_t V, bool* marks) const {
+    return ids32 ? mark_ids(static_cast<const int32_t*>(pi), offset(r), offset(r + 1), V, marks)
+                 : mark_ids(static_cast<const int64_t*>(pi), offset(r), offset(r + 1), V, marks);
+  }
+
+  // Where row r's ids start (a walk requests them, and those after them, ahead of their use).
+  const char* row_ids(int64_t r) const {
+    return static_cast<const char*>(pi) + offset(r) * (ids32 ? 4 : 8);
+  }
+
+  // Row r's rule against its V logits (marks: V bools, all false, left all false): tau and
+  // exact; false (tau NaN, not exact) where an id lies outside [0, V).
   template <typename T>
-  bool row(int64_t r, const T* x, int64_t V, uint64_t* bitmap, Compute<T>& tau,
-           bool& exact) const {
-    return ids32 ? ids_row(x, V, static_cast<const int32_t*>(pi), offset(r), offset(r + 1),
-                           bitmap, tau, exact)
-                 : ids_row(x, V, static_cast<const int64_t*>(pi), offset(r), offset(r + 1),
-                           bitmap, tau, exact);
+  bool row(int64_t r, const T* x, int64_t V, bool* marks, Compute<T>& tau, bool& exact) const {
+    if (!mark(r, V, marks)) {
+      tau = std::numeric_limits<Compute<T>>::quiet_NaN();
+      exact = false;
+      return false;
+    }
+    decide_marked(x, V, marks, tau, exact);
+    std::fill(marks, marks + V, false);
+    return true;
   }
 };
 
-// A zeroed bitmap of `words` 64-bit words for this thread (the rule leaves it zeroed).
-inline uint64_t* ids_bitmap(int64_t words) {
-  thread_local std::vector<uint64_t> bitmap;
-  if (static_cast<int64_t>(bitmap.size()) < words) bitmap.assign(static_cast<size_t>(words), 0);
-  return bitmap.data();
+// A byte map of V bools, all false, for this thread (the rule leaves it all false).
+inline bool* ids_marks(int64_t V) {
+  thread_local std::vector<uint8_t> marks;
+  if (static_cast<int64_t>(marks.size()) < V) marks.assign(static_cast<size_t>(V), 0);
+  return reinterpret_cast<bool*>(marks.data());
 }
 
 }  // namespace

@@ -43,7 +43,7 @@ namespace {
 
 using klpenalty_native::Compute;
 using klpenalty_native::grain_rows;
-using klpenalty_native::ids_bitmap;
+using klpenalty_native::ids_marks;
 using klpenalty_native::IdSets;
 using klpenalty_native::Rows;
 using klpenalty_native::unit_last_stride;
@@ -53,11 +53,10 @@ void support_rows(const at::Tensor& x, const IdSets& sets, int64_t N, int64_t V,
                   bool* exact, std::atomic<bool>& bad_id) {
   const T* base = x.const_data_ptr<T>();
   const Rows rows(x);
-  const int64_t words = (V + 63) / 64;
   at::parallel_for(0, N, grain_rows(V), [&](int64_t r0, int64_t r1) {
-    uint64_t* bitmap = ids_bitmap(words);
+    bool* marks = ids_marks(V);
     for (int64_t r = r0; r < r1; ++r) {
-      if (!sets.row(r, base + rows.offset(r), V, bitmap, tau[r], exact[r])) {
+      if (!sets.row(r, base + rows.offset(r), V, marks, tau[r], exact[r])) {
         bad_id.store(true, std::memory_order_relaxed);
       }
     }

@@ -267,11 +267,29 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
             finalize_row(row, want, false, true, xr, yr, Support(), t, T, o, s);
           } else {
             Support sup = ra.support(r);
-            if (sets.defined()) {  // the kept set's τ_r and exactness, then its walk from L2
-              Compute<T_in> tau_ids;
-              bool exact;
-              if (!sets.row(r, xr, V, ids_bitmap((V + 63) / 64), tau_ids, exact)) {
+            if (sets.defined()) {  // the kept set's τ_r and exactness, and its walk
+              Compute<T_in> tau_ids = std::numeric_limits<Compute<T_in>>::quiet_NaN();
+              bool exact = false, walked = false;
+              RowState row;
+              bool* marks = ids_marks(V);
+              if (!sets.mark(r, V, marks)) {
                 bad_id.store(true, std::memory_order_relaxed);
+              } else {
+                if constexpr (!std::is_same_v<T_in, double>) {
+                  // the walk over the marks finds the set's bounds as it goes, and where the
+                  // set is {x >= its smallest logit} that walk is the row's
+                  if (!sup.any() && !cuts) {
+                    KeptBounds b;
+                    // the next rows' ids are read into L2 during this walk
+                    const void* side = r + 1 < r1 ? sets.row_ids(r + 1) : nullptr;
+                    row = walk_keep_bounds(xr, yr, marks, V, T, kY, kB, b, side);
+                    walked = !row.bad && b.lo > -std::numeric_limits<float>::infinity();
+                    if (walked) tau_ids = b.lo, exact = !(b.hi >= b.lo);
+                  }
+                }
+                // NaN, ±inf or a sum that is not finite: one scan of the row decides the set
+                if (!walked) decide_marked(xr, V, marks, tau_ids, exact);
+                std::fill(marks, marks + V, false);
               }
               if (!exact) {  // no threshold describes the set: not walked, kStTau NaN
                 inexact.store(true, std::memory_order_relaxed);
@@ -281,11 +299,15 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
                 continue;
               }
               sup = with_threshold(sup, tau_ids, a.ct == at::kDouble);
+              if (walked) {
+                finalize_row(row, want, true, a.need_y_state, xr, yr, sup, t, T, o, s);
+                continue;
+              }
             }
             if (cuts) sup = with_threshold(sup, row_threshold(xr, V, sampler, scratch()),
                                            a.ct == at::kDouble);
             // with the sampler, the next row's logits are read into L2 during this walk
-            const T_in* side = cuts && r + 1 < r1 ? px + ra.rx.offset(r + 1) : nullptr;
+            const void* side = cuts && r + 1 < r1 ? px + ra.rx.offset(r + 1) : nullptr;
             const RowState row = walk(xr, yr, sup, V, T, kY, kB, side);
             finalize_row(row, want, true, a.need_y_state, xr, yr, sup, t, T, o, s);
           }

@@ -94,18 +94,28 @@ void load_support(const T* x, const Support& sup, int64_t n, float* buf) {
 // The support of a row as lane masks of the float vectors a walk loads (in memory order for a
 // keep mask): keep read as bytes, x >= tau compared in float. NoLanes: no support.
 struct NoLanes {
-  static constexpr bool kOn = false, kKeep = false;
+  static constexpr bool kOn = false, kKeep = false, kBounds = false;
   LaneMask at(const VF&, int64_t) const { return LaneMask(); }
   bool kept(float, int64_t) const { return true; }
   NoLanes from(int64_t) const { return *this; }
 };
 
-template <bool kKeepB, bool kTauB>
+// The smallest kept logit and the largest logit off the support that is not NaN, over the
+// elements a walk has visited (a visit repeated by a redo changes neither).
+struct KeptBounds {
+  float lo = std::numeric_limits<float>::infinity();
+  float hi = -std::numeric_limits<float>::infinity();
+};
+
+// kBoundsB: the walk records the support's KeptBounds as it goes (a keep mask's: whether it is
+// a threshold set {x >= lo}, iff hi < lo, is then known without another pass over the row).
+template <bool kKeepB, bool kTauB, bool kBoundsB = false>
 struct SupLanes {
-  static constexpr bool kOn = true, kKeep = kKeepB;
+  static constexpr bool kOn = true, kKeep = kKeepB, kBounds = kBoundsB;
   const bool* keep = nullptr;  // the walked segment's keep
   VF vtau;
   float tau = 0.0f;
+  KeptBounds* bounds = nullptr;  // with kBoundsB
   // the kept lanes of the elements [i, i + VF::size()) of the segment, x their logits
   LaneMask at(const VF& x, int64_t i) const {
     if constexpr (kKeepB && kTauB) {
@@ -121,6 +131,17 @@ struct SupLanes {
     SupLanes s = *this;
     if constexpr (kKeepB) s.keep += c0;
     return s;
+  }
+  // the bounds of lanes (lo: the kept's minima, hi: the others' maxima) or of one element
+  void record(const VF& lo, const VF& hi) const {
+    float a[VF::size()], b[VF::size()];
+    lo.store(a);
+    hi.store(b);
+    for (int k = 0; k < VF::size(); ++k) record(a[k], b[k]);
+  }
+  void record(float lo, float hi) const {
+    bounds->lo = lo < bounds->lo ? lo : bounds->lo;
+    bounds->hi = hi > bounds->hi ? hi : bounds->hi;
   }
 };
 
@@ -245,12 +266,14 @@ struct ChunkSums {
 // terms before they are added into double lanes (a float lane summing a whole chunk, 64 terms,
 // lost ~1e-6 nats of a KL of 7); the tail in scalar code. kY: y's sums and a; kB: b; kCareful:
 // e^u = 0 terms of a and b are dropped (0·log 0 = 0), without it such a term gives NaN; kTrack:
-// the maxima alongside; ahead: elements ahead to prefetch (0: none). Every exponent is at most 0
-// with shifts at the maxima, and at most the caller's bound otherwise (exp2_scaled).
+// the maxima alongside; ahead: elements ahead to prefetch (0: none); side: with ahead, n elements'
+// bytes of another region requested into L2 alongside (a row that follows: its logits, or its
+// kept ids). Every exponent is at most 0 with shifts at the maxima, and at most the caller's
+// bound otherwise (exp2_scaled).
 template <int U, bool kY, bool kB, bool kCareful, bool kTrack, int64_t ahead, typename TX,
           typename TY, typename Sup = NoLanes>
 ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y, float c,
-                     const Sup& sup = Sup(), const TX* side = nullptr) {
+                     const Sup& sup = Sup(), const void* side = nullptr) {
   constexpr int64_t kStep = U * VF::size();
   constexpr int kSteps = U >= 8 ? 1 : 8 / U;  // steps per float partial sum
   const VF vc(c), vsx(sh_x), vsy(sh_y), zero(0.0f), lo(-127.0f / c);
@@ -258,6 +281,7 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
   [[maybe_unused]] const LaneMask all = lanes_all();
   [[maybe_unused]] LaneMask off = lanes_empty();
   VF mx(-std::numeric_limits<float>::infinity()), my = mx;
+  [[maybe_unused]] VF blo(std::numeric_limits<float>::infinity()), bhi = mx;
   WideSum ws_x, ws_y, wa, wb;
   int64_t i = 0;
   while (i + kStep <= n) {
@@ -272,8 +296,8 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
           const char* cy = reinterpret_cast<const char*>(y + i + ahead);
           for (int64_t b = 0; b < kBytesY; b += 64) __builtin_prefetch(cy + b);
         }
-        if (side) {  // the next row's logits, into L2, while this one is computed
-          const char* cs = reinterpret_cast<const char*>(side + i);
+        if (side) {  // the side region, into L2, while this row is computed
+          const char* cs = static_cast<const char*>(side) + i * static_cast<int64_t>(sizeof(TX));
           for (int64_t b = 0; b < kBytesX; b += 64) __builtin_prefetch(cs + b, 0, 2);
         }
       }
@@ -291,6 +315,10 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
           off = lanes_or(off, lanes_andnot(all, kept));
         }
         if constexpr (kTrack) mx = max_fast(mx, Sup::kOn ? select(kept, xv[k], ninf) : xv[k]);
+        if constexpr (Sup::kBounds) {  // a NaN: skipped (kept, it makes the sums NaN)
+          blo = at::vec::clamp_max(blo, select(kept, xv[k], -ninf));
+          bhi = at::vec::clamp_min(bhi, select(kept, ninf, xv[k]));
+        }
         const VF dx = xv[k] - vsx;
         VF eu = exp2_scaled(dx, vc, lo);
         if constexpr (Sup::kOn) eu = select(kept, eu, zero);
@@ -323,6 +351,7 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
   }
   ChunkSums cs;
   if constexpr (Sup::kOn) cs.off = !lanes_none(off);
+  if constexpr (Sup::kBounds) sup.record(blo, bhi);
   cs.s_x = ws_x.value();
   if constexpr (kY) cs.s_y = ws_y.value(), cs.a = wa.value();
   if constexpr (kB) cs.b = wb.value();
@@ -339,6 +368,13 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
     const float xf = static_cast<float>(x[i]);
     const bool kept = sup.kept(xf, i);
     cs.off = cs.off || !kept;
+    if constexpr (Sup::kBounds) {
+      if (kept) {
+        sup.record(xf, -std::numeric_limits<float>::infinity());
+      } else if (!std::isnan(xf)) {
+        sup.record(std::numeric_limits<float>::infinity(), xf);
+      }
+    }
     const float dx = xf - sh_x, eu = kept ? std::exp2(dx * c) : 0.0f;
     cs.s_x += eu;
     if constexpr (kTrack) {
@@ -400,10 +436,10 @@ constexpr int64_t kPrefix = 256;
 // rescale (and the state rescaled when the maxima rose); a chunk is walked in two passes where
 // there are no finite running maxima or its maxima rose by more than the bound. bad: a chunk
 // holds NaN or +inf, or a sum is not finite (the caller redoes the row with the careful or the
-// double arithmetic).
+// double arithmetic). side: V·sizeof(T) bytes requested into L2 during the walk (chunk_sums).
 template <bool kY, bool kB, typename T, typename Sup = NoLanes>
 RowState row_fast(const T* px, const T* py, int64_t V, double T_, const Sup& sup_row = Sup(),
-                  const T* side = nullptr) {
+                  const void* side = nullptr) {
   RowState row;
   const float c = static_cast<float>(kLog2e / T_);
   if (V > kPrefix) {
@@ -424,9 +460,10 @@ RowState row_fast(const T* px, const T* py, int64_t V, double T_, const Sup& sup
     if (shifted) {
       const float sh_x = static_cast<float>(row.m_x), sh_y = static_cast<float>(row.m_y);
       constexpr int64_t ahead = sizeof(T) >= 4 ? kAhead : 0;
-      const ChunkSums cs =
-          chunk_sums<kChains, kY, kB, false, true, ahead>(x, y, n, sh_x, sh_y, c, sup,
-                                                          side ? side + c0 : side);
+      const char* side_c0 =
+          side ? static_cast<const char*>(side) + c0 * static_cast<int64_t>(sizeof(T)) : nullptr;
+      const ChunkSums cs = chunk_sums<kChains, kY, kB, false, true, ahead>(x, y, n, sh_x, sh_y,
+                                                                           c, sup, side_c0);
       const bool within = (cs.max_x - row.m_x) * c <= kRise &&
                           (!kY || (cs.max_y - row.m_y) * c <= kRise);
       if (within) {
@@ -501,7 +538,7 @@ auto with_lanes(const Support& sup, F&& f) {
 // float64 inputs, the scalar double path.
 template <bool kY, bool kB, typename T>
 RowState walk_row(const T* px, const T* py, const Support& sup, int64_t V, double T_,
-                  const T* side) {
+                  const void* side) {
   if constexpr (std::is_same_v<T, double>) {
     return row_scalar(px, py, sup, V, T_, kY, kB);
   } else {
@@ -524,13 +561,32 @@ RowState walk_row(const T* px, const T* py, const Support& sup, int64_t V, doubl
 
 template <typename T>
 RowState walk(const T* px, const T* py, const Support& sup, int64_t V, double T_, bool kY,
-              bool kB, const T* side = nullptr) {
+              bool kB, const void* side = nullptr) {
   if (kY) {
     return kB ? walk_row<true, true>(px, py, sup, V, T_, side)
               : walk_row<true, false>(px, py, sup, V, T_, side);
   }
   return kB ? walk_row<false, true>(px, py, sup, V, T_, side)
             : walk_row<false, false>(px, py, sup, V, T_, side);
+}
+
+// A row (float32, bfloat16 or float16) over a keep mask, in the fast one-pass walk alone,
+// recording the mask's bounds (KeptBounds) as it goes: the row's state, and row.bad where that
+// walk cannot finish it (NaN or +inf in a chunk, a sum that is not finite; the caller decides
+// the row another way). Where the mask is {x >= bounds.lo}, the state holds the same sums as
+// walk_row's for that threshold (the same lanes; for 16-bit logits, summed in memory order).
+template <typename T>
+RowState walk_keep_bounds(const T* px, const T* py, const bool* keep, int64_t V, double T_,
+                          bool kY, bool kB, KeptBounds& bounds, const void* side = nullptr) {
+  SupLanes<true, false, true> lanes;
+  lanes.keep = keep;
+  lanes.bounds = &bounds;
+  RowState row = kY ? (kB ? row_fast<true, true>(px, py, V, T_, lanes, side)
+                          : row_fast<true, false>(px, py, V, T_, lanes, side))
+                    : (kB ? row_fast<false, true>(px, py, V, T_, lanes, side)
+                          : row_fast<false, false>(px, py, V, T_, lanes, side));
+  row.careful = row.careful || row.off;  // off the support: the 0·log 0 rule
+  return row;
 }
 
 }  // namespace

@@ -199,8 +199,8 @@ def threshold_of_ids(
     scatter-min of the logits at the ids, then, a chunk of rows at a time, a (chunk, V) bool of
     the ids compared with x ≥ τ. The native form is its fast form (CPU tensors when
     :func:`klpenalty.ops.native.available`; the op ``native_support_from_ids``): per row, in
-    parallel over rows, the ids set bits in a bitmap of V bits (a duplicate sets its bit once,
-    so a set {a, a} is never taken for {a, b}), then one vectorised pass over the row takes τ,
+    parallel over rows, the ids mark a byte map of V bools (a duplicate marks once, so a set
+    {a, a} is never taken for {a, b}), then one vectorised pass over the row takes τ,
     the minimum of the marked logits, and the maximum of the unmarked ones; the kept ids all
     pass x ≥ τ, so the set is {x ≥ τ} iff that maximum is < τ. Nothing of size (N, V) is
     built: it reads the logits once more and the ids once (K·8 bytes for int64 ids).

@@ -23,8 +23,8 @@ HAS_COMPILER = shutil.which(os.environ.get("CXX", "c++")) is not None
 pytestmark = pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler: native cannot build")
 
 INF, NAN = math.inf, math.nan
-# V = 1, off the vector width (16 floats, 8 doubles) and the bitmap word (64), a multiple of
-# both, and longer than a few words with a partial last one
+# V = 1, off the vector width (16 floats, 8 doubles) and a step of the scan (64 floats), a
+# multiple of both, and longer than a few steps with a partial last one
 VOCABS = [1, 37, 64, 100, 2048 + 37]
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import klpenalty
+from klpenalty.linear import linear_logprobs
 from klpenalty.ops import dispatch
 from klpenalty.ops.contract import ST_TAU, Want
 from klpenalty.ops.reference import token_stats_reference
@@ -313,6 +314,24 @@ def test_divergence_given_ids_equals_the_dense_mask(name, monkeypatch):
             with backend_env(name):
                 _assert_same(div((ids, offsets)), div(keep))
     assert calls.count(True) == 4
+
+
+@pytest.mark.parametrize("name, broken", [("native", True), ("streaming", False)])
+def test_linear_logprobs_given_ids_equals_the_dense_mask(name, broken, monkeypatch):
+    """linear_logprobs given (ids, offsets) gives the log-probs, entropies and kept sets
+    (return_support) of the same sets as a bool mask, every chunk's op given the sets (the
+    chunk holding a set no threshold describes then redone on its dense mask)."""
+    op_backend(name)
+    (hp, wp, _, _), tokens, mask, ids_offsets, keep = _heads_case(broken, torch.int32)
+    calls = _spy_ids(monkeypatch)
+    got, want = (linear_logprobs(hp, wp, tokens, mask=mask, entropy=True, temperature=0.8,
+                                 chunk_rows=2, backend=name, support=s, return_support=True)
+                 for s in (ids_offsets, keep))
+    assert calls.count(True) == 3
+    for a, b in zip(got[0][:2], want[0][:2]):
+        torch.testing.assert_close(a, b, **tol(torch.float32))
+    for a, b in zip(got[1], want[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_linear_kl_given_ids_raises_the_dense_masks_errors():

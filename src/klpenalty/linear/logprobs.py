@@ -29,7 +29,7 @@ from ._heads import (
     _logits,
     _plan_rows,
 )
-from .chunks import chunk_forward, chunk_support, want_bits
+from .chunks import KeptIds, LocalChunks, chunk_keep_tau, want_bits
 
 __all__ = ["linear_logprobs"]
 
@@ -105,21 +105,27 @@ def linear_logprobs(
     dtype = v.compute_dtype(hidden, weight)
     outs = [hidden.new_zeros(n, dtype=dtype) for _ in range(contract.OUT_COLS)]
     counts, kept_ids = hidden.new_zeros(n, dtype=torch.long), []
+    chunks = LocalChunks(impl)  # a compact kept set: each chunk's goes to the op
     with torch.no_grad():
         for r0 in range(0, m, chunk):
             r1 = min(m, r0 + chunk)
             sel = slice(r0, r1) if rows is None else rows[r0:r1]
             z = _logits(h[sel], weight, bias, scale, cap)  # (R, V)
-            keep, tau, sampler = chunk_support(support, z, rows, r0, r1)
-            out, st = chunk_forward(z, None, tok[sel], None, temperature, want, impl, keep, tau,
-                                    sampler)
+            keep, tau, sampler = chunks.support(support, z, rows, r0, r1, temperature)
+            out, st = chunks.forward(z, None, tok[sel], temperature, want, keep, tau, sampler)
             for col, o in enumerate(outs):
                 o[sel] = out[:, col]
             if return_support:  # the op's support: keep ∧ z ≥ its threshold (ST_TAU)
-                tau_used = st[:, contract.ST_TAU].unsqueeze(1)  # float32 (float64)
-                kept = (z if z.dtype == tau_used.dtype else z.to(tau_used.dtype)) >= tau_used
-                if keep is not None:
-                    kept &= keep
+                tau_used = st[:, contract.ST_TAU]
+                if isinstance(keep, KeptIds):  # the thresholds found, or the sets' dense mask
+                    keep, tau_used = chunk_keep_tau(keep, None, st, z.shape)
+                if tau_used is None:
+                    kept = keep.clone()
+                else:
+                    tau_used = tau_used.unsqueeze(1)  # float32 (float64)
+                    kept = (z if z.dtype == tau_used.dtype else z.to(tau_used.dtype)) >= tau_used
+                    if keep is not None:
+                        kept &= keep
                 counts[sel] = kept.sum(1)
                 kept_ids.append(kept.nonzero()[:, 1])
             del z, keep, out, st

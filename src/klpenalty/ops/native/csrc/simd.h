@@ -286,6 +286,9 @@ inline LaneMask lanes_nan(const VF& v) { return _mm512_cmp_ps_mask(v, v, _CMP_UN
 inline LaneMask lanes_or(LaneMask a, LaneMask b) { return a | b; }
 inline LaneMask lanes_empty() { return 0; }
 inline LaneMask lanes_all() { return static_cast<LaneMask>(0xFFFF); }
+// min(v, acc) / max(v, acc) in the lanes of m, acc elsewhere; a NaN in v leaves acc
+inline VF min_where(const VF& acc, LaneMask m, const VF& v) { return _mm512_mask_min_ps(acc, m, v, acc); }
+inline VF max_where(const VF& acc, LaneMask m, const VF& v) { return _mm512_mask_max_ps(acc, m, v, acc); }
 inline int64_t compress_store(float* dst, LaneMask m, const VF& v) {
   _mm512_storeu_ps(dst, _mm512_maskz_compress_ps(m, v));
   return __builtin_popcount(static_cast<unsigned>(m));
@@ -332,6 +335,13 @@ inline LaneMask lanes_or(const LaneMask& a, const LaneMask& b) { return a | b; }
 inline LaneMask lanes_empty() { return VF(0.0f); }
 inline LaneMask lanes_all() { return VF(0.0f) == VF(0.0f); }
 inline VF select(const LaneMask& m, const VF& a, const VF& b) { return VF::blendv(b, a, m); }
+// min(v, acc) / max(v, acc) in the lanes of m, acc elsewhere; a NaN in v leaves acc
+inline VF min_where(const VF& acc, const LaneMask& m, const VF& v) {
+  return select(m, at::vec::clamp_max(acc, v), acc);
+}
+inline VF max_where(const VF& acc, const LaneMask& m, const VF& v) {
+  return select(m, at::vec::clamp_min(acc, v), acc);
+}
 #if defined(CPU_CAPABILITY_AVX2)
 // For each 8-lane mask, the indices of its set lanes in order, one per byte from the lowest.
 constexpr std::array<uint64_t, 256> compress_indices() {

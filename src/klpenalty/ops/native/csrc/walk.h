@@ -316,8 +316,8 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
         }
         if constexpr (kTrack) mx = max_fast(mx, Sup::kOn ? select(kept, xv[k], ninf) : xv[k]);
         if constexpr (Sup::kBounds) {  // a NaN: skipped (kept, it makes the sums NaN)
-          blo = at::vec::clamp_max(blo, select(kept, xv[k], -ninf));
-          bhi = at::vec::clamp_min(bhi, select(kept, ninf, xv[k]));
+          blo = min_where(blo, kept, xv[k]);
+          bhi = max_where(bhi, lanes_andnot(all, kept), xv[k]);
         }
         const VF dx = xv[k] - vsx;
         VF eu = exp2_scaled(dx, vc, lo);

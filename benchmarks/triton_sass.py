@@ -51,6 +51,8 @@ CASES = [
          backward=False),
     dict(name="kl, top-k+top-p+min-p", dtype="fp32", want=1, sampler=(50, 0.9, 0.05),
          backward=False),
+    # top-p alone: Z's mass below the window of keys summed in the window's scan (ZSUM)
+    dict(name="kl, top-p", dtype="bf16", want=1, sampler=(0, 0.9, 0.0), backward=False),
     # the second walk (divergence_kernel, divergence_grad_kernel) instead of the statistics: the
     # JSD (the most terms), the skew forward KL (the mixture's π·g) and the TVD (no logarithm)
     dict(name="jsd", dtype="bf16", want=1, divergence=2),
@@ -356,8 +358,11 @@ def table(results: list[dict]) -> str:
         rows += ["", "threshold_kernel's column loops: instructions per element", "",
                  "| case | dtype | " + " | ".join(names) + " |",
                  "|---|---|" + "---:|" * len(names)]
-        for r in threshold:
-            cells = [f"{lp['per_elem']:.1f}" for lp in r["inner_loops"]]
+        for r in threshold:  # (each cell named by its loop where the flags leave some out)
+            got = _row_loops(r["constexprs"], True)
+            plain = got == ["group", "z", "mass32", "check", "mass64", "group"]
+            cells = [f"{lp['per_elem']:.1f}" if plain else f"{name} {lp['per_elem']:.1f}"
+                     for name, lp in zip(got, r["inner_loops"])]
             rows.append(f"| {r['case']} | {r['dtype']} | " + " | ".join(cells) + " |")
     scans = [r for r in results if r.get("kernel") == "threshold_scan_kernel"]
     if scans:  # the split scan's passes: one read of the row each
@@ -366,7 +371,9 @@ def table(results: list[dict]) -> str:
                  "|---|---|---:|---:|---:|---:|---:|"]
         for r in scans:
             (lp,) = r["inner_loops"]
-            rows.append(f"| {r['case']} | {r['dtype']} | {r['constexprs']['PASS']} | "
+            c = r["constexprs"]
+            what = " (window, Z)" if c.get("ZSUM") else " (window)" if c.get("WINDOW") else ""
+            rows.append(f"| {r['case']} | {r['dtype']} | {c['PASS']}{what} | "
                         f"{lp['per_elem']:.1f} | {r['loop']['bar']} | {r['loop']['atoms']} | "
                         f"{r['resources'].get('REG')} |")
     return "\n".join(rows)
@@ -446,7 +453,9 @@ def _row_loops(flags: dict, split_scan: bool) -> list[str]:
     if flags["TOP_K"]:
         names += ["group"] if split_scan else ["count", "group"]
     if flags["TOP_P"] or flags["MIN_P"]:
-        names += ["window", "z"] if window else ["z"]
+        names += ["window"] if window else []
+        # the Z read (with ZSUM, Z from the window's scan: the read for min-p's τ_m alone)
+        names += ["z"] if flags["MIN_P"] or not flags.get("ZSUM", False) else []
     if flags["TOP_P"]:
         names += (["window"] if window else []) + ["mass32", "check", "mass64", "group"]
     return names

@@ -48,6 +48,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # tests/conftest.py imported Triton and the kernels under TRITON_INTERPRET=1 where no GPU exists
 triton = pytest.importorskip("triton", reason="Triton is not installed: pip install 'klpenalty[triton]'")
+tl = triton.language
+from klpenalty.ops.triton import _kernels_threshold as kth  # noqa: E402 (imports Triton)
 
 # the interpreter evaluates masked-off lanes too (−inf − −inf): numpy warns, the kernel guards
 pytestmark = [
@@ -723,9 +725,9 @@ def test_top_p_on_16_bit_logits_from_the_window_of_keys(monkeypatch):
         z_read = _kernels_threshold._z_read
         monkeypatch.setattr(_kernels_threshold, "_z_read",
                             lambda *args: z_reads.append(1) or z_read(*args))
-    # the reads of Z: none after top-k, one for min-p without top-p (no window) and for top-p
-    # alone (candidates below the window)
-    for top_k, top_p, min_p, reads in [(40, 0.7, 0.05, 0), (40, 1.0, 0.05, 1), (0, 0.7, 0.0, 1)]:
+    # the reads of Z: none after top-k, one for min-p without top-p (no window), none for top-p
+    # alone (the candidates below the window summed by the window's scan)
+    for top_k, top_p, min_p, reads in [(40, 0.7, 0.05, 0), (40, 1.0, 0.05, 1), (0, 0.7, 0.0, 0)]:
         before = 0 if CUDA else len(z_reads)
         tau = op(_on(row), top_k, top_p, min_p, 0.8).cpu()
         assert torch.equal(tau, _threshold_rule(row, top_k, top_p, min_p, 0.8))
@@ -735,6 +737,84 @@ def test_top_p_on_16_bit_logits_from_the_window_of_keys(monkeypatch):
         assert tau.item() < 0 < vals[0].item()
         assert torch.equal(tau, _threshold_rule(row, top_k, top_p, 0.0, 0.8))
     assert CUDA or 1 in searches  # below the window: the search
+
+
+def test_the_float64_exponential_of_the_window_scan():
+    """``_exp64`` (the window scan's float64 exponentials, below the window) within an ulp of
+    exp on [−708, 0] (the range its caller keeps): random points, small ones, the ends and
+    the edges of its reduction (±ln 2 / 2)."""
+    g = torch.Generator().manual_seed(4)
+    d = torch.cat([-torch.rand(4096, generator=g, dtype=torch.float64) * 708.0,
+                   -torch.rand(4096, generator=g, dtype=torch.float64) * 2.0,
+                   torch.tensor([0.0, -0.0, -708.0, -1e-300, -math.log(2) / 2,
+                                 -math.log(2) * 1.5, -math.log(2) * 1021.5])])
+    d = torch.cat([d, torch.zeros(16384 - d.numel(), dtype=torch.float64)])
+
+    @triton.jit  # (here: the interpreter, where no GPU exists, is set for this module's tests)
+    def exp64_probe(d_ptr, out_ptr, N: tl.constexpr):
+        offs = tl.arange(0, N)
+        terms = kth._exp_terms(tl.where(N > 0, 1.0, 2.0).to(tl.float64))
+        tl.store(out_ptr + offs, kth._exp64(tl.load(d_ptr + offs), terms))
+
+    out = _on(torch.empty_like(d))
+    exp64_probe[(1,)](_on(d), out, N=d.numel())
+    want = torch.exp(d)
+    ulp = torch.nextafter(want, torch.full_like(want, math.inf)) - want
+    assert torch.all((out.cpu() - want).abs() <= ulp)
+    assert torch.all(out.cpu()[d == 0.0] == 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_top_p_alone_takes_z_from_the_window_scans_partial_sums(dtype, monkeypatch):
+    """16-bit rows of V = 2500 split across programs, much of their mass below the window of
+    keys (negative logits under a positive max): top-p alone adds Z's mass below the window
+    from the window scan's per-program float64 sums, with no read of the row for Z. p 1e-9
+    apart around the mass before a token, positive and negative (below the window: the search), so a
+    sum missing, doubled or in float32 would move τ; min-p with it reads the row for τ_m
+    alone."""
+    from klpenalty.ops.triton import token_stats as ts
+
+    vocab, temperature = 2500, 0.9
+    assert ts.split_columns(2, vocab, torch.device("cpu"))[1] < vocab
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(2, vocab, generator=g) * 0.6
+    x[0, 2400] = 2.0  # the max in the second program
+    x[1, :1200] -= 1.0  # the first program's logits lower
+    x = x.to(dtype)
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    z_reads = []
+    if not CUDA:
+        from klpenalty.ops.triton import _kernels_threshold
+
+        z_read = _kernels_threshold._z_read
+        monkeypatch.setattr(_kernels_threshold, "_z_read",
+                            lambda *args: z_reads.append(args[-2]) or z_read(*args))
+    for r in range(2):
+        scaled = x[r].float() / temperature  # the rule's float32 quotient
+        vals = x[r].float().sort(descending=True).values
+        m = scaled.max().double()
+        log_z = m + torch.exp(scaled.double() - m).sum().log()
+        before = torch.cumsum(torch.exp(scaled.double().sort(descending=True).values - log_z), 0)
+        below = (x[r].float() <= 0).double() * torch.exp(scaled.double() - log_z)
+        assert below.sum() > 0.15  # the mass below the window: Z's sum decides
+        picked = [j for j in range(3, vocab - 1) if vals[j] != vals[j - 1]]
+        # a positive logit (in bf16's window) and a negative one (below it: the search)
+        for j in (next(j for j in picked if before[j - 1] > 0.3),
+                  next(j for j in picked if vals[j] < -0.5)):
+            p = before[j - 1].item()
+            row = x[r:r + 1]
+            assert op(_on(row), 0, p * (1 + 1e-9), 0.0, temperature).item() == vals[j].item()
+            assert op(_on(row), 0, p * (1 - 1e-9), 0.0, temperature).item() == vals[j - 1].item()
+            # both rows at once (the partials of each row's programs)
+            tau = op(_on(x), 0, p * (1 + 1e-9), 0.0, temperature).cpu()
+            assert tau[r].item() == vals[j].item()
+            assert torch.equal(tau, _threshold_rule(x, 0, p * (1 + 1e-9), 0.0, temperature))
+    assert CUDA or z_reads == []
+    # min-p's τ below the window: its read, without Z (TOP_P off)
+    tau = op(_on(x), 0, 0.8, 0.01, temperature).cpu()
+    assert torch.equal(tau, _threshold_rule(x, 0, 0.8, 0.01, temperature))
+    assert tau.max() < 0
+    assert CUDA or (z_reads and not any(z_reads))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -865,30 +945,36 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
         for (dt, shift), (top_k, top_p, min_p, has_tau) in itertools.product(
                 [("*bf16", 16), ("*fp16", 13), ("*fp32", 0)],
                 [(1, 0, 0, 0), (0, 1, 0, 1), (0, 0, 1, 0), (1, 1, 1, 1)]):
-            sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32", "tau_in_ptr": "*fp32",
-                   "tau_ptr": "*fp32", "T": "i32", "stride_xb": "i64", "stride_xt": "i64",
+            sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32", "zpart_ptr": "*fp64",
+                   "tau_in_ptr": "*fp32", "tau_ptr": "*fp32", "T": "i32", "stride_xb": "i64",
+                   "stride_xt": "i64",
                    "V": "i32", "n_splits": "i32", "hist_stride": "i32", "top_k": "i32",
                    "top_p_bits": "i64", "log_min_p_bits": "i64", "window_bits": "i64",
                    "temperature": "fp32"}}
             c = dict(TOP_K=bool(top_k), TOP_P=bool(top_p), MIN_P=bool(min_p),
                      HAS_TAU=bool(has_tau), KEY_SHIFT=shift, NB_LAST=32,
-                     WINDOW=bool(top_p) and shift > 0, SPLITS=4,
+                     WINDOW=bool(top_p) and shift > 0,
+                     ZSUM=bool(top_p) and shift > 0 and not top_k, SPLITS=4,
                      BLOCK={th.THRESHOLD_BLOCK}, BT={32 * th.THRESHOLD_WARPS},
                      F={th.THRESHOLD_BUCKETS})
             s = {{**sig, **{{name: "constexpr" for name in c}}}}
             src = ASTSource(fn=k.threshold_kernel, signature=s, constexprs=c)
             assert ".entry" in triton.compile(src, target=t).asm["ptx"]
             n += 1
-            if not (top_k and top_p):  # the scan's passes once a key width, all flags on
+            if not top_p:  # the scan's passes once a key width: all flags on, top-p alone
                 continue
             for pass_, (high, low) in enumerate([(32 - shift, 24 - shift),
                                                      (24 - shift, max(16 - shift, 0))]):
-                sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32", "T": "i32",
-                       "stride_xb": "i64", "stride_xt": "i64", "V": "i32", "cols": "i32",
-                       "n_splits": "i32", "hist_stride": "i32"}}
-                c = dict(SCAN=pass_ == 0, HIST=bool(top_k), PASS=pass_,
-                         WINDOW=pass_ == 1 and bool(top_p) and shift > 0, KEY_SHIFT=shift,
-                         DIGIT_HI=high, DIGIT_LO=low, SPLITS=4, BLOCK=1024)
+                if not top_k and (pass_ or not shift):  # top-p alone: its window's scan
+                    continue
+                sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32",
+                       "zpart_ptr": "*fp64", "T": "i32", "stride_xb": "i64",
+                       "stride_xt": "i64", "V": "i32", "cols": "i32", "n_splits": "i32",
+                       "hist_stride": "i32", "temperature": "fp32"}}
+                c = dict(SCAN=pass_ == 0 and bool(top_k), HIST=bool(top_k), PASS=pass_,
+                         WINDOW=(pass_ == 1 or not top_k) and shift > 0,
+                         ZSUM=not top_k, KEY_SHIFT=shift, DIGIT_HI=high, DIGIT_LO=low,
+                         SPLITS=4, BLOCK=1024)
                 s = {{**sig, **{{name: "constexpr" for name in c}}}}
                 src = ASTSource(fn=k.threshold_scan_kernel, signature=s, constexprs=c)
                 assert ".entry" in triton.compile(src, target=t).asm["ptx"]

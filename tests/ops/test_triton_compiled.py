@@ -131,15 +131,18 @@ THRESHOLD_BUDGET = (26.0, 95.0, 150.0, 105.0, 260.0, 26.0)
 # window before the Z read, top-p's answer from it after. Instructions per chunk.
 WINDOW_BUDGET = (200, 280)
 # The split scan's column loop (one read of the row), by (pass 0, the window of keys counted):
-# pass 0 with top-k's first histogram; a later digit's histogram, alone (fp32) and with top-p's
-# window of keys (bf16: two histograms in the read).
-SCAN_BUDGET = {(True, False): 26.0, (False, False): 20.0, (False, True): 33.0}
+# pass 0 with top-k's first histogram (or alone); a later digit's histogram, alone (fp32) and
+# with top-p's window of keys (bf16: two histograms in the read); top-p alone's window of keys
+# with Z's float64 exponentials below it (ZSUM).
+SCAN_BUDGET = {(True, False): 26.0, (False, False): 20.0, (False, True): 33.0,
+               (True, True): 72.0}
 # Triton 3.6 (the GPU image's) lowers ``tl.histogram`` per warp: each iteration adds the warp's
 # counts of every bin to shared memory, ~3.6× the instructions per element of 3.9 with top-k's
 # 256 bins, ~10× with the window's 2048 (72 ATOMS a thread there, against 16 in 3.9;
 # benchmarks/README.md states what that predicts)
 if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):
-    SCAN_BUDGET = {(True, False): 90.0, (False, False): 100.0, (False, True): 310.0}
+    SCAN_BUDGET = {(True, False): 90.0, (False, False): 100.0, (False, True): 310.0,
+                   (True, True): 320.0}
     # the row's program with top-k's 256-bin last digit: its second window loop takes 285
     WINDOW_BUDGET = (200, 290)
 
@@ -148,35 +151,46 @@ def test_the_threshold_kernel_loops(compiled):
     """The sampler's threshold kernel (launched before the forward where the settings cut):
     its column loops reduce nothing across threads (no barrier, no shuffle inside) and stay
     within their instruction budgets per element; on bf16 its two loops over the window of
-    keys within theirs per chunk."""
+    keys within theirs per chunk; top-p alone on bf16 (Z from the window's scan) has no Z
+    read."""
     found = _launches(compiled, "threshold_kernel")
     assert {r["dtype"] for r in found} == {"bf16", "fp32"}
+    assert any(r["constexprs"]["ZSUM"] for r in found)
     for r in found:
-        loops = r["inner_loops"]
-        if r["constexprs"]["WINDOW"]:
-            assert r["dtype"] == "bf16" and len(loops) == len(THRESHOLD_BUDGET) + 2, loops
-            window = [loops.pop(3), loops.pop(1)][::-1]
+        loops, c = r["inner_loops"], r["constexprs"]
+        # the loops the flags compile, as indices of THRESHOLD_BUDGET (TOP_P in every case)
+        want = ([0] if c["TOP_K"] else []) + ([] if c["ZSUM"] and not c["MIN_P"] else [1])
+        want += [2, 3, 4, 5]
+        if c["WINDOW"]:
+            assert r["dtype"] == "bf16" and len(loops) == len(want) + 2, loops
+            first = 1 if c["TOP_K"] else 0  # after the k-th's tie group, then before the search
+            window = [loops.pop(len(want) - 4 + 1), loops.pop(first)][::-1]
             for lp, budget in zip(window, WINDOW_BUDGET):
                 assert lp["instructions"] <= budget, (lp, budget)
-        assert len(loops) == len(THRESHOLD_BUDGET), (r["dtype"], loops)
-        for lp, budget in zip(loops, THRESHOLD_BUDGET):
+        assert len(loops) == len(want), (r["dtype"], c, loops)
+        for lp, i in zip(loops, want):
             assert lp["bar"] == 0 and lp["shfl"] == 0, (r["dtype"], lp)
-            assert lp["per_elem"] <= budget, (r["dtype"], lp, budget)
+            assert lp["per_elem"] <= THRESHOLD_BUDGET[i], (r["dtype"], lp, THRESHOLD_BUDGET[i])
 
 
 def test_the_threshold_scan_reads_16_bytes_a_load_and_histograms_in_shared_memory(compiled):
     """The split scan (pass 0 and top-k's digits: 2 reads of a bf16 row, the second counting
-    top-p's window of keys too, 4 of an fp32 one): one column loop of 128-bit loads, its
-    histograms by shared-memory atomics (ATOMS, no shuffle), within its instruction budget per
-    element."""
+    top-p's window of keys too, 4 of an fp32 one; top-p alone on bf16: pass 0, then the window
+    with Z's sums below it): one column loop of 128-bit loads, its histograms by shared-memory
+    atomics (ATOMS, no shuffle), within its instruction budget per element."""
     found = _launches(compiled, "threshold_scan_kernel")
-    passes = {dt: [r for r in found if r["dtype"] == dt] for dt in ("bf16", "fp32")}
-    assert len(passes["bf16"]) == 2 and len(passes["fp32"]) == 4
+    passes = {(case, dt): [r for r in found if (r["case"], r["dtype"]) == (case, dt)]
+              for case in ("kl, top-k+top-p+min-p", "kl, top-p") for dt in ("bf16", "fp32")}
+    assert len(passes["kl, top-k+top-p+min-p", "bf16"]) == 2
+    assert len(passes["kl, top-k+top-p+min-p", "fp32"]) == 4
+    assert [r["constexprs"]["ZSUM"] for r in passes["kl, top-p", "bf16"]] == [False, True]
     for r in found:
         (lp,) = r["inner_loops"]
         first = (r["constexprs"]["PASS"] == 0, r["constexprs"]["WINDOW"])
         assert r["loop"]["ldg"] == r["loop"]["ldg128"] > 0, (r["dtype"], r["loop"])
-        assert r["loop"]["shfl"] == 0 and r["loop"]["atoms"] > 0, (r["dtype"], r["loop"])
+        counts = r["constexprs"]["HIST"] or r["constexprs"]["WINDOW"]
+        assert r["loop"]["shfl"] == 0, (r["dtype"], r["loop"])
+        assert (r["loop"]["atoms"] > 0) == counts, (r["dtype"], r["loop"])
         assert lp["per_elem"] <= SCAN_BUDGET[first], (r["dtype"], first, lp)
 
 

@@ -9,10 +9,12 @@ the first 8-bit digit of the logits' order-preserving keys (:func:`_radix_key`);
 further digit takes one program per row that merges the row's histograms and picks the digit
 of the k-th (:func:`threshold_select_kernel`) and one more split read; for top-p on 16-bit
 logits a split read (top-k's last, or its own) counts each of the 2048 keys up to the row's
-max. One program per row (:func:`threshold_kernel`) then picks the last digit (the k-th
-largest key exactly) and runs top-p's and min-p's reads (top-p from the window of keys where
-it holds the answer, else radix selects over the keys with float64 masses), and writes τ (or
-its maximum with a given tau) into an (N,) float32 buffer. The host is :mod:`.threshold`;
+max (its own, for top-p without top-k, also sums the float64 mass of the logits below them,
+:func:`_exp64`: Z takes no read of the row). One program per row (:func:`threshold_kernel`)
+then picks the last digit (the k-th largest key exactly) and runs top-p's and min-p's reads
+(top-p from the window of keys where it holds the answer, else radix selects over the keys
+with float64 masses), and writes τ (or its maximum with a given tau) into an (N,) float32
+buffer. The host is :mod:`.threshold`;
 docs/triton.md describes the searches and ``tests/ops/test_triton_compiled.py`` checks their
 machine code.
 """
@@ -158,6 +160,54 @@ def _z_read(x_row, V, floor, m_s, log_min_p, temperature, offs, TOP_P: tl.conste
 
 
 @_device
+def _exp_terms(one):
+    """The coefficients 1/k!, k = 2 … 13, of :func:`_exp64`'s polynomial, computed from ``one``
+    (1.0, a value the compiler cannot fold: computed once before a loop they stay in registers
+    instead of each 64-bit constant being set again at each use)."""
+    c2 = one / 2.0
+    c3 = c2 / 3.0
+    c4 = c3 / 4.0
+    c5 = c4 / 5.0
+    c6 = c5 / 6.0
+    c7 = c6 / 7.0
+    c8 = c7 / 8.0
+    c9 = c8 / 9.0
+    c10 = c9 / 10.0
+    c11 = c10 / 11.0
+    c12 = c11 / 12.0
+    c13 = c12 / 13.0
+    return c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13
+
+
+@_device
+def _exp64(d, c):
+    """exp(d) in float64 for d in [−708, 0] (within an ulp; the caller masks the rest):
+    d = n·ln 2 + r, |r| ≤ ln 2 / 2, e^r by its Taylor polynomial to r^13 (the remainder under
+    1e-17), times 2^n set in the exponent bits. ``c``: :func:`_exp_terms`."""
+    c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13 = c
+    t = d * 1.4426950408889634 + 6755399441055744.0  # 1.5·2^52 + n: n in the low bits
+    nf = t - 6755399441055744.0
+    # ln 2 in two parts, the first with 21 trailing zero bits: n times it exact, r exact
+    r = d - nf * 6.93147180369123816490e-01
+    r = r - nf * 1.90821492927058770002e-10
+    p = c12 + r * c13
+    p = c11 + r * p
+    p = c10 + r * p
+    p = c9 + r * p
+    p = c8 + r * p
+    p = c7 + r * p
+    p = c6 + r * p
+    p = c5 + r * p
+    p = c4 + r * p
+    p = c3 + r * p
+    p = c2 + r * p
+    p = 1.0 + r * p
+    p = 1.0 + r * p
+    n = t.to(tl.int64, bitcast=True).to(tl.int32).to(tl.int64)
+    return p * ((n + 1023) << 52).to(tl.float64, bitcast=True)
+
+
+@_device
 def _group_floor(x_row, V, t, temperature, offs):
     """The smallest logit of the row whose key x/T (``div_rn``: the rule's float32 quotient) is
     at least t's (t one of the row's logits): t where the float just below it has another key
@@ -280,10 +330,11 @@ def _window_answer(hist_ptr, hist_stride, row, n_splits, top, floor, target, m_s
 
 @triton.jit
 def threshold_scan_kernel(
-    x_ptr, part_ptr, hist_ptr, T, stride_xb, stride_xt, V, cols, n_splits, hist_stride,
+    x_ptr, part_ptr, hist_ptr, zpart_ptr, T, stride_xb, stride_xt, V, cols, n_splits,
+    hist_stride, temperature,
     SCAN: tl.constexpr, HIST: tl.constexpr, PASS: tl.constexpr, WINDOW: tl.constexpr,
-    KEY_SHIFT: tl.constexpr, DIGIT_HI: tl.constexpr, DIGIT_LO: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+    ZSUM: tl.constexpr, KEY_SHIFT: tl.constexpr, DIGIT_HI: tl.constexpr,
+    DIGIT_LO: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """Program (row, split) reads its columns [c0, c1) of the row once (blocks of BLOCK) and
     writes its partials: SCAN (pass 0): (max, smallest logit > −inf, NaN held) into
@@ -294,7 +345,10 @@ def threshold_scan_kernel(
     n_splits·2048), into the row's split s bins at s·NB; WINDOW (top-p's, in a pass after
     pass 0): the count of each of the 2048 keys up to the row's max M's (M merged from the
     ``n_splits`` ≤ SPLITS partials of pass 0; bin 2047 M's own), into the row's split s bins
-    at n_splits·2048 + 2 + s·2048. NaN is counted in no bin."""
+    at n_splits·2048 + 2 + s·2048; ZSUM (with WINDOW, top-p without top-k: every finite logit
+    a candidate) also the float64 mass Σ exp(x/T − M/T) of its finite logits below the window
+    (x/T the float32 division, as :func:`_z_read`'s), into ``zpart`` (N, n_splits) float64.
+    NaN is counted in no bin."""
     NB: tl.constexpr = 1 << (DIGIT_HI - DIGIT_LO)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -313,6 +367,10 @@ def threshold_scan_kernel(
                              other=float("-inf")), 0)
         base = _radix_key(top, KEY_SHIFT).to(tl.int32) - 2047  # the window's lowest key
         hw = tl.zeros([2048], tl.int32)
+        if ZSUM:
+            m_s = tl.math.div_rn(top, temperature).to(tl.float64)
+            z_acc = tl.zeros([BLOCK], tl.float64)
+            terms = _exp_terms(tl.where(V > 0, 1.0, 2.0).to(tl.float64))
     for start in range(c0, c1, BLOCK):
         col = start + offs
         valid = col < c1
@@ -331,6 +389,9 @@ def threshold_scan_kernel(
         if WINDOW:
             w = _radix_key(x, KEY_SHIFT).to(tl.int32) - base
             hw += tl.histogram(w, 2048, mask=(x == x) & (w >= 0) & (w < 2048))
+            if ZSUM:  # the logits below the window (−inf, NaN and terms under e^-708: none)
+                d = tl.math.div_rn(x, temperature).to(tl.float64) - m_s
+                z_acc += tl.where((w < 0) & (d >= -708.0), _exp64(d, terms), 0.0)
     slot = row * n_splits + split
     if SCAN:
         tl.store(part_ptr + slot * 4, tl.max(big, 0))
@@ -341,6 +402,8 @@ def threshold_scan_kernel(
     if WINDOW:  # after the digits' histograms and the prefix
         tl.store(hist_ptr + row * hist_stride + n_splits * 2048 + 2 + split * 2048 +
                  tl.arange(0, 2048), hw)
+        if ZSUM:
+            tl.store(zpart_ptr + slot, tl.sum(z_acc, 0))
 
 
 @triton.jit
@@ -364,10 +427,10 @@ def threshold_select_kernel(hist_ptr, n_splits, hist_stride, top_k, PASS: tl.con
 
 @triton.jit
 def threshold_kernel(
-    x_ptr, part_ptr, hist_ptr, tau_in_ptr, tau_ptr, T, stride_xb, stride_xt, V, n_splits,
-    hist_stride, top_k, top_p_bits, log_min_p_bits, window_bits, temperature,
+    x_ptr, part_ptr, hist_ptr, zpart_ptr, tau_in_ptr, tau_ptr, T, stride_xb, stride_xt, V,
+    n_splits, hist_stride, top_k, top_p_bits, log_min_p_bits, window_bits, temperature,
     TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr, HAS_TAU: tl.constexpr,
-    KEY_SHIFT: tl.constexpr, NB_LAST: tl.constexpr, WINDOW: tl.constexpr,
+    KEY_SHIFT: tl.constexpr, NB_LAST: tl.constexpr, WINDOW: tl.constexpr, ZSUM: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, F: tl.constexpr,
 ):
     """τ of one row (program) for top-k → top-p → min-p sampling (:mod:`klpenalty.sampling`'s
@@ -389,7 +452,9 @@ def threshold_kernel(
     - Z = Σ exp(x/T − M/T) (float64) over x ≥ τ_k, x > −inf, and for min-p
       (MIN_P): τ_m = min{x : k_x − k_M ≥ log min_p} (the keys' float64 difference against a
       float64 log), at most M: from the window of keys (WINDOW, :func:`_window_sums`) where
-      it holds them, else one read (:func:`_z_read`);
+      it holds them — ZSUM (top-p without top-k): Z plus the window scan's per-program masses
+      below the window (``zpart`` (N, n_splits) float64, added in a fixed order) — else one
+      read (:func:`_z_read`; with ZSUM for τ_m alone);
     - top-p (TOP_P): the smallest key K among x ≥ τ_k, x > −inf with mass(keys > K) < p·Z
       (:func:`_mass_search`: a radix select, each read cutting the key interval [lo, hi] into
       F buckets of 2^s keys (:func:`_bucket_sums`), until a bucket is one key), searched with
@@ -442,6 +507,9 @@ def threshold_kernel(
             z, tau_m, base_w = _window_sums(hist_ptr, hist_stride, row, n_splits, top, floor,
                                             m_s, log_min_p, temperature, MIN_P, KEY_SHIFT)
             read = _order_key(floor, KEY_SHIFT).to(tl.int64) < base_w  # candidates below it
+            if ZSUM:  # their mass: the window scan's partials, added in the splits' order
+                z += tl.sum(tl.load(zpart_ptr + row * n_splits + sp, mask=on, other=0.0), 0)
+                read = False
             if MIN_P:
                 # decided where the value below the window (and so every one below) falls short
                 below = tl.math.div_rn(_key_value(base_w - 1, KEY_SHIFT), temperature)
@@ -449,7 +517,13 @@ def threshold_kernel(
                     base_w <= -(1 << (31 - KEY_SHIFT)))
                 read = read | (not short)
         if read:
-            z, tau_m = _z_read(x_row, V, floor, m_s, log_min_p, temperature, offs, TOP_P, MIN_P)
+            if ZSUM:  # Z complete: the read for min-p's τ_m alone
+                if MIN_P:
+                    _, tau_m = _z_read(x_row, V, floor, m_s, log_min_p, temperature, offs,
+                                       False, True)
+            else:
+                z, tau_m = _z_read(x_row, V, floor, m_s, log_min_p, temperature, offs, TOP_P,
+                                   MIN_P)
         if MIN_P:
             tau = tl.maximum(tau, tl.minimum(tau_m, top))
         if TOP_P:

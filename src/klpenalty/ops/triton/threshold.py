@@ -79,8 +79,9 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     further digit of top-k takes :func:`._kernels_threshold.threshold_select_kernel` (one
     program per row: the digit of the k-th, from the merged histograms) and one more
     histogram read; for top-p on 16-bit logits a scan (top-k's last, or its own) counts the
-    2048 keys up to the row's max; :func:`._kernels_threshold.threshold_kernel` (one program
-    per row) then selects the last digit and runs top-p's and min-p's reads."""
+    2048 keys up to the row's max (its own also sums Z's float64 mass below them per
+    program); :func:`._kernels_threshold.threshold_kernel` (one program per row) then
+    selects the last digit and runs top-p's and min-p's reads."""
     from .token_stats import split_columns  # token_stats imports this module
 
     vocab = x.shape[-1]
@@ -97,6 +98,9 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     cut_p = top_p < 1.0
     # top-p on 16-bit logits: a read (top-k's last) counts each of the 2048 keys up to the max
     window = cut_p and x.element_size() == 2
+    # top-p without top-k (every finite logit a candidate): the window's scan sums the mass
+    # below the window per program, the row's program adds them (no read of the row for Z)
+    zsum = window and not cut_k
     part = torch.empty((n, splits, 4), dtype=torch.float32, device=x.device)
     ds = digits(x.dtype)
     # the digits' histograms (2048 int32 a split, the kernels' layout: a digit's bins at the
@@ -104,11 +108,14 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     stride = (splits * 2048 + 2) + (splits * 2048 if window else 0)
     hist = torch.empty((n, stride if cut_k or window else 1), dtype=torch.int32,
                        device=x.device)
+    # the window scan's float64 partials of Z (else unused: part stands in, no allocation)
+    zpart = torch.empty((n, splits), dtype=torch.float64, device=x.device) if zsum else part
     scan_block = _host.block(vocab, THRESHOLD_SCAN_BLOCK)
     kernels = _kernels()
     scan = functools.partial(
         _host.launch, kernels.threshold_scan_kernel, (n, splits), x.device, rows.x, part, hist,
-        *rows.args[:3], vocab, cols, splits, stride, KEY_SHIFT=_KEY_SHIFT[x.dtype],
+        zpart, *rows.args[:3], vocab, cols, splits, stride, temperature,
+        KEY_SHIFT=_KEY_SHIFT[x.dtype],
         SPLITS=1 << (splits - 1).bit_length(), BLOCK=scan_block,
         num_warps=_host.warps(scan_block),
     )
@@ -119,18 +126,21 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
                          top_k, PASS=pass_ - 1, NB=1 << (ds[pass_ - 1][0] - ds[pass_ - 1][1]),
                          num_warps=4)
         scan(SCAN=pass_ == 0, HIST=cut_k, PASS=pass_,
-             WINDOW=window and 0 < pass_ == len(passes) - 1, DIGIT_HI=high, DIGIT_LO=low)
+             WINDOW=window and 0 < pass_ == len(passes) - 1, ZSUM=False, DIGIT_HI=high,
+             DIGIT_LO=low)
     if window and len(passes) == 1:  # no later pass of top-k's to count the window in
-        scan(SCAN=False, HIST=False, PASS=0, WINDOW=True, DIGIT_HI=ds[0][0], DIGIT_LO=ds[0][1])
+        scan(SCAN=False, HIST=False, PASS=0, WINDOW=True, ZSUM=zsum, DIGIT_HI=ds[0][0],
+             DIGIT_LO=ds[0][1])
     # top-p's search starts where the logits below hold < 1 − p of the mass together
     bound = math.log((1.0 - top_p) / vocab) - 2.0 if cut_p else 0.0
     _host.launch(
-        kernels.threshold_kernel, (n,), x.device, rows.x, part, hist,
+        kernels.threshold_kernel, (n,), x.device, rows.x, part, hist, zpart,
         out if tauf is None else tauf, out, *rows.args[:3], vocab, splits, stride,
         top_k if cut_k else 0, _float64_bits(top_p),
         _float64_bits(math.log(min_p) if min_p > 0.0 else 0.0), _float64_bits(bound),
         temperature, TOP_K=cut_k, TOP_P=cut_p, MIN_P=min_p > 0.0, HAS_TAU=tauf is not None,
         KEY_SHIFT=_KEY_SHIFT[x.dtype], NB_LAST=1 << (ds[-1][0] - ds[-1][1]), WINDOW=window,
+        ZSUM=zsum,
         SPLITS=1 << (splits - 1).bit_length(), BLOCK=block,
         BT=min(block, 32 * THRESHOLD_WARPS), F=THRESHOLD_BUCKETS,
         num_warps=THRESHOLD_WARPS if block >= 32 * THRESHOLD_WARPS else 1,

@@ -331,51 +331,60 @@ def compile_cases(cases=CASES) -> list[dict]:
     return results
 
 
+def _row(cells) -> str:
+    """A markdown table row of ``cells``."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _header(names: list[str], align: str) -> list[str]:
+    """A markdown table's header and rule: ``align`` one letter per column, l or r."""
+    return [_row(names), "|" + "".join("---|" if a == "l" else "---:|" for a in align)]
+
+
 def table(results: list[dict]) -> str:
-    rows = ["| kernel | case | dtype | regs | instr outside the loop | loop instr | per pair | "
-            "LDG (.128) | STG (.128) | BAR | SHFL | MUFU | local |",
-            "|---|---|---|---:|---:|---:|---:|---|---|---:|---:|---:|---:|"]
+    rows = _header(["kernel", "case", "dtype", "regs", "instr outside the loop", "loop instr",
+                    "per pair", "LDG (.128)", "STG (.128)", "BAR", "SHFL", "MUFU", "local"],
+                   "lllrrrrllrrrr")
     for r in results:
         if "kernel" not in r:
             continue
         lp = r["loop"]
         if lp is None:  # one tile per program: the whole kernel, per element pair of the tile
-            rows.append(f"| {r['kernel']} | {r['case']} | {r['dtype']} | "
-                        f"{r['resources'].get('REG')} | (no loop) | {r['instructions']} | "
-                        f"{r['per_pair_no_loop']:.1f} | | | | | | {r['local']} |")
+            rows.append(_row([r["kernel"], r["case"], r["dtype"], r["resources"].get("REG"),
+                              "(no loop)", r["instructions"], f"{r['per_pair_no_loop']:.1f}",
+                              "", "", "", "", "", r["local"]]))
             continue
-        rows.append(
-            f"| {r['kernel']} | {r['case']} | {r['dtype']} | {r['resources'].get('REG')} | "
-            f"{r['instructions'] - lp['instructions']} | "
-            f"{lp.get('instructions')} | {lp.get('per_pair', 0):.1f} | "
-            f"{lp.get('ldg')} ({lp.get('ldg128')}) | {lp.get('stg')} ({lp.get('stg128')}) | "
-            f"{lp.get('bar')} | {lp.get('shfl')} | {lp.get('mufu')} | {r['local']} |"
-        )
+        rows.append(_row([
+            r["kernel"], r["case"], r["dtype"], r["resources"].get("REG"),
+            r["instructions"] - lp["instructions"], lp.get("instructions"),
+            f"{lp.get('per_pair', 0):.1f}", f"{lp.get('ldg')} ({lp.get('ldg128')})",
+            f"{lp.get('stg')} ({lp.get('stg128')})", lp.get("bar"), lp.get("shfl"),
+            lp.get("mufu"), r["local"],
+        ]))
     threshold = [r for r in results if r.get("kernel") == "threshold_kernel"]
     if threshold:  # its searches: the innermost loops, in the kernel's order
         names = ["top-k tie group", "Z read", "top-p float32", "float64 check",
                  "top-p float64", "top-p tie group"]
         rows += ["", "threshold_kernel's column loops: instructions per element", "",
-                 "| case | dtype | " + " | ".join(names) + " |",
-                 "|---|---|" + "---:|" * len(names)]
+                 *_header(["case", "dtype", *names], "ll" + "r" * len(names))]
         for r in threshold:  # (each cell named by its loop where the flags leave some out)
             got = _row_loops(r["constexprs"], True)
             plain = got == ["group", "z", "mass32", "check", "mass64", "group"]
             cells = [f"{lp['per_elem']:.1f}" if plain else f"{name} {lp['per_elem']:.1f}"
                      for name, lp in zip(got, r["inner_loops"])]
-            rows.append(f"| {r['case']} | {r['dtype']} | " + " | ".join(cells) + " |")
+            rows.append(_row([r["case"], r["dtype"], *cells]))
     scans = [r for r in results if r.get("kernel") == "threshold_scan_kernel"]
     if scans:  # the split scan's passes: one read of the row each
         rows += ["", "threshold_scan_kernel's passes: instructions per element, registers", "",
-                 "| case | dtype | pass | per element | BAR | ATOMS | regs |",
-                 "|---|---|---:|---:|---:|---:|---:|"]
+                 *_header(["case", "dtype", "pass", "per element", "BAR", "ATOMS", "regs"],
+                          "llrrrrr")]
         for r in scans:
             (lp,) = r["inner_loops"]
             c = r["constexprs"]
             what = " (window, Z)" if c.get("ZSUM") else " (window)" if c.get("WINDOW") else ""
-            rows.append(f"| {r['case']} | {r['dtype']} | {c['PASS']}{what} | "
-                        f"{lp['per_elem']:.1f} | {r['loop']['bar']} | {r['loop']['atoms']} | "
-                        f"{r['resources'].get('REG')} |")
+            rows.append(_row([r["case"], r["dtype"], f"{c['PASS']}{what}",
+                              f"{lp['per_elem']:.1f}", r["loop"]["bar"], r["loop"]["atoms"],
+                              r["resources"].get("REG")]))
     return "\n".join(rows)
 
 
@@ -525,13 +534,12 @@ def threshold_cost() -> list[dict]:
 
 
 def cost_table(rows: list[dict]) -> str:
-    lines = ["| N × V | dtype | top_k, top_p, min_p | splits | reads of the row | launches | "
-             "threshold (µs) | KL forward (µs) | ratio |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = _header(["N × V", "dtype", "top_k, top_p, min_p", "splits", "reads of the row",
+                     "launches", "threshold (µs)", "KL forward (µs)", "ratio"], "lllrrrrrr")
     for r in rows:
-        lines.append(f"| {r['n']} × {r['vocab']} | {r['dtype']} | {r['sampler']} | "
-                     f"{r['splits']} | {r['reads']:g} | {r['launches']} | "
-                     f"{r['threshold_us']:.0f} | {r['kl_us']:.0f} | {r['ratio']:.1f} |")
+        lines.append(_row([f"{r['n']} × {r['vocab']}", r["dtype"], r["sampler"], r["splits"],
+                           f"{r['reads']:g}", r["launches"], f"{r['threshold_us']:.0f}",
+                           f"{r['kl_us']:.0f}", f"{r['ratio']:.1f}"]))
     return "\n".join(lines)
 
 

@@ -516,14 +516,11 @@ def threshold_kernel(
                 short = (below.to(tl.float64) - m_s < log_min_p) | (
                     base_w <= -(1 << (31 - KEY_SHIFT)))
                 read = read | (not short)
-        if read:
-            if ZSUM:  # Z complete: the read for min-p's τ_m alone
-                if MIN_P:
-                    _, tau_m = _z_read(x_row, V, floor, m_s, log_min_p, temperature, offs,
-                                       False, True)
-            else:
-                z, tau_m = _z_read(x_row, V, floor, m_s, log_min_p, temperature, offs, TOP_P,
-                                   MIN_P)
+        if read:  # with ZSUM, Z is complete: the read is min-p's alone
+            z_read, tau_m = _z_read(x_row, V, floor, m_s, log_min_p, temperature, offs,
+                                    TOP_P and not ZSUM, MIN_P)
+            if not ZSUM:
+                z = z_read
         if MIN_P:
             tau = tl.maximum(tau, tl.minimum(tau_m, top))
         if TOP_P:

@@ -267,10 +267,11 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
             finalize_row(row, want, false, true, xr, yr, Support(), t, T, o, s);
           } else {
             Support sup = ra.support(r);
+            RowState row;
+            bool walked = false;  // by the kept set's walk, below
             if (sets.defined()) {  // the kept set's τ_r and exactness, and its walk
               Compute<T_in> tau_ids = std::numeric_limits<Compute<T_in>>::quiet_NaN();
-              bool exact = false, walked = false;
-              RowState row;
+              bool exact = false;
               bool* marks = ids_marks(V);
               if (!sets.mark(r, V, marks)) {
                 bad_id.store(true, std::memory_order_relaxed);
@@ -299,16 +300,14 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
                 continue;
               }
               sup = with_threshold(sup, tau_ids, a.ct == at::kDouble);
-              if (walked) {
-                finalize_row(row, want, true, a.need_y_state, xr, yr, sup, t, T, o, s);
-                continue;
-              }
             }
-            if (cuts) sup = with_threshold(sup, row_threshold(xr, V, sampler, scratch()),
-                                           a.ct == at::kDouble);
-            // with the sampler, the next row's logits are read into L2 during this walk
-            const void* side = cuts && r + 1 < r1 ? px + ra.rx.offset(r + 1) : nullptr;
-            const RowState row = walk(xr, yr, sup, V, T, kY, kB, side);
+            if (!walked) {
+              if (cuts) sup = with_threshold(sup, row_threshold(xr, V, sampler, scratch()),
+                                             a.ct == at::kDouble);
+              // with the sampler, the next row's logits are read into L2 during this walk
+              const void* side = cuts && r + 1 < r1 ? px + ra.rx.offset(r + 1) : nullptr;
+              row = walk(xr, yr, sup, V, T, kY, kB, side);
+            }
             finalize_row(row, want, true, a.need_y_state, xr, yr, sup, t, T, o, s);
           }
         }

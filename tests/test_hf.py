@@ -701,6 +701,8 @@ def test_causal_lm_logprobs_take_the_kept_sets_as_ids_and_offsets():
     got = hf.causal_lm_logprobs(policy, ids, attention, response_mask=response,
                                 support=(kept, offsets))
     want = hf.causal_lm_logprobs(policy, ids, attention, response_mask=response, top_k=6)
-    torch.testing.assert_close(got.logprobs, want.logprobs, rtol=0, atol=0)
+    # the same kept sets (ids walked as their mask, top-k's few kept logits sparsely: the sums
+    # in another order)
+    torch.testing.assert_close(got.logprobs, want.logprobs, **tol(torch.float32))
     with pytest.raises(ValueError, match="support offsets"):
         hf.causal_lm_logprobs(policy, ids, attention, support=(kept, offsets[:-1]))

@@ -336,3 +336,60 @@ def test_support_walk_keep_bytes_and_tau_lanes(dtype, vocab):
         wx, wy = ref_token_stats_grads(x, y, tokens, None, keep_, tau_, 1.1, -100, ALL, grad)
         torch.testing.assert_close(gx.double(), wx, **grad_tol(dtype))
         torch.testing.assert_close(gy.double(), wy, **grad_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [2048 + 37, 5000])
+def test_few_kept_walk(dtype, vocab):
+    """A support that keeps at most V/16 logits walks the row sparsely (the kept logits
+    compressed, y walked alone, its kept columns gathered); one more kept logit takes the dense
+    walk. Against the float64 reference, values and gradients, with y = −inf at a kept column
+    (KL +inf) and at an unkept one, a +inf logit in x (NaN, as the reference), and without y
+    (log-probs alone); the same sets as a keep mask and as (ids, offsets)."""
+    n = 7
+    x, y = make_logits((n, vocab), dtype, seed=vocab + 1, scale=2.0)
+    x, y = x.clone(), y.clone()
+    few = vocab // 16
+    kth = [1, 1, 1, 50, 50, 3, 50]
+    order = x.float().argsort(-1, descending=True)
+    y[3, order[3, 10]] = NINF  # kept: KL +inf
+    y[4, order[4, 200]] = NINF  # not kept
+    x[5, order[5, 0]] = float("inf")  # the kept maximum +inf
+    tau = torch.stack([x[r, order[r, k - 1]].float() for r, k in enumerate(kth)])
+    # rows 1 and 2: the smallest logit keeping at most `few` (ties counted), and the next below
+    s = x[1].float().sort(descending=True).values
+    kept_at = torch.searchsorted(-s, -s, right=True)  # logits >= s[j]
+    j = int((kept_at <= few).nonzero().max())
+    tau[1], tau[2] = s[j], s[int(kept_at[j])]
+    x[2] = x[1]
+    kept = x.float() >= tau.unsqueeze(-1)
+    assert kept[1].sum() <= few < kept[2].sum()
+    tokens = order[:, 0].clone()
+    for want in (ALL, int(Want.LOGP | Want.ENTROPY)):
+        yy = y if want == ALL else None
+        xr = x.clone().requires_grad_()
+        yr = yy.clone().requires_grad_() if yy is not None else None
+        out, _ = _forward(xr, yr, None, tau, 0.8, want, tokens=tokens)
+        fin = torch.tensor([r not in (3, 5) for r in range(n)])  # finite rows
+        ref = token_stats_reference(x, yy, tokens, None, None, tau, 0.8, -100, want)
+        torch.testing.assert_close(out.double(), ref, equal_nan=True, **tol(dtype))
+        if want == ALL:
+            assert out[3, 0] == float("inf") and torch.isfinite(out[4, 0])
+        as_mask, _ = _forward(x, yy, kept, None, 0.8, want, tokens=tokens)
+        torch.testing.assert_close(out, as_mask, equal_nan=True, **tol(dtype))
+        # the same sets as (ids, offsets): their τ found in the forward's walk over their marks
+        ids = kept.nonzero()[:, 1]
+        offsets = torch.cat([torch.zeros(1, dtype=torch.long), kept.sum(-1).cumsum(0)])
+        by_ids, _ = torch.ops.klpenalty.native_token_stats(
+            x, yy, tokens, None, None, None, 0.8, -100, want, False, 0, 0, 0, 1.0, 0.0, ids,
+            offsets,
+        )
+        torch.testing.assert_close(out, by_ids, equal_nan=True, **tol(dtype))
+        grad = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape).to(out.dtype)
+        grad[~fin] = 0
+        inputs = (xr, yr) if yr is not None else (xr,)
+        got = torch.autograd.grad(out, inputs, grad)
+        wx, wy = ref_token_stats_grads(x, yy, tokens, None, None, tau, 0.8, -100, want, grad)
+        torch.testing.assert_close(got[0][fin].double(), wx[fin], **grad_tol(dtype))
+        if yr is not None:
+            torch.testing.assert_close(got[1][fin].double(), wy[fin], **grad_tol(dtype))

@@ -293,6 +293,7 @@ inline int64_t compress_store(float* dst, LaneMask m, const VF& v) {
   _mm512_storeu_ps(dst, _mm512_maskz_compress_ps(m, v));
   return __builtin_popcount(static_cast<unsigned>(m));
 }
+inline int64_t lanes_count(LaneMask m) { return __builtin_popcount(static_cast<unsigned>(m)); }
 #else
 using LaneMask = VF;
 inline LaneMask lanes_gt(const VF& a, const VF& b) { return a > b; }
@@ -327,6 +328,22 @@ inline bool lanes_none(const LaneMask& m) {
     if (u) return false;
   }
   return true;
+#endif
+}
+// the number of set lanes
+inline int64_t lanes_count(const LaneMask& m) {
+#if defined(CPU_CAPABILITY_AVX2)
+  return __builtin_popcount(static_cast<unsigned>(_mm256_movemask_ps(m)));
+#else
+  float f[VF::size()];
+  m.store(f);
+  int64_t n = 0;
+  for (int k = 0; k < VF::size(); ++k) {
+    uint32_t u;
+    std::memcpy(&u, &f[k], sizeof(u));
+    n += u != 0;
+  }
+  return n;
 #endif
 }
 inline VF add_where(const VF& acc, const LaneMask& m, const VF& v) { return acc + (v & m); }

@@ -10,6 +10,8 @@
 // rows whose sums are not finite (−inf logits on the support, the 0·log 0 rule) are redone chunk
 // by chunk in two passes (row_vec), the chunk of x copied into an L1 buffer with −inf off the
 // support; float64 inputs and rows holding NaN or +inf take a scalar double path (row_scalar).
+// A tau alone that keeps few logits (at most V/kFewKept: a sampler's top-k, min-p) is walked
+// sparsely (walk_few_kept): y alone over the row, x exponentiated only where kept.
 // walk_row<kY, kB> is the one entry, specialised on what is wanted: the log-sum-exp of x, with
 // y's and the KL's Σ e^u·(u − w) (kY), with the entropy's Σ e^u·u (kB).
 #pragma once
@@ -20,6 +22,7 @@
 #include <limits>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "simd.h"
 
@@ -512,6 +515,107 @@ RowState row_vec(const T* px, const T* py, const Support& sup, int64_t V, double
   return row;
 }
 
+// ------------------------------------------------------------------------------ few kept logits
+// A support that is a tau alone (a sampler's threshold, whose passes have just read x into L2)
+// and keeps at most V/kFewKept logits of a row (top-k with a small k, min-p) is walked
+// sparsely: the kept logits and their columns compressed in one pass over x (no exp; not made
+// where a sample of the row keeps too many, given up as soon as more are kept); y's state from
+// y's own one-pass walk (row_fast, as for an untruncated row), after which y's row lies in L2
+// and its kept columns are gathered from there; then the kept pairs' sums against the kept
+// maximum (chunk_sums over the compressed buffers, in index order). x is exponentiated only
+// where kept, and y read once, in order. (A keep mask's row is not in L2 beforehand: its
+// compress pass reads x from memory and saved nothing.)
+constexpr int64_t kFewKept = 16;
+constexpr int64_t kSampleStride = 16;  // the sample that rules out many kept: every 16th vector
+
+// The kept logits of a row (the support's lane masks, SupLanes) compressed into cx in index
+// order and their columns into ci (as floats: exact below 2^24); their number, or −1 as soon as
+// it exceeds `most` (cx, ci: room for most + 2·VF::size() floats).
+template <typename T, typename Sup>
+int64_t compress_kept(const T* x, int64_t V, const Sup& sup, int64_t most, float* cx,
+                      float* ci) {
+  constexpr int U = 4;
+  constexpr int64_t kStep = U * VF::size();
+  float lane[VF::size()];
+  for (int k = 0; k < VF::size(); ++k) lane[k] = static_cast<float>(k);
+  const VF iota = VF::loadu(lane);
+  int64_t n = 0, i = 0;
+  for (; i + kStep <= V; i += kStep) {
+    VF v[U];
+    LaneMask m[U];
+#pragma GCC unroll 4
+    for (int k = 0; k < U; ++k) {
+      v[k] = load1(x + i + k * VF::size());
+      m[k] = sup.at(v[k], i + k * VF::size());
+    }
+    if (lanes_none(lanes_or(lanes_or(m[0], m[1]), lanes_or(m[2], m[3])))) continue;
+    for (int k = 0; k < U; ++k) {
+      if (lanes_none(m[k])) continue;
+      compress_store(ci + n, m[k], iota + VF(static_cast<float>(i + k * VF::size())));
+      n += compress_store(cx + n, m[k], v[k]);
+      if (n > most) return -1;
+    }
+  }
+  for (; i < V; ++i) {
+    const float v = static_cast<float>(x[i]);
+    if (!sup.kept(v, i)) continue;
+    if (n == most) return -1;
+    ci[n] = static_cast<float>(i);
+    cx[n++] = v;
+  }
+  return n;
+}
+
+// The sparse walk of a float row with a support (its lane masks, SupLanes): true with *out set
+// where at most V/kFewKept logits are kept, the kept maximum is finite, y's walk is not bad and
+// every sum is finite; false (nothing set) otherwise, and the caller walks the row.
+template <bool kY, bool kB, typename T, typename Sup>
+bool walk_few_kept(const T* px, const T* py, const Sup& sup, int64_t V, double T_,
+                   const void* side, RowState* out) {
+  if (V >= (int64_t{1} << 24)) return false;  // (columns as floats)
+  thread_local std::vector<float> bx, by, bi;
+  const int64_t most = V / kFewKept;
+  // every kSampleStride-th vector first: a support that surely keeps more is not scanned
+  int64_t sampled = 0;
+  for (int64_t i = 0; i + VF::size() <= V; i += kSampleStride * VF::size()) {
+    sampled += lanes_count(sup.at(load1(px + i), i));
+  }
+  if (sampled * kSampleStride > 2 * most) return false;
+  const size_t room = static_cast<size_t>(most + 2 * VF::size());
+  if (bx.size() < room) bx.resize(room), by.resize(room), bi.resize(room);
+  const int64_t n = compress_kept(px, V, sup, most, bx.data(), bi.data());
+  if (n <= 0) return false;
+  float m_x = bx[0];
+  for (int64_t j = 1; j < n; ++j) m_x = std::max(m_x, bx[j]);
+  if (!(m_x < std::numeric_limits<float>::infinity())) return false;
+  RowState row;
+  if constexpr (kY) {
+    const RowState ry = row_fast<false, false>(py, py, V, T_, NoLanes(), side);
+    if (ry.bad || !std::isfinite(ry.m_x)) return false;
+    row.m_y = ry.m_x, row.s_y = ry.s_x;
+    for (int64_t j = 0; j < n; ++j) by[j] = static_cast<float>(py[static_cast<int64_t>(bi[j])]);
+  }
+  const ChunkSums cs = chunk_sums<kChains, kY, kB, false, false, 0>(
+      bx.data(), by.data(), n, m_x, static_cast<float>(kY ? row.m_y : 0.0),
+      static_cast<float>(kLog2e / T_));
+  if (!cs.finite()) return false;
+  row.m_x = m_x, row.s_x = cs.s_x;
+  if constexpr (kY) row.a = cs.a / T_;
+  if constexpr (kB) row.b = cs.b / T_;
+  // elements off the support (−inf in the truncated policy) need the 0·log 0 rule
+  row.off = row.careful = n < V;
+  *out = row;
+  return true;
+}
+
+// The lane masks of a support's tau alone.
+inline SupLanes<false, true> tau_lanes(const Support& sup) {
+  SupLanes<false, true> l;
+  l.tau = sup.tau_double ? ceil_float(sup.tau_d) : sup.tau_f;
+  l.vtau = VF(l.tau);
+  return l;
+}
+
 // f(lanes) with the support's lane masks (SupLanes) for its kind: keep, tau or both.
 template <typename F>
 auto with_lanes(const Support& sup, F&& f) {
@@ -526,9 +630,7 @@ auto with_lanes(const Support& sup, F&& f) {
     l.keep = sup.keep;
     return f(l);
   }
-  SupLanes<false, true> l;
-  l.tau = tau, l.vtau = VF(tau);
-  return f(l);
+  return f(tau_lanes(sup));
 }
 
 // THE row walker: the state of one row for what is wanted (kY: y and the KL, kB: the entropy;
@@ -543,6 +645,10 @@ RowState walk_row(const T* px, const T* py, const Support& sup, int64_t V, doubl
     return row_scalar(px, py, sup, V, T_, kY, kB);
   } else {
     RowState row;
+    if (!sup.keep && sup.has_tau &&
+        walk_few_kept<kY, kB>(px, py, tau_lanes(sup), V, T_, side, &row)) {
+      return row;
+    }
     if (sup.any()) {
       row = with_lanes(sup, [&](const auto& lanes) {
         return row_fast<kY, kB>(px, py, V, T_, lanes, side);

@@ -247,8 +247,11 @@ SAMPLERS = [(50, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.05), (50, 0.9, 0.0), (7, 0
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_fused_forward_equals_the_forward_given_its_threshold(dtype):
-    """Same out and stats to the last bit as the forward given the threshold op's τ, ST_TAU
-    holding it; with a keep mask and a tau as well, the support is keep ∧ x ≥ max(tau, τ_s)."""
+    """ST_TAU is the threshold op's τ to the last bit, and out and stats are the forward's given
+    that τ: to the last bit where the walk is the same (the sampler's few kept logits, walked
+    sparsely either way), within the suite's tolerance for top-p alone on a large row (its walk
+    reads the masses that the threshold computed, against the row's max from the start); with a
+    keep mask and a tau as well, the support is keep ∧ x ≥ max(tau, τ_s)."""
     x, y = make_logits((2, 3, 2048 + 300), dtype, seed=3, scale=2.0)
     tokens = x.argmax(-1)
     want = ALL
@@ -260,7 +263,11 @@ def test_fused_forward_equals_the_forward_given_its_threshold(dtype):
         out, stats = _forward(x, y, None, None, 1.3, want, sampler, tokens)
         out0, stats0 = _forward(x, y, None, tau_s, 1.3, want, tokens=tokens)
         assert stats.shape == (2, 3, STATS_COLS) and out.shape == (2, 3, OUT_COLS)
-        assert torch.equal(out, out0) and torch.equal(stats, stats0)
+        if sampler == (0, 0.9, 0.0) and dtype != torch.float64:  # the masses' walk
+            torch.testing.assert_close(out, out0, **tol(dtype))
+            torch.testing.assert_close(stats, stats0, **tol(dtype))
+        else:
+            assert torch.equal(out, out0) and torch.equal(stats, stats0)
         assert torch.equal(stats[..., ST_TAU], tau_s)
         # keep and a tau below τ_s in some rows, above in others
         tau = tau_s - torch.tensor([1.0, -0.5, 0.0]).to(tau_s.dtype)
@@ -393,3 +400,46 @@ def test_few_kept_walk(dtype, vocab):
         torch.testing.assert_close(got[0][fin].double(), wx[fin], **grad_tol(dtype))
         if yr is not None:
             torch.testing.assert_close(got[1][fin].double(), wy[fin], **grad_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("vocab", [2048 + 37, 5000])
+def test_top_p_walk_reads_the_threshold_masses(dtype, vocab):
+    """Top-p on a large row stores every mass exp((x − M)/T) in its threshold pass (pass 1, or
+    the sample's pass on rows of ≥ 4096 logits) and the forward's walk reads them instead of
+    computing e^u: values and gradients against the float64 reference with the op's τ, with
+    top-k's bound below (masses 0 under it), min-p above, a tau of the caller's above τ_s, y =
+    −inf at a kept column (KL +inf: the careful redo) and without y (log-probs alone)."""
+    n = 5
+    x, y = make_logits((n, vocab), dtype, seed=vocab + 2, scale=2.0)
+    y = y.clone()
+    order = x.float().argsort(-1, descending=True)
+    y[3, order[3, 5]] = NINF
+    tokens = order[:, 0].clone()
+    for sampler, T in [((0, 0.9, 0.0), 0.7), ((400, 0.95, 0.0), 1.0), ((0, 0.8, 0.01), 1.3)]:
+        tau_s = threshold(x, *sampler, T)
+        caller = tau_s.clone()
+        caller[1] = x[1, order[1, 30]].float()  # above τ_s: keeps 31
+        for tau in (None, caller):
+            for want in (ALL, int(Want.LOGP | Want.ENTROPY)):
+                yy = y if want == ALL else None
+                xr = x.clone().requires_grad_()
+                yr = yy.clone().requires_grad_() if yy is not None else None
+                out, stats = _forward(xr, yr, None, tau, T, want, sampler, tokens)
+                used = stats[..., ST_TAU].detach()
+                want_tau = tau_s if tau is None else torch.maximum(tau_s, tau)
+                assert torch.equal(used, want_tau)
+                ref = token_stats_reference(x, yy, tokens, None, None, used, T, -100, want)
+                torch.testing.assert_close(out.double(), ref, **tol(dtype))
+                if want == ALL:
+                    assert out[3, 0] == float("inf")
+                fin = torch.tensor([r != 3 for r in range(n)])
+                grad = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape).to(out.dtype)
+                grad[~fin] = 0
+                inputs = (xr, yr) if yr is not None else (xr,)
+                got = torch.autograd.grad(out, inputs, grad)
+                wx, wy = ref_token_stats_grads(x, yy, tokens, None, None, used, T, -100, want,
+                                               grad)
+                torch.testing.assert_close(got[0][fin].double(), wx[fin], **grad_tol(dtype))
+                if yr is not None:
+                    torch.testing.assert_close(got[1][fin].double(), wy[fin], **grad_tol(dtype))

@@ -257,24 +257,27 @@ template <typename T>
 }
 
 // One pass over a row: Z, the mass above the sample's bracket (cut_lo, cut_hi] and that of its
-// members, in double, the members' logits compressed. True, with br set to that bracket (and the
-// members' masses computed again from their logits), if the crossing surely lies inside (margins
-// of kMargin·Z).
+// members, in double, the members' logits compressed, every mass stored in w.es, side's bytes
+// requested into L2 alongside. True, with br set to that bracket (and the members' masses
+// computed again from their logits), if the crossing surely lies inside (margins of kMargin·Z).
 template <typename T>
 [[gnu::noinline]] bool sample_members(const T* x, int64_t V, const Weights<false>& weights,
                                       double cut_lo, double cut_hi, double p,
-                                      ThresholdScratch& w, Bracket& br) {
+                                      ThresholdScratch& w, Bracket& br, const void* side) {
   const Weights<false> wt = weights;  // a local copy: the members' stores cannot alias it
   const float fa = static_cast<float>(cut_lo), fb = static_cast<float>(cut_hi);
   if (!(fb > fa)) return false;
   float* od = room(w.cx0, V + VF::size());
+  float* es = room(w.es, V + VF::size());
   const VF va(fa), vb(fb), zero(0.0f);
   WideSum zw, uw, mw;
   int64_t m = 0, i = 0;
   VF z8, u8, m8;
+  request_l2(side, 0, kAhead * static_cast<int64_t>(sizeof(T)));
   auto step = [&](int64_t at) {
     const VF v = load1(x + at);
     const VF e = wt.row(v);
+    e.store(es + at);
     z8 = z8 + e;
     const LaneMask upper = lanes_gt(v, vb);
     u8 = add_where(u8, upper, e);
@@ -284,6 +287,8 @@ template <typename T>
   };
   // groups of 8 vectors (whole groups unrolled), each group's float sums added in double
   for (; i + 8 * VF::size() <= V; i += 8 * VF::size()) {
+    request_l2(side, (i + kAhead) * static_cast<int64_t>(sizeof(T)),
+               8 * VF::size() * static_cast<int64_t>(sizeof(T)));
     z8 = zero, u8 = zero, m8 = zero;
 #pragma GCC unroll 8
     for (int f = 0; f < 8; ++f) step(i + f * VF::size());
@@ -299,6 +304,7 @@ template <typename T>
   for (; i < V; ++i) {
     const float v = static_cast<float>(x[i]);
     const float e = wt.row1(v);
+    es[i] = e;
     zz += e;
     if (v > fb) {
       up += e;
@@ -321,10 +327,11 @@ template <typename T>
 }
 
 // Pass 1 over a row: the weights e (stored in es for top-p), their sum Z in double lanes
-// (returned) and the first level's guide alongside, its thresholds in (cut_lo, cut_hi).
+// (returned) and the first level's guide alongside, its thresholds in (cut_lo, cut_hi); side's
+// bytes requested into L2 alongside.
 template <bool kCount, typename T>
 double first_pass(const T* x, int64_t V, const Weights<kCount>& wt, double cut_lo,
-                  double cut_hi, float* es, Guide& gd) {
+                  double cut_hi, float* es, Guide& gd, const void* side) {
   const VF zero(0.0f);
   VF acc[kLevelCuts];
   gd.place(cut_lo, cut_hi);
@@ -334,6 +341,8 @@ double first_pass(const T* x, int64_t V, const Weights<kCount>& wt, double cut_l
   while (i + VF::size() <= V) {
     VF za = zero;
     for (int f = 0; f < 64 && i + VF::size() <= V; ++f, i += VF::size()) {
+      request_l2(side, (i + kAhead) * static_cast<int64_t>(sizeof(T)),
+                 VF::size() * static_cast<int64_t>(sizeof(T)));
       const VF v = load1(x + i);
       const VF e = wt.row(v);
       if constexpr (!kCount) e.store(es + i);
@@ -471,7 +480,7 @@ double pick(const T* x, int64_t V, double M, const Sampler& s, const Bracket& br
 // the members, until at most kWalkRow are left; they are sorted and walked.
 template <bool kCount, typename T>
 double select_large(const T* x, int64_t V, double M, double row_min, double lo, const Sampler& s,
-                    ThresholdScratch& w) {
+                    ThresholdScratch& w, const void* side = nullptr) {
   const Weights<kCount> wt(M, lo, s.T);
   float* es = kCount ? nullptr : room(w.es, V + VF::size());
   // the guide's thresholds start above M − kSpan·T (lower logits hold below 1e-9 of Z)
@@ -482,11 +491,11 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
   if constexpr (!kCount) {
     if (V >= kSampleRow) {
       std::tie(cut_lo, cut_hi) = sample_bracket(x, V, wt, br, s.top_p, gd, w);
-      direct = sample_members(x, V, wt, cut_lo, cut_hi, s.top_p, w, br);
+      direct = sample_members(x, V, wt, cut_lo, cut_hi, s.top_p, w, br, side);
     }
   }
   if (!direct) {
-    br.z = first_pass(x, V, wt, cut_lo, cut_hi, es, gd);
+    br.z = first_pass(x, V, wt, cut_lo, cut_hi, es, gd, side);
     if (kCount && br.z < s.top_k) return -kInf;  // fewer than k logits above −inf
     // counts are exact (integers below 2^24 in float lanes): no margin
     br.P = kCount ? static_cast<double>(s.top_k) : s.top_p * br.z;

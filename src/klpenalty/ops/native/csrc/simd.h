@@ -123,6 +123,14 @@ inline void prefetch_block(const T* p) {
 // in benchmarks/README.md).
 constexpr int64_t kAhead = 512;
 
+// Requests bytes [at, at + n) of another region into L2 (a row read next), nothing where it is
+// null.
+inline void request_l2(const void* region, int64_t at, int64_t n) {
+  if (!region) return;
+  const char* p = static_cast<const char*>(region) + at;
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
 // f(c0, n) for the L1-sized chunks [c0, c0 + n) of a row of V elements, in order; false as soon
 // as f returns false (a chunk holding NaN or +inf).
 template <typename F>

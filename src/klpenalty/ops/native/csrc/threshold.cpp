@@ -284,7 +284,8 @@ double min_p_threshold(const T* x, int64_t V, double M, const Sampler& s) {
 
 // τ_s of one row (threshold.h); s.cuts() holds.
 template <typename T>
-double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& w) {
+double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& w,
+                     const void* side) {
   int64_t lanes = 0;
   float* lane_max = nullptr;
   double M, row_min;
@@ -299,6 +300,7 @@ double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& 
   } else {
     std::tie(M, row_min) = row_max_min(x, V);
   }
+  w.masses_of = nullptr;
   if (std::isnan(M)) return kNaN;  // a row holding NaN keeps nothing
   if (M == -kInf) return -kInf;    // every logit −inf: every step keeps them all
   double tau = -kInf;
@@ -329,7 +331,8 @@ double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& 
       if constexpr (std::is_same_v<T, double>) {
         tp = -kInf;  // (float64 rows take the branch above)
       } else {
-        tp = select_large<false>(x, V, M, row_min, lo, s, w);
+        tp = select_large<false>(x, V, M, row_min, lo, s, w, side);
+        w.masses_of = x, w.masses_max = M;  // (select_large stored them all in w.es)
       }
     }
     tau = std::max(tau, tp);
@@ -340,7 +343,8 @@ double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& 
 
 // the instances that the forward (token_stats.cpp) and the op below call
 #define KLPENALTY_ROW_THRESHOLD(T) \
-  template double row_threshold<T>(const T*, int64_t, const Sampler&, ThresholdScratch&);
+  template double row_threshold<T>(const T*, int64_t, const Sampler&, ThresholdScratch&, \
+                                   const void*);
 KLPENALTY_ROW_THRESHOLD(float)
 KLPENALTY_ROW_THRESHOLD(double)
 KLPENALTY_ROW_THRESHOLD(c10::BFloat16)

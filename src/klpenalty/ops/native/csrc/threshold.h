@@ -78,6 +78,11 @@ struct ThresholdScratch {
   std::vector<float> xs, es, cx0, ce0, cx1, ce1, kbuf, lm, lm2;
   std::vector<double> cand;
   int64_t survivors = -1;  // kth_largest's: the logits >= its lower bound, kept in kbuf
+  // The row (its first logit) whose top-p masses es holds, every one of them: es[j] =
+  // exp2((x_j − M)·c) in float with c = float(log2(e)/T), as the forward's walk computes e^u
+  // against the shift M (0 at or below top-k's bound); null where es holds no row's.
+  const void* masses_of = nullptr;
+  double masses_max = 0.0;  // that row's M
 };
 
 // v's data with room for at least n elements: grown, never shrunk (a resize down and up again
@@ -92,8 +97,10 @@ E* room(std::vector<E>& v, int64_t n) {
 ThresholdScratch& scratch();
 
 // τ_s of one row of V logits (s.cuts() holds). Instantiated in threshold.cpp for float,
-// double, bfloat16 and float16 rows.
+// double, bfloat16 and float16 rows. side: V·sizeof(T) bytes that the caller reads next (the
+// row of y its walk reads), requested into L2 during top-p's pass over the masses, or null.
 template <typename T>
-double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& w);
+double row_threshold(const T* x, int64_t V, const Sampler& s, ThresholdScratch& w,
+                     const void* side = nullptr);
 
 }  // namespace klpenalty_native

@@ -11,7 +11,9 @@
 // by chunk in two passes (row_vec), the chunk of x copied into an L1 buffer with −inf off the
 // support; float64 inputs and rows holding NaN or +inf take a scalar double path (row_scalar).
 // A tau alone that keeps few logits (at most V/kFewKept: a sampler's top-k, min-p) is walked
-// sparsely (walk_few_kept): y alone over the row, x exponentiated only where kept.
+// sparsely (walk_few_kept): y alone over the row, x exponentiated only where kept. A tau given
+// with the row's masses (Support::masses: top-p's, computed by its threshold pass against the
+// row's max) is walked against that max from the start, e^u read rather than computed.
 // walk_row<kY, kB> is the one entry, specialised on what is wanted: the log-sum-exp of x, with
 // y's and the KL's Σ e^u·(u − w) (kY), with the entropy's Σ e^u·u (kB).
 #pragma once
@@ -37,6 +39,10 @@ struct Support {
   bool has_tau = false, tau_double = false;
   float tau_f = 0.0f;
   double tau_d = 0.0;
+  // with a tau alone: the row's masses against its kept maximum masses_max, as the walk computes
+  // e^u (the sampler threshold's, ThresholdScratch), or null
+  const float* masses = nullptr;
+  double masses_max = 0.0;
 
   bool any() const { return keep != nullptr || has_tau; }
   template <typename T>
@@ -56,6 +62,7 @@ struct Support {
   Support from(int64_t c0) const {
     Support s = *this;
     if (s.keep) s.keep += c0;
+    if (s.masses) s.masses += c0;
     return s;
   }
 };
@@ -271,12 +278,14 @@ struct ChunkSums {
 // e^u = 0 terms of a and b are dropped (0·log 0 = 0), without it such a term gives NaN; kTrack:
 // the maxima alongside; ahead: elements ahead to prefetch (0: none); side: with ahead, n elements'
 // bytes of another region requested into L2 alongside (a row that follows: its logits, or its
-// kept ids). Every exponent is at most 0 with shifts at the maxima, and at most the caller's
-// bound otherwise (exp2_scaled).
-template <int U, bool kY, bool kB, bool kCareful, bool kTrack, int64_t ahead, typename TX,
-          typename TY, typename Sup = NoLanes>
+// kept ids); kGivenE: e^u read from given_e (the chunk's masses against sh_x, computed as here:
+// the sampler threshold's) instead of computed. Every exponent is at most 0 with shifts at the
+// maxima, and at most the caller's bound otherwise (exp2_scaled).
+template <int U, bool kY, bool kB, bool kCareful, bool kTrack, int64_t ahead,
+          bool kGivenE = false, typename TX, typename TY, typename Sup = NoLanes>
 ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y, float c,
-                     const Sup& sup = Sup(), const void* side = nullptr) {
+                     const Sup& sup = Sup(), const void* side = nullptr,
+                     const float* given_e = nullptr) {
   constexpr int64_t kStep = U * VF::size();
   constexpr int kSteps = U >= 8 ? 1 : 8 / U;  // steps per float partial sum
   const VF vc(c), vsx(sh_x), vsy(sh_y), zero(0.0f), lo(-127.0f / c);
@@ -299,14 +308,12 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
           const char* cy = reinterpret_cast<const char*>(y + i + ahead);
           for (int64_t b = 0; b < kBytesY; b += 64) __builtin_prefetch(cy + b);
         }
-        if (side) {  // the side region, into L2, while this row is computed
-          const char* cs = static_cast<const char*>(side) + i * static_cast<int64_t>(sizeof(TX));
-          for (int64_t b = 0; b < kBytesX; b += 64) __builtin_prefetch(cs + b, 0, 2);
-        }
+        // the side region, into L2, while this row is computed
+        request_l2(side, i * static_cast<int64_t>(sizeof(TX)), kBytesX);
       }
       VF xv[U], yv[U];
-      // x from a float buffer, or a keep mask: memory order
-      constexpr bool kAnyOrder = std::is_same_v<TX, TY> && !Sup::kKeep;
+      // x from a float buffer, a keep mask or given masses: memory order
+      constexpr bool kAnyOrder = std::is_same_v<TX, TY> && !Sup::kKeep && !kGivenE;
       load_lanes<U, kAnyOrder>(x + i, xv);
       if constexpr (kY) load_lanes<U, kAnyOrder>(y + i, yv);
 #pragma GCC unroll 8
@@ -323,7 +330,7 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
           bhi = max_where(bhi, lanes_andnot(all, kept), xv[k]);
         }
         const VF dx = xv[k] - vsx;
-        VF eu = exp2_scaled(dx, vc, lo);
+        VF eu = kGivenE ? VF::loadu(given_e + i + k * VF::size()) : exp2_scaled(dx, vc, lo);
         if constexpr (Sup::kOn) eu = select(kept, eu, zero);
         sx = sx + eu;
         if constexpr (kY) {
@@ -378,7 +385,8 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
         sup.record(std::numeric_limits<float>::infinity(), xf);
       }
     }
-    const float dx = xf - sh_x, eu = kept ? std::exp2(dx * c) : 0.0f;
+    const float dx = xf - sh_x;
+    const float eu = !kept ? 0.0f : kGivenE ? given_e[i] : std::exp2(dx * c);
     cs.s_x += eu;
     if constexpr (kTrack) {
       if (kept) cs.max_x = std::max<double>(cs.max_x, xf);
@@ -440,13 +448,17 @@ constexpr int64_t kPrefix = 256;
 // there are no finite running maxima or its maxima rose by more than the bound. bad: a chunk
 // holds NaN or +inf, or a sum is not finite (the caller redoes the row with the careful or the
 // double arithmetic). side: V·sizeof(T) bytes requested into L2 during the walk (chunk_sums).
+// given_e (with a support): the row's masses against its maximum given_max (the kept maximum),
+// e^u read instead of computed where the walk shifts by it (a redo computes them, the same
+// floats).
 template <bool kY, bool kB, typename T, typename Sup = NoLanes>
 RowState row_fast(const T* px, const T* py, int64_t V, double T_, const Sup& sup_row = Sup(),
-                  const void* side = nullptr) {
+                  const void* side = nullptr, const float* given_e = nullptr,
+                  double given_max = 0.0) {
   RowState row;
   const float c = static_cast<float>(kLog2e / T_);
   if (V > kPrefix) {
-    const double m_x = chunk_max_kept(px, kPrefix, sup_row);
+    const double m_x = given_e ? given_max : chunk_max_kept(px, kPrefix, sup_row);
     const double m_y = kY ? chunk_max(py, kPrefix) : -kInf;
     if (std::isnan(m_x) || m_x == kInf || std::isnan(m_y) || m_y == kInf) {
       row.bad = true;
@@ -465,8 +477,11 @@ RowState row_fast(const T* px, const T* py, int64_t V, double T_, const Sup& sup
       constexpr int64_t ahead = sizeof(T) >= 4 ? kAhead : 0;
       const char* side_c0 =
           side ? static_cast<const char*>(side) + c0 * static_cast<int64_t>(sizeof(T)) : nullptr;
-      const ChunkSums cs = chunk_sums<kChains, kY, kB, false, true, ahead>(x, y, n, sh_x, sh_y,
-                                                                           c, sup, side_c0);
+      const ChunkSums cs =
+          given_e ? chunk_sums<kChains, kY, kB, false, true, ahead, true>(
+                        x, y, n, sh_x, sh_y, c, sup, side_c0, given_e + c0)
+                  : chunk_sums<kChains, kY, kB, false, true, ahead>(x, y, n, sh_x, sh_y, c, sup,
+                                                                    side_c0);
       const bool within = (cs.max_x - row.m_x) * c <= kRise &&
                           (!kY || (cs.max_y - row.m_y) * c <= kRise);
       if (within) {
@@ -649,7 +664,11 @@ RowState walk_row(const T* px, const T* py, const Support& sup, int64_t V, doubl
         walk_few_kept<kY, kB>(px, py, tau_lanes(sup), V, T_, side, &row)) {
       return row;
     }
-    if (sup.any()) {
+    if (sup.masses && !sup.keep && V > kPrefix) {  // e^u of x read, not computed
+      row = row_fast<kY, kB>(px, py, V, T_, tau_lanes(sup), side, sup.masses, sup.masses_max);
+      if (row.bad) row = row_vec<kY, kB, true, true>(px, py, sup, V, T_);
+      row.careful = row.careful || row.off;
+    } else if (sup.any()) {
       row = with_lanes(sup, [&](const auto& lanes) {
         return row_fast<kY, kB>(px, py, V, T_, lanes, side);
       });

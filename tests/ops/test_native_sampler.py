@@ -119,13 +119,13 @@ def test_large_rows_top_p_and_large_top_k(dtype):
 
 
 def test_top_p_where_the_sample_misleads():
-    """top-p on long rows first looks at a sample of the row (every 8th vector, all of whose
-    elements lie at positions i % 64 < 16); rows whose mass lies off the sample (and a sorted
+    """top-p on long rows first looks at a sample of the row (every 16th vector, all of whose
+    elements lie at positions i % 256 < 16); rows whose mass lies off the sample (and a sorted
     row) make its bracket wrong: the exact check sends them through the full narrowing, with the
     same result."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(3, 8192, generator=g, dtype=torch.float64)
-    lanes = torch.arange(8192) % 64
+    lanes = torch.arange(8192) % 256
     x[0, lanes >= 16] += 4.0  # the mass off the sampled vectors (float32: 16 per vector)
     x[1, lanes < 16] -= 6.0
     x[2] = torch.linspace(-8.0, 8.0, 8192, dtype=torch.float64)

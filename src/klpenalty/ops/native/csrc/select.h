@@ -114,7 +114,7 @@ constexpr int64_t kWalkRow = 32;     // the narrowing levels of a large row stop
 constexpr int kLevelCuts = 7;        // thresholds per narrowing level (8 sub-brackets)
 constexpr double kSpan = 32.0;       // the guide's first thresholds: within 32·T of the max
 constexpr int64_t kSampleRow = 4096;  // top-p rows from which a sample places pass 1's guide
-constexpr int64_t kSampleEvery = 8;   // the sample: every 8th vector
+constexpr int64_t kSampleEvery = 16;  // the sample: every 16th vector
 constexpr double kMargin = 1e-4;     // relative to Z: the guide sums' error is below 1e-6
 
 // The bracket's next bounds from the guide g (the mass above each threshold t, which increase):

@@ -345,6 +345,18 @@ def test_support_walk_keep_bytes_and_tau_lanes(dtype, vocab):
         torch.testing.assert_close(gy.double(), wy, **grad_tol(dtype))
 
 
+def _check_grads(out, xr, yr, x, y, tokens, tau, temperature, want, rows, dtype):
+    """The gradients of out (rows `rows` weighted, the others 0) with respect to xr (and yr)
+    against the float64 reference with the support x >= tau."""
+    grad = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape).to(out.dtype)
+    grad[~rows] = 0
+    got = torch.autograd.grad(out, (xr, yr) if yr is not None else (xr,), grad)
+    wx, wy = ref_token_stats_grads(x, y, tokens, None, None, tau, temperature, -100, want, grad)
+    torch.testing.assert_close(got[0][rows].double(), wx[rows], **grad_tol(dtype))
+    if yr is not None:
+        torch.testing.assert_close(got[1][rows].double(), wy[rows], **grad_tol(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("vocab", [2048 + 37, 5000])
 def test_few_kept_walk(dtype, vocab):
@@ -357,12 +369,12 @@ def test_few_kept_walk(dtype, vocab):
     x, y = make_logits((n, vocab), dtype, seed=vocab + 1, scale=2.0)
     x, y = x.clone(), y.clone()
     few = vocab // 16
-    kth = [1, 1, 1, 50, 50, 3, 50]
+    kth = [1, None, None, 50, 50, 3, 50]  # rows 1 and 2: below
     order = x.float().argsort(-1, descending=True)
     y[3, order[3, 10]] = NINF  # kept: KL +inf
     y[4, order[4, 200]] = NINF  # not kept
     x[5, order[5, 0]] = float("inf")  # the kept maximum +inf
-    tau = torch.stack([x[r, order[r, k - 1]].float() for r, k in enumerate(kth)])
+    tau = torch.stack([x[r, order[r, (k or 1) - 1]].float() for r, k in enumerate(kth)])
     # rows 1 and 2: the smallest logit keeping at most `few` (ties counted), and the next below
     s = x[1].float().sort(descending=True).values
     kept_at = torch.searchsorted(-s, -s, right=True)  # logits >= s[j]
@@ -371,7 +383,7 @@ def test_few_kept_walk(dtype, vocab):
     x[2] = x[1]
     kept = x.float() >= tau.unsqueeze(-1)
     assert kept[1].sum() <= few < kept[2].sum()
-    tokens = order[:, 0].clone()
+    tokens = x.float().argmax(-1)  # kept in every row
     for want in (ALL, int(Want.LOGP | Want.ENTROPY)):
         yy = y if want == ALL else None
         xr = x.clone().requires_grad_()
@@ -392,14 +404,7 @@ def test_few_kept_walk(dtype, vocab):
             offsets,
         )
         torch.testing.assert_close(out, by_ids, equal_nan=True, **tol(dtype))
-        grad = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape).to(out.dtype)
-        grad[~fin] = 0
-        inputs = (xr, yr) if yr is not None else (xr,)
-        got = torch.autograd.grad(out, inputs, grad)
-        wx, wy = ref_token_stats_grads(x, yy, tokens, None, None, tau, 0.8, -100, want, grad)
-        torch.testing.assert_close(got[0][fin].double(), wx[fin], **grad_tol(dtype))
-        if yr is not None:
-            torch.testing.assert_close(got[1][fin].double(), wy[fin], **grad_tol(dtype))
+        _check_grads(out, xr, yr, x, yy, tokens, tau, 0.8, want, fin, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -434,12 +439,4 @@ def test_top_p_walk_reads_the_threshold_masses(dtype, vocab):
                 if want == ALL:
                     assert out[3, 0] == float("inf")
                 fin = torch.tensor([r != 3 for r in range(n)])
-                grad = torch.linspace(-1.0, 2.0, out.numel()).reshape(out.shape).to(out.dtype)
-                grad[~fin] = 0
-                inputs = (xr, yr) if yr is not None else (xr,)
-                got = torch.autograd.grad(out, inputs, grad)
-                wx, wy = ref_token_stats_grads(x, yy, tokens, None, None, used, T, -100, want,
-                                               grad)
-                torch.testing.assert_close(got[0][fin].double(), wx[fin], **grad_tol(dtype))
-                if yr is not None:
-                    torch.testing.assert_close(got[1][fin].double(), wy[fin], **grad_tol(dtype))
+                _check_grads(out, xr, yr, x, yy, tokens, used, T, want, fin, dtype)

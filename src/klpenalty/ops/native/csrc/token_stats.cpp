@@ -24,8 +24,8 @@
 // finish). With the sampler, each row's τ_s is computed just before its walk (threshold.h) and
 // the next row's logits are requested into L2 during the walk (its threshold passes then read
 // L2, not memory); top-p's pass over the masses requests the row of y meanwhile, and the walk
-// reads those masses as its e^u (walk.h). One parallel region per call, its threads taking blocks of rows from a shared
-// counter (rows.h). With check, the token-range, NaN and token-in-support checks run here and
+// reads those masses as its e^u (walk.h). One parallel region per call, its threads taking
+// blocks of rows from a shared counter (rows.h). With check, the token-range, NaN and token-in-support checks run here and
 // raise the messages of klpenalty._validation.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
@@ -308,9 +308,8 @@ std::tuple<at::Tensor, at::Tensor> token_stats(
                 // (y's row requested into L2 while top-p's pass computes the masses)
                 sup = with_threshold(sup, row_threshold(xr, V, sampler, w, yr),
                                      a.ct == at::kDouble);
-                // top-p's masses, stored by the threshold, are the walk's e^u where it keeps M
-                if (w.masses_of == static_cast<const void*>(xr) && !sup.keep &&
-                    sup.threshold() <= w.masses_max) {
+                // top-p's masses, stored by the threshold: the walk's e^u (walk.h)
+                if (w.masses_of == static_cast<const void*>(xr)) {
                   sup.masses = w.es.data(), sup.masses_max = w.masses_max;
                 }
               }

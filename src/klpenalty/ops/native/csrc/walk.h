@@ -39,8 +39,9 @@ struct Support {
   bool has_tau = false, tau_double = false;
   float tau_f = 0.0f;
   double tau_d = 0.0;
-  // with a tau alone: the row's masses against its kept maximum masses_max, as the walk computes
-  // e^u (the sampler threshold's, ThresholdScratch), or null
+  // the row's masses against its maximum masses_max, as the walk computes e^u (the sampler
+  // threshold's, ThresholdScratch), or null; read where the support is a tau alone that keeps
+  // that maximum
   const float* masses = nullptr;
   double masses_max = 0.0;
 
@@ -664,14 +665,15 @@ RowState walk_row(const T* px, const T* py, const Support& sup, int64_t V, doubl
         walk_few_kept<kY, kB>(px, py, tau_lanes(sup), V, T_, side, &row)) {
       return row;
     }
-    if (sup.masses && !sup.keep && V > kPrefix) {  // e^u of x read, not computed
-      row = row_fast<kY, kB>(px, py, V, T_, tau_lanes(sup), side, sup.masses, sup.masses_max);
-      if (row.bad) row = row_vec<kY, kB, true, true>(px, py, sup, V, T_);
-      row.careful = row.careful || row.off;
-    } else if (sup.any()) {
-      row = with_lanes(sup, [&](const auto& lanes) {
-        return row_fast<kY, kB>(px, py, V, T_, lanes, side);
-      });
+    if (sup.any()) {
+      // the masses are e^u where the walk shifts by their maximum: a tau alone that keeps it
+      if (sup.masses && !sup.keep && V > kPrefix && sup.threshold() <= sup.masses_max) {
+        row = row_fast<kY, kB>(px, py, V, T_, tau_lanes(sup), side, sup.masses, sup.masses_max);
+      } else {
+        row = with_lanes(sup, [&](const auto& lanes) {
+          return row_fast<kY, kB>(px, py, V, T_, lanes, side);
+        });
+      }
       if (row.bad) row = row_vec<kY, kB, true, true>(px, py, sup, V, T_);
       // elements off the support (−inf in the truncated policy) need the 0·log 0 rule
       row.careful = row.careful || row.off;

@@ -51,8 +51,10 @@ CASES = [
          backward=False),
     dict(name="kl, top-k+top-p+min-p", dtype="fp32", want=1, sampler=(50, 0.9, 0.05),
          backward=False),
-    # top-p alone: Z's mass below the window of keys summed in the window's scan (ZSUM)
+    # top-p alone: Z's mass below the window of keys summed in the window's scan (ZSUM); on
+    # fp32 logits from top-p's band of value bins (counted twice, listed, the list decided)
     dict(name="kl, top-p", dtype="bf16", want=1, sampler=(0, 0.9, 0.0), backward=False),
+    dict(name="kl, top-p", dtype="fp32", want=1, sampler=(0, 0.9, 0.0), backward=False),
     # the second walk (divergence_kernel, divergence_grad_kernel) instead of the statistics: the
     # JSD (the most terms), the skew forward KL (the mixture's π·g) and the TVD (no logarithm)
     dict(name="jsd", dtype="bf16", want=1, divergence=2),
@@ -144,6 +146,7 @@ def analyse(sass: str, elems_per_thread: int) -> dict:
         "per_pair_no_loop": len(ops) / elems_per_thread,
         "local": sum(o.startswith(("LDL", "STL")) for o in ops),
         "loops": len(loops(instrs)),
+        "loop_sizes": [last - first + 1 for first, last in loops(instrs)],
         "loop": None,
     }
     body = None
@@ -398,7 +401,8 @@ _COUNTING = r"""
 import json, sys, torch
 import klpenalty
 from klpenalty.ops.triton import _kernels_threshold as k
-counts = {"count": 0, "mass32": 0, "mass64": 0, "check": 0, "z": 0}
+counts = {"count": 0, "mass32": 0, "mass64": 0, "check": 0, "z": 0, "refine": 0,
+          "bisect": 0}
 names = {0: "count", 1: "mass32", 2: "mass64"}
 bucket_sums, mass_at = k._bucket_sums, k._mass_at
 def counted_sums(*args):
@@ -414,6 +418,18 @@ def counted_z(*args):
     return z_read(*args)
 if z_read is not None:
     k._z_read = counted_z
+refining = getattr(k, "_second_count", None)  # top-p's second band count, a call a block
+def counted_refine(*args):
+    counts["refine"] += 1
+    return refining(*args)
+if refining is not None:
+    k._second_count = counted_refine
+mass_above = getattr(k, "_mass_above", None)  # a step of the candidate list's bisection
+def counted_bisect(*args):
+    counts["bisect"] += 1
+    return mass_above(*args)
+if mass_above is not None:
+    k._mass_above = counted_bisect
 out = {}
 for vocab, dtype, top_k, top_p, min_p in json.loads(sys.argv[1]):
     for c in counts:
@@ -423,6 +439,13 @@ for vocab, dtype, top_k, top_p, min_p in json.loads(sys.argv[1]):
     x = (torch.randn(2, vocab, generator=gen) * 2).to(dt)
     torch.ops.klpenalty.triton_sampling_threshold(x, top_k, top_p, min_p, 1.0)
     out[repr((vocab, dtype, top_k, top_p, min_p))] = {c: n / 2 for c, n in counts.items()}
+    if refining is not None:  # the second count's blocks over the row's blocks
+        from klpenalty.ops.triton import _host, threshold
+        from klpenalty.ops.triton.token_stats import split_columns
+        _, cols = split_columns(2, vocab, x.device)
+        block = _host.block(vocab, threshold.THRESHOLD_SCAN_BLOCK)
+        blocks = sum(-(-min(cols, vocab - c) // block) for c in range(0, vocab, cols))
+        out[repr((vocab, dtype, top_k, top_p, min_p))]["refine"] /= blocks
     if z_read is None:
         out[repr((vocab, dtype, top_k, top_p, min_p))]["z"] = 1
 print(json.dumps(out))
@@ -452,6 +475,14 @@ def read_time(elems: int, per_elem: float, elem_bytes: float, programs: int) -> 
     return max(issue, memory)
 
 
+def straight_time(programs: int, instructions: int, threads: int) -> float:
+    """Seconds of ``programs`` programs of ``threads`` threads each issuing ``instructions``
+    instructions once (code outside the column loops, e.g. a sort of a candidate list), on the
+    SMs they occupy."""
+    sms = min(GPU["sms"], programs)
+    return programs * instructions * threads / (sms * GPU["issue"] * GPU["clock"])
+
+
 def _row_loops(flags: dict, split_scan: bool) -> list[str]:
     """The names of threshold_kernel's column loops, in its order, for its flags: this tree's
     (``split_scan``: pass 0 and top-k's histograms run before it, its top-k is the last digit
@@ -463,8 +494,10 @@ def _row_loops(flags: dict, split_scan: bool) -> list[str]:
         names += ["group"] if split_scan else ["count", "group"]
     if flags["TOP_P"] or flags["MIN_P"]:
         names += ["window"] if window else []
-        # the Z read (with ZSUM, Z from the window's scan: the read for min-p's τ_m alone)
-        names += ["z"] if flags["MIN_P"] or not flags.get("ZSUM", False) else []
+        # the Z read (with ZSUM, Z from the window's scan: the read for min-p's τ_m alone;
+        # none compiled where top-p's band read gives Z and τ_m, CAND 2)
+        if flags.get("CAND", 0) != 2:
+            names += ["z"] if flags["MIN_P"] or not flags.get("ZSUM", False) else []
     if flags["TOP_P"]:
         names += (["window"] if window else []) + ["mass32", "check", "mass64", "group"]
     return names
@@ -481,8 +514,10 @@ def threshold_cost() -> list[dict]:
     latencies (a few µs each) are not counted: the launches are listed."""
     from klpenalty.ops.triton.token_stats import plan_splits
 
-    cases = [dict(name=f"cost {smp}", dtype=dt, want=1, sampler=smp, backward=False)
-             for dt in ("bf16", "fp32") for smp in COST_SAMPLERS]
+    # compiled at each shape's vocabulary (the candidate list's length follows it)
+    cases = [dict(name=f"cost {smp} {vocab}", vocab=vocab, dtype=dt, want=1, sampler=smp,
+                  backward=False)
+             for _, vocab in COST_SHAPES for dt in ("bf16", "fp32") for smp in COST_SAMPLERS]
     results = compile_cases(cases)
     reads = search_reads([(v, dt, *smp) for _, v in COST_SHAPES for dt in ("bf16", "fp32")
                           for smp in COST_SAMPLERS])
@@ -491,7 +526,7 @@ def threshold_cost() -> list[dict]:
         _, cols = plan_splits(n, vocab, GPU["sms"])
         splits = max(1, -(-vocab // cols))
         elems = n * vocab
-        for case in cases:
+        for case in [c for c in cases if c["vocab"] == vocab]:
             dtype, smp = case["dtype"], case["sampler"]
             b = {"bf16": 2, "fp32": 4}[dtype]
             launches = [r for r in results if r.get("case") == case["name"]
@@ -514,6 +549,24 @@ def threshold_cost() -> list[dict]:
                 elif r["kernel"] == "threshold_select_kernel":
                     t += n * splits * flags["NB"] * 4 / (GPU["bandwidth"] * min(n, GPU["sms"]) /
                                                          GPU["sms"])
+                elif r["kernel"] == "threshold_cand_kernel":  # a split read of the row (the
+                    # second band count: of the rows whose band holds too many, as counted)
+                    (loop,) = r["inner_loops"]
+                    k = got["refine"] if flags["MODE"] == 4 else 1
+                    t += k * read_time(elems, loop["per_elem"], b, n * splits)
+                    if flags["MODE"] in (1, 4):  # the band counts' histograms written
+                        t += k * n * splits * flags["NBINS"] * 4 / GPU["bandwidth"]
+                    nreads += k
+                elif r["kernel"] == "threshold_list_kernel":  # a row's list: its code once,
+                    # its bisection's loop (no load) its steps as counted, every thread
+                    (size,) = r["loop_sizes"]
+                    t += straight_time(n, r["instructions"] + max(0, got["bisect"] - 1) * size,
+                                       32 * r["warps"])
+                elif r["kernel"] == "threshold_band_kernel":  # the histograms read, the band
+                    k = got["refine"] if flags["LEVEL"] else 1  # (LEVEL 1: the rows counted)
+                    t += k * n * splits * flags["NBINS"] * 4 / (
+                        GPU["bandwidth"] * min(n, GPU["sms"]) / GPU["sms"])
+                    t += k * straight_time(n, r["instructions"], 32 * r["warps"])
                 elif r["kernel"] == "threshold_kernel":
                     split_scan = "part_ptr" in r["signature"]
                     loops = r["inner_loops"]  # (one split per row here: no loop merges splits)
@@ -524,6 +577,7 @@ def threshold_cost() -> list[dict]:
                             name, got.get(name, 0))
                         t += k * read_time(elems, lp["per_elem"], b, n)
                         nreads += k
+
                 else:
                     continue
                 names.append(r["kernel"])

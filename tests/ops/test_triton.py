@@ -674,10 +674,16 @@ def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
             return bucket_sums(*args)
 
         monkeypatch.setattr(_kernels_threshold, "_bucket_sums", counted)
-    for j in (1, 5, 20):
-        p = before[j - 1].item()  # the mass before the (j + 1)-th largest
-        assert op(_on(row), 0, p * (1 + 1e-9), 0.0, 0.8).item() == vals[j].item()
-        assert op(_on(row), 0, p * (1 - 1e-9), 0.0, 0.8).item() == vals[j - 1].item()
+    # float32 rows: the candidate list decides (float64 masses, no search); without the list
+    # (as where it cannot hold the candidates), the searches
+    for listed in (True, False):
+        if not listed:
+            monkeypatch.setattr(th, "cand_cap", lambda vocab, top_k, bins: 0)
+        for j in (1, 5, 20):
+            p = before[j - 1].item()  # the mass before the (j + 1)-th largest
+            assert op(_on(row), 0, p * (1 + 1e-9), 0.0, 0.8).item() == vals[j].item()
+            assert op(_on(row), 0, p * (1 - 1e-9), 0.0, 0.8).item() == vals[j - 1].item()
+        assert CUDA or (not searches) == listed
     assert CUDA or (1 in searches and 2 in searches)
     monkeypatch.undo()
     assert op(_on(torch.empty(0, 3, 9)), 3, 0.5, 0.0, 1.0).shape == (0, 3)
@@ -817,6 +823,77 @@ def test_top_p_alone_takes_z_from_the_window_scans_partial_sums(dtype, monkeypat
     assert CUDA or (z_reads and not any(z_reads))
 
 
+def _counting_reads(monkeypatch):
+    """Counts, interpreted, the row program's reads of the row (top-p's searches, the Z read)
+    and the blocks of top-p's second band count."""
+    from klpenalty.ops.triton import _kernels_threshold
+
+    counts = {"search": 0, "z": 0, "refine": 0}
+    for name, key in (("_bucket_sums", "search"), ("_z_read", "z"), ("_second_count", "refine")):
+        real = getattr(_kernels_threshold, name)
+
+        def counted(*args, _real=real, _key=key):
+            counts[_key] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(_kernels_threshold, name, counted)
+    return counts
+
+
+@pytest.mark.skipif(CUDA, reason="counts the interpreter's calls")
+def test_top_p_on_32_bit_logits_from_a_candidate_list(monkeypatch):
+    """float32 rows: top-p decided on a list of candidates (float64 masses, the exact mass
+    above them) — top-p's band of value bins (a second count where the band holds too many:
+    p up to 0.999), top-k's set after top-k (its k-th's tie group made by the temperature
+    included) — with no search and no Z read, the rule's τ; where the list cannot decide (a
+    tie group larger than the list), the searches give it."""
+    from klpenalty.ops.reference import kept_set_reference
+
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    counts = _counting_reads(monkeypatch)
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(3, 3000, generator=g) * torch.tensor([[0.5], [2.0], [4.0]])
+    settings = [(0, 0.5, 0.0, 1.0), (0, 0.9, 0.0, 0.7), (0, 0.99, 0.0, 1.0),
+                (0, 0.999, 0.05, 1.3), (50, 0.9, 0.0, 1.0), (40, 0.95, 0.02, 0.8),
+                (7, 1.0, 0.1, 1.0)]
+    for top_k, top_p, min_p, temperature in settings:
+        for c in counts:
+            counts[c] = 0
+        tau = op(_on(x), top_k, top_p, min_p, temperature).cpu()
+        assert torch.equal(tau, _threshold_rule(x, top_k, top_p, min_p, temperature))
+        assert counts["search"] == counts["z"] == 0, (top_k, top_p, counts)
+        kw = dict(top_k=top_k or None, top_p=top_p, min_p=min_p, temperature=temperature)
+        for r in range(3):
+            assert torch.equal(x[r] >= tau[r], kept_set_reference(x[r], **kw)), (r, kw)
+    # p = 0.999 on the N(0, 2²) row: its band of bins holds > 1024 logits, the second count's
+    for c in counts:
+        counts[c] = 0
+    op(_on(x[1:2]), 0, 0.999, 0.0, 1.0)
+    assert counts["refine"] > 0 and counts["search"] == 0
+    # top-k's k-th in a tie group made by the temperature, with top-p or min-p: the list
+    for row, kw in temperature_tie_cases(300, seed=4):
+        if set(kw) != {"top_k", "temperature"}:
+            continue
+        for extra in (dict(top_p=0.999), dict(min_p=1e-6)):
+            args = (kw["top_k"], extra.get("top_p", 1.0), extra.get("min_p", 0.0),
+                    kw["temperature"])
+            counts["search"] = counts["z"] = 0
+            tau = op(_on(row), *args).cpu()
+            assert torch.equal(tau, _threshold_rule(row, *args)), (kw, extra)
+            assert counts["search"] == counts["z"] == 0
+    # the list cannot decide: 4 values (top-p's answer a tie group of ~750), a one-hot row at
+    # T = 50 (top-k's set the −30 group); a top-k whose set could pass CAND_MAX takes no list
+    assert th.cand_cap(200_000, th.CAND_MAX // 2 + 1) == 0 < th.cand_cap(200_000, 50)
+    ties = torch.randint(0, 4, (1, 3000), generator=g).float()
+    onehot = torch.full((1, 3000), -30.0)
+    onehot[0, 5] = 10.0
+    for row, setting in [(ties, (0, 0.9, 0.0, 1.0)), (onehot, (10, 0.9, 0.05, 50.0))]:
+        counts["search"] = 0
+        tau = op(_on(row), *setting).cpu()
+        assert torch.equal(tau, _threshold_rule(row, *setting)), setting
+        assert counts["search"] > 0, setting
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_sampling_threshold_kernel_on_rows_split_across_programs(dtype):
     """Two rows of V = 2500 split into programs (the plan for few rows): the programs' maxima,
@@ -946,21 +1023,46 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
                 [("*bf16", 16), ("*fp16", 13), ("*fp32", 0)],
                 [(1, 0, 0, 0), (0, 1, 0, 1), (0, 0, 1, 0), (1, 1, 1, 1)]):
             sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32", "zpart_ptr": "*fp64",
+                   "list_ptr": "*fp64",
                    "tau_in_ptr": "*fp32", "tau_ptr": "*fp32", "T": "i32", "stride_xb": "i64",
                    "stride_xt": "i64",
                    "V": "i32", "n_splits": "i32", "hist_stride": "i32", "top_k": "i32",
                    "top_p_bits": "i64", "log_min_p_bits": "i64", "window_bits": "i64",
                    "temperature": "fp32"}}
+            # 32-bit keys: top-p and top-k's min-p from a candidate list (2: top-p's band,
+            # 3: top-k's set)
+            cand = 0 if shift else (3 if top_k and (top_p or min_p) else (2 if top_p else 0))
             c = dict(TOP_K=bool(top_k), TOP_P=bool(top_p), MIN_P=bool(min_p),
                      HAS_TAU=bool(has_tau), KEY_SHIFT=shift, NB_LAST=32,
                      WINDOW=bool(top_p) and shift > 0,
-                     ZSUM=bool(top_p) and shift > 0 and not top_k, SPLITS=4,
+                     ZSUM=bool(top_p) and shift > 0 and not top_k, CAND=cand, SPLITS=4,
                      BLOCK={th.THRESHOLD_BLOCK}, BT={32 * th.THRESHOLD_WARPS},
                      F={th.THRESHOLD_BUCKETS})
             s = {{**sig, **{{name: "constexpr" for name in c}}}}
             src = ASTSource(fn=k.threshold_kernel, signature=s, constexprs=c)
             assert ".entry" in triton.compile(src, target=t).asm["ptx"]
             n += 1
+            if cand:  # the candidate list's passes (the band's count, its read; top-k's set)
+                sig = {{"x_ptr": dt, "part_ptr": "*fp32", "hist_ptr": "*i32",
+                       "zpart_ptr": "*fp64", "cstate_ptr": "*i32", "cand_ptr": "*fp32",
+                       "T": "i32", "stride_xb": "i64", "stride_xt": "i64", "V": "i32",
+                       "cols": "i32", "n_splits": "i32", "hist_stride": "i32", "scale": "fp32",
+                       "log_min_p_bits": "i64", "temperature": "fp32"}}
+                for mode in ((1, 4, 2) if cand == 2 else (3,)):
+                    c = dict(MODE=mode, MIN_P=bool(min_p), CAP=256, NBINS=2048, SPLITS=4,
+                             BLOCK=2048)
+                    s = {{**sig, **{{name: "constexpr" for name in c}}}}
+                    src = ASTSource(fn=k.threshold_cand_kernel, signature=s, constexprs=c)
+                    assert ".entry" in triton.compile(src, target=t).asm["ptx"]
+                    n += 1
+                sig = {{"part_ptr": "*fp32", "zpart_ptr": "*fp64", "cstate_ptr": "*i32",
+                       "cand_ptr": "*fp32", "list_ptr": "*fp64", "n_splits": "i32",
+                       "top_p_bits": "i64", "log_min_p_bits": "i64", "temperature": "fp32"}}
+                c = dict(MODE=cand, MIN_P=bool(min_p), CAP=1024, SPLITS=4)
+                s = {{**sig, **{{name: "constexpr" for name in c}}}}
+                src = ASTSource(fn=k.threshold_list_kernel, signature=s, constexprs=c)
+                assert ".entry" in triton.compile(src, target=t).asm["ptx"]
+                n += 1
             if not top_p:  # the scan's passes once a key width: all flags on, top-p alone
                 continue
             for pass_, (high, low) in enumerate([(32 - shift, 24 - shift),
@@ -983,9 +1085,16 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
         src = ASTSource(fn=k.threshold_select_kernel, signature=sig,
                         constexprs=dict(PASS=1, NB=256))
         assert ".entry" in triton.compile(src, target=t).asm["ptx"]
+        sig = {{"zpart_ptr": "*fp64", "hist_ptr": "*i32", "cstate_ptr": "*i32", "n_splits": "i32",
+               "hist_stride": "i32", "top_p_bits": "i64", "scale": "fp32", "LEVEL": "constexpr",
+               "CAP": "constexpr", "NBINS": "constexpr", "SPLITS": "constexpr"}}
+        for level in (0, 1):
+            src = ASTSource(fn=k.threshold_band_kernel, signature=sig,
+                            constexprs=dict(LEVEL=level, CAP=1024, NBINS=2048, SPLITS=4))
+            assert ".entry" in triton.compile(src, target=t).asm["ptx"]
         print("OK", n)
     """)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=600, cwd=ROOT)
-    assert done.returncode == 0 and "OK 12" in done.stdout, done.stderr[-3000:]
+    assert done.returncode == 0 and "OK 18" in done.stdout, done.stderr[-3000:]

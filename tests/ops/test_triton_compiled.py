@@ -75,6 +75,8 @@ def test_every_case_launches_both_kernels_with_the_gpu_specialisation(compiled):
     for r in compiled:
         if r["kernel"] == "threshold_select_kernel":  # top-k's selects read histograms only
             assert r["signature"]["hist_ptr"] == "*i32", r["signature"]
+        elif r["kernel"] in ("threshold_band_kernel", "threshold_list_kernel"):  # and these
+            assert r["signature"]["cstate_ptr"] == "*i32", r["signature"]  # the row's counts
         else:
             assert r["signature"]["x_ptr"] in ("*bf16", "*fp32"), r["signature"]
         attrs = " ".join(r["attrs"].values())
@@ -159,7 +161,9 @@ def test_the_threshold_kernel_loops(compiled):
     for r in found:
         loops, c = r["inner_loops"], r["constexprs"]
         # the loops the flags compile, as indices of THRESHOLD_BUDGET (TOP_P in every case)
-        want = ([0] if c["TOP_K"] else []) + ([] if c["ZSUM"] and not c["MIN_P"] else [1])
+        # (no Z read where top-p's band gives Z and τ_m: CAND 2)
+        z_given = (c["ZSUM"] and not c["MIN_P"]) or c["CAND"] == 2
+        want = ([0] if c["TOP_K"] else []) + ([] if z_given else [1])
         want += [2, 3, 4, 5]
         if c["WINDOW"]:
             assert r["dtype"] == "bf16" and len(loops) == len(want) + 2, loops
@@ -192,6 +196,33 @@ def test_the_threshold_scan_reads_16_bytes_a_load_and_histograms_in_shared_memor
         assert r["loop"]["shfl"] == 0, (r["dtype"], r["loop"])
         assert (r["loop"]["atoms"] > 0) == counts, (r["dtype"], r["loop"])
         assert lp["per_elem"] <= SCAN_BUDGET[first], (r["dtype"], first, lp)
+
+
+# fp32 top-p's candidate list (threshold_cand_kernel), instructions per element of its column
+# loop by MODE: the band's count (a 4096-bin histogram, the float32 Z), its second count, the
+# band's read (float64 masses, the list's atomic adds), top-k's set listed: Triton 3.9 plus a
+# little room; 3.6 lowers the histograms per warp, with 2048 bins there (benchmarks/README.md)
+CAND_BUDGET = {1: 33.0, 4: 45.0, 2: 84.0, 3: 31.0}
+if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9):  # (2048 bins there)
+    CAND_BUDGET = {1: 280.0, 4: 290.0, 2: 84.0, 3: 31.0}
+
+
+def test_the_candidate_list_reads_16_bytes_a_load_within_budget(compiled):
+    """fp32 top-p (the band: counted, counted again, read; after top-k: top-k's set read): one
+    column loop of 128-bit loads a launch, within its instruction budget per element; the
+    list's program (threshold_list_kernel) reads no column: its one loop, the bisection's
+    step, loads nothing and stays under 100 instructions."""
+    found = _launches(compiled, "threshold_cand_kernel")
+    modes = {(r["case"], r["constexprs"]["MODE"]) for r in found}
+    assert modes == {("kl, top-p", 1), ("kl, top-p", 4), ("kl, top-p", 2),
+                     ("kl, top-k+top-p+min-p", 3)}, modes
+    for r in found:
+        (lp,) = r["inner_loops"]
+        assert r["loop"]["ldg"] == r["loop"]["ldg128"] > 0, (r["constexprs"], r["loop"])
+        assert lp["per_elem"] <= CAND_BUDGET[r["constexprs"]["MODE"]], (r["constexprs"], lp)
+    for r in _launches(compiled, "threshold_list_kernel"):
+        assert r["inner_loops"] == [] and len(r["loop_sizes"]) == 1, r["loop_sizes"]
+        assert r["loop_sizes"][0] < 100, r["loop_sizes"]
 
 
 # Instructions per element pair in the divergences' loops, (forward, backward): what the kernels

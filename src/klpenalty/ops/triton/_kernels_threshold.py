@@ -10,11 +10,14 @@ further digit takes one program per row that merges the row's histograms and pic
 of the k-th (:func:`threshold_select_kernel`) and one more split read; for top-p on 16-bit
 logits a split read (top-k's last, or its own) counts each of the 2048 keys up to the row's
 max (its own, for top-p without top-k, also sums the float64 mass of the logits below them,
-:func:`_exp64`: Z takes no read of the row). One program per row (:func:`threshold_kernel`)
-then picks the last digit (the k-th largest key exactly) and runs top-p's and min-p's reads
-(top-p from the window of keys where it holds the answer, else radix selects over the keys
-with float64 masses), and writes τ (or its maximum with a given tau) into an (N,) float32
-buffer. The host is :mod:`.threshold`;
+:func:`_exp64`: Z takes no read of the row); for top-p on 32-bit logits split reads list a
+row's candidates (:func:`threshold_cand_kernel`: top-k's set, or top-p's band of value bins
+found from one or two counts by :func:`threshold_band_kernel`) and one program per row
+decides on them in float64 (:func:`threshold_list_kernel`). One program per row
+(:func:`threshold_kernel`) then picks the last digit (the k-th largest key exactly) and runs
+top-p's and min-p's reads where nothing before decided them (top-p from the window of keys
+where it holds the answer, else radix selects over the keys with float64 masses), and
+writes τ (or its maximum with a given tau) into an (N,) float32 buffer. The host is :mod:`.threshold`;
 docs/triton.md describes the searches and ``tests/ops/test_triton_compiled.py`` checks their
 machine code.
 """
@@ -26,7 +29,13 @@ import triton.language as tl
 
 from ._kernels_common import INTERPRETED, _device, _row_offset, _split_columns
 
-__all__ = ["threshold_kernel", "threshold_scan_kernel", "threshold_select_kernel"]
+__all__ = ["BAND_BINS", "threshold_band_kernel", "threshold_cand_kernel", "threshold_kernel",
+           "threshold_list_kernel", "threshold_scan_kernel", "threshold_select_kernel"]
+
+# Bins of top-p's band counts on 32-bit keys (:func:`threshold_cand_kernel`): 4096; Triton
+# before 3.9 lowers ``tl.histogram`` per warp, every bin each iteration, and 4096 bins spill
+# to local memory there: 2048, as the window of keys'.
+BAND_BINS = 4096 if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9) else 2048
 
 # Keys of the window (2048 up to the max) a step of its loops in the row's program: compiled,
 # 256 (its whole [2048] vectors would spill registers); interpreted, all at once (each step
@@ -406,6 +415,306 @@ def threshold_scan_kernel(
             tl.store(zpart_ptr + slot, tl.sum(z_acc, 0))
 
 
+@_device
+def _band_y(x, m32, inv_t, scale):
+    """y = (M·(1/T) − x·(1/T))·scale of float32 logits (``m32`` = M·(1/T); float32 products:
+    within a few ulps of −(x/T − M/T)·scale; NaN for NaN): non-increasing in x."""
+    return (m32 - x * inv_t) * scale
+
+
+@_device
+def _band_bins(x, m32, inv_t, scale, j_lo, s1, NBINS: tl.constexpr):
+    """The bins of top-p's band counts (:func:`threshold_cand_kernel`) of float32 logits: ⌊y⌋
+    (:func:`_band_y`; NBINS for values past the last bin, ±inf and NaN), and the sub-bin
+    ⌊(y − j_lo)·s1⌋ clamped to [0, NBINS) (the second count's bins, within the band's bins
+    from j_lo, s1 = NBINS / the band's bins). Both non-increasing in x: bins are intervals of
+    the logits, bin 0 the largest."""
+    y = _band_y(x, m32, inv_t, scale)
+    y = tl.where(y < NBINS, y, NBINS)  # NaN, +inf: past the bins
+    b = tl.floor(tl.maximum(y, 0.0)).to(tl.int32)
+    sub = tl.floor(tl.minimum(tl.maximum((y - j_lo) * s1, 0.0), NBINS - 1)).to(tl.int32)
+    return b, sub
+
+
+@_device
+def _compact(cand_row, counter, x, inset, CAP: tl.constexpr):
+    """Appends the values x[inset] of a block to the row's candidate list (``cand_row``, CAP
+    float32; ``counter``: its int32 length, which counts past CAP), in no fixed order (an
+    atomic add per listed value)."""
+    slot = tl.atomic_add(counter + 0 * inset.to(tl.int32), 1, mask=inset, sem="relaxed")
+    tl.store(cand_row + slot, x, mask=inset & (slot < CAP))
+
+
+@_device
+def _band_state(cstate_ptr, row, NBINS: tl.constexpr):
+    """A row's band (``cstate[row]``, :func:`threshold_band_kernel`): the bins [j_lo, j_hi],
+    the sub-bins [i_lo, i_hi] within them (all where one count sufficed), whether the band
+    is listed (ok), whether it takes the second count (refine), and s1."""
+    st = cstate_ptr + row * 8
+    j_lo = tl.load(st)
+    j_hi = tl.load(st + 1)
+    s1 = NBINS / (j_hi - j_lo + 1).to(tl.float32)
+    return j_lo, j_hi, tl.load(st + 5), tl.load(st + 6), tl.load(st + 3) > 0, tl.load(st + 4) > 0, s1
+
+
+@_device
+def _second_count(x, m32, inv_t, scale, j_lo, j_hi, s1, NBINS: tl.constexpr):
+    """A block of top-p's second band count: the sub-bins of the logits x, whether each lies
+    in the bins' band [j_lo, j_hi], and the mass exp(x/T − M/T) of those above it (float32
+    exponentials of the float32 products, as float64; 0 for the rest)."""
+    b, sub = _band_bins(x, m32, inv_t, scale, j_lo, s1, NBINS)
+    finite = (x > float("-inf")) & (x < float("inf"))
+    above = tl.where(finite & (b < j_lo), tl.exp(x * inv_t - m32), 0.0)
+    return sub, (b >= j_lo) & (b <= j_hi), above.to(tl.float64)
+
+
+@triton.jit
+def threshold_cand_kernel(
+    x_ptr, part_ptr, hist_ptr, zpart_ptr, cstate_ptr, cand_ptr, T, stride_xb, stride_xt, V,
+    cols, n_splits, hist_stride, scale, log_min_p_bits, temperature,
+    MODE: tl.constexpr, MIN_P: tl.constexpr, CAP: tl.constexpr, NBINS: tl.constexpr,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Top-p's candidates on 32-bit keys, program (row, split) over its columns [c0, c1), M
+    merged from pass 0's partials (``part`` (N, n_splits, 4) float32); the bins of
+    :func:`_band_bins`, the row's band in ``cstate`` (:func:`_band_state`):
+
+    - MODE 1 (the band's count): the count histogram of the bins (NBINS, ``tl.histogram``)
+      into the row's split s bins at s·NBINS of ``hist``, and the mass Σ exp(x/T − M/T) of its
+      finite logits (float32 exponentials of the float32 products, summed in float64) into
+      ``zpart[row, split, 0]``;
+    - MODE 4 (the second count, for a row whose band holds more than CAP logits; the other
+      rows' programs read nothing): the count histogram of the sub-bins of the band's logits,
+      and the mass (as MODE 1's) of the logits above the band into ``zpart[row, split, 1]``;
+    - MODE 2 (the band's read): the logits of the band (its sub-bins [i_lo, i_hi]) appended
+      to the row's candidates where it is listed, and the float64 masses Σ exp(x/T − M/T)
+      (x/T the float32 division, :func:`_exp64`) of its finite logits and of those above the
+      band into ``zpart[row, split]``; MIN_P: the smallest logit with x/T − M/T ≥ log min_p
+      into ``part[row, split, 3]``;
+    - MODE 3 (top-k's set; its k-th largest logit t from top-k's last select in ``hist`` at
+      n_splits·2048): the finite logits whose x/T is at least t's appended: x ≥ the smallest
+      float whose quotient is t's (found from t downwards, a float at a time, before the loop).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
+    c0, c1 = _split_columns(split, cols, n_splits, V)
+    offs = tl.arange(0, BLOCK)
+    slot = row * n_splits + split
+    sp = tl.arange(0, SPLITS)
+    top = tl.max(tl.load(part_ptr + (row * n_splits + sp) * 4, mask=sp < n_splits,
+                         other=float("-inf")), 0)
+    inv_t = 1.0 / temperature
+    m32 = top * inv_t
+    counter = cstate_ptr + row * 8 + 2
+    cand_row = cand_ptr + row * CAP
+    if MODE == 1:
+        j_lo = 0
+        s1 = 1.0
+        hb = tl.zeros([NBINS], tl.int32)
+        z_acc = tl.zeros([BLOCK], tl.float64)
+    if MODE == 4:
+        j_lo, j_hi, i_lo, i_hi, ok, refine, s1 = _band_state(cstate_ptr, row, NBINS)
+        c1 = tl.where(refine, c1, c0)  # no read where one count sufficed
+        hb = tl.zeros([NBINS], tl.int32)
+        z_acc = tl.zeros([BLOCK], tl.float64)
+    if MODE == 2:
+        j_lo, j_hi, i_lo, i_hi, ok, refine, s1 = _band_state(cstate_ptr, row, NBINS)
+        # the band as values of y (bins [j_lo, j_hi], or their sub-bins [i_lo, i_hi]): the
+        # logits above it have y < y_a, listed y_a ≤ y < y_b where ok
+        y_a = j_lo + i_lo / s1
+        y_b = tl.where(ok, j_lo + (i_hi + 1) / s1, y_a)
+        m_s = tl.math.div_rn(top, temperature).to(tl.float64)
+        log_min_p = log_min_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        terms = _exp_terms(tl.where(V > 0, 1.0, 2.0).to(tl.float64))
+        z_acc = tl.zeros([BLOCK], tl.float64)
+        above_acc = tl.zeros([BLOCK], tl.float64)
+        kept_min = tl.full([BLOCK], float("inf"), tl.float32)
+    if MODE == 3:
+        kth = (tl.load(hist_ptr + row * hist_stride + n_splits * 2048).to(tl.uint32, bitcast=True)
+               .to(tl.int64) - (1 << 31))
+        x_min = _key_value(kth, 0)
+        if (x_min > float("-inf")) & (x_min < float("inf")):
+            q_k = tl.math.div_rn(x_min, temperature)
+            below = _key_value(_order_key(x_min, 0).to(tl.int64) - 1, 0)
+            while tl.math.div_rn(below, temperature) == q_k:
+                x_min = below
+                below = _key_value(_order_key(below, 0).to(tl.int64) - 1, 0)
+    for start in range(c0, c1, BLOCK):
+        col = start + offs
+        x = tl.load(x_row + col, mask=col < c1, other=float("nan")).to(tl.float32)
+        finite = (x > float("-inf")) & (x < float("inf"))
+        if MODE == 1:
+            b, _ = _band_bins(x, m32, inv_t, scale, j_lo, s1, NBINS)
+            hb += tl.histogram(b, NBINS, mask=b < NBINS)
+            z_acc += tl.where(finite, tl.exp(x * inv_t - m32), 0.0).to(tl.float64)
+        if MODE == 4:
+            sub, inside, above = _second_count(x, m32, inv_t, scale, j_lo, j_hi, s1, NBINS)
+            hb += tl.histogram(sub, NBINS, mask=inside)
+            z_acc += above
+        if MODE == 2:
+            y = _band_y(x, m32, inv_t, scale)
+            d = tl.math.div_rn(x, temperature).to(tl.float64) - m_s
+            # (−inf, NaN: d −inf or NaN; +inf only where M is: d NaN)
+            e = tl.where(d >= -708.0, _exp64(d, terms), 0.0)
+            z_acc += e
+            above_acc += tl.where(y < y_a, e, 0.0)
+            if MIN_P:
+                kept_min = tl.minimum(kept_min, tl.where((x == x) & (d >= log_min_p), x,
+                                                         float("inf")))
+            _compact(cand_row, counter, x, finite & (y >= y_a) & (y < y_b), CAP)
+        if MODE == 3:
+            _compact(cand_row, counter, x, finite & (x >= x_min), CAP)
+    if MODE == 1:
+        tl.store(hist_ptr + row * hist_stride + split * NBINS + tl.arange(0, NBINS), hb)
+        tl.store(zpart_ptr + slot * 2, tl.sum(z_acc, 0))
+    if MODE == 4:
+        if refine:
+            tl.store(hist_ptr + row * hist_stride + split * NBINS + tl.arange(0, NBINS), hb)
+            tl.store(zpart_ptr + slot * 2 + 1, tl.sum(z_acc, 0))
+    if MODE == 2:
+        tl.store(zpart_ptr + slot * 2, tl.sum(z_acc, 0))
+        tl.store(zpart_ptr + slot * 2 + 1, tl.sum(above_acc, 0))
+        if MIN_P:
+            tl.store(part_ptr + slot * 4 + 3, tl.min(kept_min, 0))
+
+
+@triton.jit
+def threshold_band_kernel(zpart_ptr, hist_ptr, cstate_ptr, n_splits, hist_stride, top_p_bits,
+                          scale, LEVEL: tl.constexpr, CAP: tl.constexpr, NBINS: tl.constexpr,
+                          SPLITS: tl.constexpr):
+    """One program per row: top-p's band, the bins (LEVEL 0) or sub-bins (LEVEL 1, rows whose
+    bins' band holds more than CAP logits) of :func:`_band_bins` that hold its answer whatever
+    the masses inside each, from the counts and float-exponential masses of
+    :func:`threshold_cand_kernel` (MODE 1: Z; MODE 4: the mass above the bins' band).
+
+    A logit of bin j has −(x/T − M/T) ∈ [j, j + 1)/scale, of sub-bin i ∈ [j_lo + i/s1,
+    j_lo + (i + 1)/s1)/scale, up to the float32 products' rounding (a margin of 1e-5 each
+    side, logits up to |x/T| ≈ 100): a (sub-)bin's mass lies between its count times the
+    exponentials of its two ends. With t = p·Z, the masses known within 5e-6 (float32
+    exponentials, float64 sums) and 1e-4 at LEVEL 0, every logit of a bin whose upper bound
+    of the mass of the bins up to it (and above the band) is below t is kept, every logit of
+    a bin whose lower bound of the mass of the bins above it reaches t is dropped: the answer
+    lies in between. Writes the band, whether it is listed (1 to CAP logits) and, LEVEL 0,
+    whether it takes the second count (more) into ``cstate[row]``."""
+    row = tl.program_id(0).to(tl.int64)
+    st = cstate_ptr + row * 8
+    j = tl.arange(0, NBINS)
+    sp = tl.arange(0, SPLITS)
+    zp = zpart_ptr + (row * n_splits + sp) * 2
+    z = tl.sum(tl.load(zp, mask=sp < n_splits, other=0.0), 0)
+    t = top_p_bits.to(tl.int64).to(tl.float64, bitcast=True) * z
+    if LEVEL == 0:
+        go = True
+        above = tl.zeros([], tl.float64)
+        slack = 1e-4
+        j_lo0 = 0
+        s1 = 1.0
+    else:
+        j_lo0 = tl.load(st)
+        go = tl.load(st + 4) > 0
+        above = tl.sum(tl.load(zp + 1, mask=sp < n_splits, other=0.0), 0)
+        slack = 5e-6
+        s1 = NBINS / (tl.load(st + 1) - j_lo0 + 1).to(tl.float32)
+    if go:
+        h = tl.zeros([NBINS], tl.int32)
+        for s in range(0, n_splits):
+            h += tl.load(hist_ptr + row * hist_stride + s * NBINS + j)
+        # −(x/T − M/T) at the (sub-)bin's upper end, and its width
+        base = (j_lo0 + j.to(tl.float32) / s1) / scale
+        width = 1.0 / (s1 * scale)
+        # (sub-)bin j's mass at most (hi) and at least (lo)
+        hi_m = h.to(tl.float32) * tl.exp(1e-5 - base)
+        lo_m = hi_m * tl.exp(-2e-5 - width)
+        above_lo = above * (1.0 - slack) + (tl.cumsum(lo_m.to(tl.float64), 0) - lo_m)
+        upto_hi = above * (1.0 + slack) + tl.cumsum(hi_m.to(tl.float64), 0)
+        i_hi = tl.max(tl.where((h > 0) & (above_lo < t * (1.0 + slack)), j, -1), 0)
+        i_lo = tl.min(tl.where(upto_hi >= t * (1.0 - slack), j, NBINS), 0)
+        n = tl.sum(tl.where((j >= i_lo) & (j <= i_hi), h, 0), 0)
+        valid = (i_lo <= i_hi) & (n > 0) & (t == t) & (t < float("inf"))
+        ok = valid & (n <= CAP)
+        if LEVEL == 0:
+            tl.store(st, i_lo)
+            tl.store(st + 1, i_hi)
+            tl.store(st + 5, 0)
+            tl.store(st + 6, NBINS - 1)
+            tl.store(st + 4, (valid & (n > CAP)).to(tl.int32))
+        else:
+            tl.store(st + 5, i_lo)
+            tl.store(st + 6, i_hi)
+        tl.store(st + 2, 0)
+        tl.store(st + 3, ok.to(tl.int32))
+
+
+@_device
+def _mass_above(key, e, k, s_above):
+    """f(k) = s_above + Σ_{key > k} e: the mass before the logit of key k (a step of
+    :func:`threshold_list_kernel`'s bisection)."""
+    return s_above + tl.sum(tl.where(key > k, e, 0.0), 0)
+
+
+@triton.jit
+def threshold_list_kernel(part_ptr, zpart_ptr, cstate_ptr, cand_ptr, list_ptr, n_splits,
+                          top_p_bits, log_min_p_bits, temperature, MODE: tl.constexpr,
+                          MIN_P: tl.constexpr, CAP: tl.constexpr, SPLITS: tl.constexpr):
+    """One program per row, after :func:`threshold_cand_kernel` listed the row's candidates
+    (MODE 2: top-p's band, the mass above it and Z from ``zpart``; MODE 3: top-k's set, Z its
+    own mass): their masses e = exp(x/T − M/T) (float64) and top-p's answer K, the smallest
+    candidate whose mass before, f(K) = (the mass above the list) + Σ_{x > K} e, is < p·Z —
+    by bisection over the keys between the list's smallest and largest (f is non-increasing
+    and steps at the list's keys only, so the smallest key with f < p·Z is a listed one; no
+    sort) — lowered to its tie group's smallest in the list. Writes (K, whether the list
+    decides it, the list's mass, its smallest logit, min-p's smallest logit with
+    x/T − M/T ≥ log min_p there) into ``list[row]`` (float64). The list decides where it
+    holds 1 to CAP logits and, MODE 2, K lies in it: its largest kept, the first logit
+    below it not."""
+    row = tl.program_id(0).to(tl.int64)
+    sp = tl.arange(0, SPLITS)
+    on = sp < n_splits
+    top = tl.max(tl.load(part_ptr + (row * n_splits + sp) * 4, mask=on, other=float("-inf")),
+                 0)
+    m_s = tl.math.div_rn(top, temperature).to(tl.float64)
+    top_p = top_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    n = tl.load(cstate_ptr + row * 8 + 2)
+    i = tl.arange(0, CAP)
+    real = i < tl.minimum(n, CAP)
+    xs = tl.load(cand_ptr + row * CAP + i, mask=real, other=float("-inf"))
+    key = _order_key(xs, 0)
+    q = tl.math.div_rn(xs, temperature)
+    d = q.to(tl.float64) - m_s
+    e = tl.where(real, tl.exp(d), 0.0)
+    total = tl.sum(e, 0)
+    s_above = tl.zeros([], tl.float64)
+    if MODE == 3:
+        target = top_p * total
+    else:
+        zp = zpart_ptr + (row * n_splits + sp) * 2
+        s_above = tl.sum(tl.load(zp + 1, mask=on, other=0.0), 0)
+        target = top_p * tl.sum(tl.load(zp, mask=on, other=0.0), 0)
+    # the smallest key K in [lo, hi] with f(K) < target (f(hi) = s_above: checked below)
+    lo = tl.min(tl.where(real, key, 2147483647), 0).to(tl.int64)
+    hi = tl.max(tl.where(real, key, -2147483647 - 1), 0).to(tl.int64)
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if _mass_above(key, e, mid, s_above) < target:
+            hi = mid
+        else:
+            lo = mid + 1
+    ans = _key_value(lo, 0)
+    ans = tl.min(tl.where(real & (q >= tl.math.div_rn(ans, temperature)), xs, float("inf")), 0)
+    ok = (n > 0) & (n <= CAP) & (s_above < target)
+    if MODE == 2:
+        ok = ok & (s_above + total >= target)
+    out = list_ptr + row * 8
+    tl.store(out, ans.to(tl.float64))
+    tl.store(out + 1, ok.to(tl.float64))
+    tl.store(out + 2, total)
+    tl.store(out + 3, tl.min(tl.where(real, xs, float("inf")), 0).to(tl.float64))
+    if MIN_P:
+        tl.store(out + 4, tl.min(tl.where(real & (d >= log_min_p_bits.to(tl.int64).to(
+            tl.float64, bitcast=True)), xs, float("inf")), 0).to(tl.float64))
+
+
 @triton.jit
 def threshold_select_kernel(hist_ptr, n_splits, hist_stride, top_k, PASS: tl.constexpr,
                             NB: tl.constexpr):
@@ -427,10 +736,12 @@ def threshold_select_kernel(hist_ptr, n_splits, hist_stride, top_k, PASS: tl.con
 
 @triton.jit
 def threshold_kernel(
-    x_ptr, part_ptr, hist_ptr, zpart_ptr, tau_in_ptr, tau_ptr, T, stride_xb, stride_xt, V,
-    n_splits, hist_stride, top_k, top_p_bits, log_min_p_bits, window_bits, temperature,
+    x_ptr, part_ptr, hist_ptr, zpart_ptr, list_ptr, tau_in_ptr, tau_ptr, T,
+    stride_xb, stride_xt, V, n_splits, hist_stride, top_k, top_p_bits, log_min_p_bits,
+    window_bits, temperature,
     TOP_K: tl.constexpr, TOP_P: tl.constexpr, MIN_P: tl.constexpr, HAS_TAU: tl.constexpr,
     KEY_SHIFT: tl.constexpr, NB_LAST: tl.constexpr, WINDOW: tl.constexpr, ZSUM: tl.constexpr,
+    CAND: tl.constexpr,
     SPLITS: tl.constexpr, BLOCK: tl.constexpr, BT: tl.constexpr, F: tl.constexpr,
 ):
     """τ of one row (program) for top-k → top-p → min-p sampling (:mod:`klpenalty.sampling`'s
@@ -468,7 +779,11 @@ def threshold_kernel(
       whole). The search starts at x ≥ (M/T + window)·T (``window`` = log((1 − p)/V) − 2,
       rounded down): the logits below hold less than 1 − p of the mass together, so each has
       more than p before it. The Z read and the checks take blocks of BLOCK columns (16 bytes
-      per thread and load), the searches blocks of BT (the threads: one column each).
+      per thread and load), the searches blocks of BT (the threads: one column each);
+    - CAND (32-bit keys, :func:`threshold_list_kernel`'s results in ``list``): 3, top-k's set
+      listed: τ_k (its smallest), Z and τ_m from it; 2, top-p's band: Z (and τ_m) from the
+      band's read (``zpart``, ``part``); where the list decides, top-p's K is its answer, with
+      no search and no check; else the reads above.
     """
     XBITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
     INNER: tl.constexpr = 128 // XBITS
@@ -488,21 +803,49 @@ def threshold_kernel(
     smallest_finite = tl.min(tl.load(part + 1, mask=on, other=float("inf")), 0)
     has_nan = tl.max(tl.load(part + 2, mask=on, other=0.0), 0) > 0.0
     key_top = _order_key(top, KEY_SHIFT).to(tl.int64)
+    m_s = tl.math.div_rn(top, temperature).to(tl.float64)
     tau = float("-inf")
     tau_k = float("-inf")
+    if CAND > 0:  # the candidate list's results (threshold_list_kernel)
+        listed = list_ptr + row * 8
+        ans_c = tl.load(listed).to(tl.float32)
+        use = tl.load(listed + 1) > 0.0
+    if CAND == 3:  # top-k's set listed: its smallest is τ_k, its mass Z, min-p's τ among it
+        z_c = tl.load(listed + 2)
+        tau_k_c = tl.load(listed + 3).to(tl.float32)
+        tau_m_c = tl.load(listed + 4).to(tl.float32)
     if TOP_K:
         state = hist_ptr + row * hist_stride + n_splits * 2048
-        key_u, _ = _select_digit(hist_ptr, hist_stride, row, n_splits,
-                                 tl.load(state).to(tl.int64), tl.load(state + 1), top_k, NB_LAST)
-        key_k = key_u - (1 << (KBITS - 1))  # the k-th largest key, signed
-        tau_k = _group_floor(x_row, V, _key_value(key_k, KEY_SHIFT), temperature, offs)
+        if CAND == 3:  # top-k's last select ran before the list: the k-th key in the state
+            key_k = tl.load(state).to(tl.uint32, bitcast=True).to(tl.int64) - (1 << 31)
+        else:
+            key_u, _ = _select_digit(hist_ptr, hist_stride, row, n_splits,
+                                     tl.load(state).to(tl.int64), tl.load(state + 1), top_k,
+                                     NB_LAST)
+            key_k = key_u - (1 << (KBITS - 1))  # the k-th largest key, signed
+        t_k = _key_value(key_k, KEY_SHIFT)
+        if CAND == 3:
+            use = use & (t_k > float("-inf")) & (t_k < float("inf"))
+            tau_k = tau_k_c
+            if use == 0:
+                tau_k = _group_floor(x_row, V, t_k, temperature, offs)
+        else:
+            tau_k = _group_floor(x_row, V, t_k, temperature, offs)
         tau = tau_k
     if TOP_P or MIN_P:
-        m_s = tl.math.div_rn(top, temperature).to(tl.float64)
         floor = tl.maximum(tau_k, smallest_finite)  # top-p's candidates
         z = tl.zeros([], tl.float64)
         tau_m = tl.full([], float("inf"), tl.float32)
         read = True
+        if CAND == 3:
+            z = tl.where(use, z_c, z)
+            tau_m = tl.where(use, tau_m_c, tau_m)
+            read = use == 0
+        if CAND == 2:  # Z and τ_m from the band's read
+            z = tl.sum(tl.load(zpart_ptr + (row * n_splits + sp) * 2, mask=on, other=0.0), 0)
+            if MIN_P:
+                tau_m = tl.min(tl.load(part + 3, mask=on, other=float("inf")), 0)
+            read = False
         if WINDOW:  # Z and τ_m from the window where it holds them, else the read
             z, tau_m, base_w = _window_sums(hist_ptr, hist_stride, row, n_splits, top, floor,
                                             m_s, log_min_p, temperature, MIN_P, KEY_SHIFT)
@@ -542,6 +885,11 @@ def threshold_kernel(
                                                           temperature, KEY_SHIFT)
                 hi = tl.where(lo < hi, tl.maximum(lo, hi_w), hi)
                 lo = tl.where(in_window, hi, lo)
+            if CAND > 0:  # where the candidate list decides: no search, no check
+                decided = use & (lo < hi)
+                key_c = _order_key(ans_c, KEY_SHIFT).to(tl.int64)
+                lo = tl.where(decided, key_c, lo)
+                hi = tl.where(decided, key_c, hi)
             lo0 = lo
             hi0 = hi
             lo, hi, above_m = _mass_search(x_row, V, lo, hi, above_w, target, m_s, temperature,

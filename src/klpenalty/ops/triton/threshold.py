@@ -24,7 +24,7 @@ from . import _host
 from ._load import _kernels
 
 __all__ = ["tau_rows", "sampling_threshold_op", "THRESHOLD_BUCKETS", "THRESHOLD_BLOCK",
-           "THRESHOLD_WARPS", "THRESHOLD_DIGIT", "digits"]
+           "THRESHOLD_WARPS", "THRESHOLD_DIGIT", "digits", "cand_cap"]
 
 # Buckets per read of a threshold search (:func:`._kernels_threshold.threshold_kernel`): 4 bits
 # of the 32-bit key per read; a power of two.
@@ -41,6 +41,10 @@ THRESHOLD_SCAN_BLOCK = 2048
 THRESHOLD_DIGIT = 8
 # Warps of a threshold program (a search reads one column per thread at a time).
 THRESHOLD_WARPS = 8
+# The longest candidate list of top-p's band (its second count narrows a band that holds
+# more), and of top-k's set.
+BAND_CAP = 2048
+CAND_MAX = 8192
 # The low bits of a float32 key that are 0 for logits of the dtype (16-bit keys for 16-bit
 # logits: half the reads of a search).
 _KEY_SHIFT = {torch.bfloat16: 16, torch.float16: 13, torch.float32: 0}
@@ -66,6 +70,17 @@ def digits(dtype: torch.dtype) -> list[tuple[int, int]]:
     return out
 
 
+def cand_cap(vocab: int, top_k: int, bins: int = 4096) -> int:
+    """The candidate list's length for top-p on 32-bit keys (a power of two): top-p's band of
+    ``bins`` value bins (V·16/bins, at least 512, at most :data:`BAND_CAP`: at p ≤ 0.95 the
+    band of 4096 bins of high-entropy rows, N(0, 2²) logits, holds about V/70), or top-k's set
+    (twice k, room for ties; at least 256), 0 where it would pass :data:`CAND_MAX`."""
+    if not top_k:
+        return min(BAND_CAP, max(512, 1 << (-(-vocab * 16 // bins) - 1).bit_length()))
+    cap = max(256, 1 << (2 * top_k - 1).bit_length())
+    return cap if cap <= CAND_MAX else 0
+
+
 def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: float,
              tau: Tensor | None = None) -> Tensor:
     """τ (N,) float32 of the sampler settings on the rows of (..., V) logits (the rule of
@@ -80,8 +95,12 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     program per row: the digit of the k-th, from the merged histograms) and one more
     histogram read; for top-p on 16-bit logits a scan (top-k's last, or its own) counts the
     2048 keys up to the row's max (its own also sums Z's float64 mass below them per
-    program); :func:`._kernels_threshold.threshold_kernel` (one program per row) then
-    selects the last digit and runs top-p's and min-p's reads."""
+    program); for top-p on 32-bit logits :func:`._kernels_threshold.threshold_cand_kernel`
+    lists the row's candidates (after top-k its set, else top-p's band of value bins, from
+    one or two counts, :func:`._kernels_threshold.threshold_band_kernel`) and
+    :func:`._kernels_threshold.threshold_list_kernel` decides on them;
+    :func:`._kernels_threshold.threshold_kernel` (one program per row) then selects the last
+    digit and runs top-p's and min-p's reads where the list did not decide."""
     from .token_stats import split_columns  # token_stats imports this module
 
     vocab = x.shape[-1]
@@ -101,17 +120,38 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     # top-p without top-k (every finite logit a candidate): the window's scan sums the mass
     # below the window per program, the row's program adds them (no read of the row for Z)
     zsum = window and not cut_k
+    # 32-bit keys: top-p (top-k's set after top-k, else the band of bins holding its answer)
+    # decided on a candidate list by a program per row; top-k with min-p alone too
+    kernels = _kernels()
+    bins = kernels.BAND_BINS  # top-p's value bins (by the Triton version)
+    cap = 0
+    if x.element_size() == 4 and (cut_p or (cut_k and min_p > 0.0)):
+        cap = cand_cap(vocab, top_k if cut_k else 0, bins)
+    cand = (3 if cut_k else 2) if cap else 0
     part = torch.empty((n, splits, 4), dtype=torch.float32, device=x.device)
     ds = digits(x.dtype)
     # the digits' histograms (2048 int32 a split, the kernels' layout: a digit's bins at the
     # start of each), the prefix and count above, the window's histograms
     stride = (splits * 2048 + 2) + (splits * 2048 if window else 0)
-    hist = torch.empty((n, stride if cut_k or window else 1), dtype=torch.int32,
+    if cand == 2:  # top-p's band counts: `bins` int32 a split (no top-k: no digits)
+        stride = max(stride, splits * bins)
+    hist = torch.empty((n, stride if cut_k or window or cand else 1), dtype=torch.int32,
                        device=x.device)
     # the window scan's float64 partials of Z (else unused: part stands in, no allocation)
-    zpart = torch.empty((n, splits), dtype=torch.float64, device=x.device) if zsum else part
+    zpart = part
+    if zsum:
+        zpart = torch.empty((n, splits), dtype=torch.float64, device=x.device)
+    elif cand == 2:  # the band's masses: all finite logits', those above the band
+        zpart = torch.empty((n, splits, 2), dtype=torch.float64, device=x.device)
+    # the list's results (else unused: part stands in)
+    listed = part
+    if cand:
+        # the band (bins, whether listed, whether counted again, sub-bins) and the list's
+        # length a row, its candidate list, the list's results
+        cstate = torch.zeros((n, 8), dtype=torch.int32, device=x.device)
+        cands = torch.empty((n, cap), dtype=torch.float32, device=x.device)
+        listed = torch.empty((n, 8), dtype=torch.float64, device=x.device)
     scan_block = _host.block(vocab, THRESHOLD_SCAN_BLOCK)
-    kernels = _kernels()
     scan = functools.partial(
         _host.launch, kernels.threshold_scan_kernel, (n, splits), x.device, rows.x, part, hist,
         zpart, *rows.args[:3], vocab, cols, splits, stride, temperature,
@@ -128,19 +168,46 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
         scan(SCAN=pass_ == 0, HIST=cut_k, PASS=pass_,
              WINDOW=window and 0 < pass_ == len(passes) - 1, ZSUM=False, DIGIT_HI=high,
              DIGIT_LO=low)
+    log_min_p = _float64_bits(math.log(min_p) if min_p > 0.0 else 0.0)
+    # top-p's search starts where the logits below hold < 1 − p of the mass together
+    bound = math.log((1.0 - top_p) / vocab) - 2.0 if cut_p else 0.0
+    if cand:
+        cand_scan = functools.partial(
+            _host.launch, kernels.threshold_cand_kernel, (n, splits), x.device, rows.x, part,
+            hist, zpart, cstate, cands, *rows.args[:3], vocab, cols, splits, stride,
+            bins / -bound if cut_p else 1.0, log_min_p, temperature, MIN_P=min_p > 0.0,
+            CAP=cap, NBINS=bins, SPLITS=1 << (splits - 1).bit_length(), BLOCK=scan_block,
+            num_warps=_host.warps(scan_block))
+    if cand == 3:  # top-k's last digit selected: the k-th key, then its set listed
+        _host.launch(kernels.threshold_select_kernel, (n,), x.device, hist, splits, stride,
+                     top_k, PASS=len(ds) - 1, NB=1 << (ds[-1][0] - ds[-1][1]), num_warps=4)
+        cand_scan(MODE=3)
+    if cand == 2:  # the band's count, the band, its second count where it holds too many,
+        # its list and the masses
+        band = functools.partial(
+            _host.launch, kernels.threshold_band_kernel, (n,), x.device, zpart, hist, cstate,
+            splits, stride, _float64_bits(top_p), bins / -bound, CAP=cap,
+            NBINS=bins, SPLITS=1 << (splits - 1).bit_length(), num_warps=4)
+        cand_scan(MODE=1)
+        band(LEVEL=0)
+        cand_scan(MODE=4)
+        band(LEVEL=1)
+        cand_scan(MODE=2)
+    if cand:
+        _host.launch(kernels.threshold_list_kernel, (n,), x.device, part, zpart, cstate, cands,
+                     listed, splits, _float64_bits(top_p), log_min_p, temperature, MODE=cand,
+                     MIN_P=min_p > 0.0, CAP=cap, SPLITS=1 << (splits - 1).bit_length(),
+                     num_warps=4 if cap <= 1024 else 8)
     if window and len(passes) == 1:  # no later pass of top-k's to count the window in
         scan(SCAN=False, HIST=False, PASS=0, WINDOW=True, ZSUM=zsum, DIGIT_HI=ds[0][0],
              DIGIT_LO=ds[0][1])
-    # top-p's search starts where the logits below hold < 1 − p of the mass together
-    bound = math.log((1.0 - top_p) / vocab) - 2.0 if cut_p else 0.0
     _host.launch(
-        kernels.threshold_kernel, (n,), x.device, rows.x, part, hist, zpart,
+        kernels.threshold_kernel, (n,), x.device, rows.x, part, hist, zpart, listed,
         out if tauf is None else tauf, out, *rows.args[:3], vocab, splits, stride,
-        top_k if cut_k else 0, _float64_bits(top_p),
-        _float64_bits(math.log(min_p) if min_p > 0.0 else 0.0), _float64_bits(bound),
+        top_k if cut_k else 0, _float64_bits(top_p), log_min_p, _float64_bits(bound),
         temperature, TOP_K=cut_k, TOP_P=cut_p, MIN_P=min_p > 0.0, HAS_TAU=tauf is not None,
         KEY_SHIFT=_KEY_SHIFT[x.dtype], NB_LAST=1 << (ds[-1][0] - ds[-1][1]), WINDOW=window,
-        ZSUM=zsum,
+        ZSUM=zsum, CAND=cand,
         SPLITS=1 << (splits - 1).bit_length(), BLOCK=block,
         BT=min(block, 32 * THRESHOLD_WARPS), F=THRESHOLD_BUCKETS,
         num_warps=THRESHOLD_WARPS if block >= 32 * THRESHOLD_WARPS else 1,

@@ -72,11 +72,11 @@ def digits(dtype: torch.dtype) -> list[tuple[int, int]]:
 
 def cand_cap(vocab: int, top_k: int, bins: int = 4096) -> int:
     """The candidate list's length for top-p on 32-bit keys (a power of two): top-p's band of
-    ``bins`` value bins (V·16/bins, at least 512, at most :data:`BAND_CAP`: at p ≤ 0.95 the
+    ``bins`` value bins (V·64/bins, at least 512, at most :data:`BAND_CAP`: at p ≤ 0.95 the
     band of 4096 bins of high-entropy rows, N(0, 2²) logits, holds about V/70), or top-k's set
     (twice k, room for ties; at least 256), 0 where it would pass :data:`CAND_MAX`."""
     if not top_k:
-        return min(BAND_CAP, max(512, 1 << (-(-vocab * 16 // bins) - 1).bit_length()))
+        return min(BAND_CAP, max(512, 1 << (-(-vocab * 64 // bins) - 1).bit_length()))
     cap = max(256, 1 << (2 * top_k - 1).bit_length())
     return cap if cap <= CAND_MAX else 0
 

@@ -25,7 +25,8 @@ call of the Triton backend's ``token_stats`` (read once), forward and forward+ba
 gradient of the sum of the three), at ``--one-pass-shapes`` (default 8x4096x128256 bf16).
 Their GB/s and floor ratio count one read of both inputs; their errors cover all three outputs.
 
-Sampler rows (``--sampler-shapes``, default 1x2048x128256 bf16): ``full_kl`` on the Triton
+Sampler rows (``--sampler-shapes``, default 1x2048x128256 in bf16 and fp32, ``BxTxV:fp32``; fp32
+top-p takes the candidate list): ``full_kl`` on the Triton
 backend untruncated against the same call with ``top_k=50``, ``top_p=0.9``, ``min_p=0.05`` and
 ``top_k=50, top_p=0.9`` (the threshold computed in the kernels before the KL), forward and
 forward+backward, and the threshold alone (``klpenalty.sampling.sampling_threshold``) by the Triton kernel and by
@@ -108,8 +109,10 @@ def _parse(argv):
                    help="torch.compile backend of the compile rows")
     p.add_argument("--one-pass-shapes", nargs="*", default=["8x4096x128256"],
                    help="BxTxV shapes (bf16) of the one-pass rows; none to skip them")
-    p.add_argument("--sampler-shapes", nargs="*", default=["1x2048x128256"],
-                   help="BxTxV shapes (bf16) of the sampler rows; none to skip them")
+    p.add_argument("--sampler-shapes", nargs="*",
+                   default=["1x2048x128256", "1x2048x128256:fp32"],
+                   help="BxTxV shapes of the sampler rows, bf16 or BxTxV:fp32; none to skip "
+                        "them")
     p.add_argument("--out", default=OUT_DIR, help="folder for bench_gpu.csv / bench_gpu.md")
     p.add_argument("--linear", action="store_true",
                    help="the linear_kl rows instead (bench_gpu_linear.{csv,md})")
@@ -480,9 +483,10 @@ SAMPLER_ROWS = [
 THRESHOLD_ROW = {"top_k": 50, "top_p": 0.9}  # the threshold-alone rows' settings
 
 
-def run_sampler_case(ctx, table, shape):
-    """The sampler rows at one bf16 shape: full_kl with each setting of SAMPLER_ROWS (both
-    modes), then the threshold alone (forward) by the Triton kernel and by the portable rule."""
+def run_sampler_case(ctx, table, shape, dname="bf16"):
+    """The sampler rows at one shape (bf16 or fp32 logits: fp32 top-p takes the candidate
+    list): full_kl with each setting of SAMPLER_ROWS (both modes), then the threshold alone
+    (forward) by the Triton kernel and by the portable rule."""
     import klpenalty
     from klpenalty import sampling
     from klpenalty.ops import contract
@@ -490,7 +494,7 @@ def run_sampler_case(ctx, table, shape):
     from klpenalty.ops.reference import full_kl_reference
 
     torch = ctx.torch
-    x, y, _ = _inputs(torch, shape, torch.bfloat16)
+    x, y, _ = _inputs(torch, shape, {"bf16": torch.bfloat16, "fp32": torch.float32}[dname])
     floors, moved = _floors(torch, x, y, ctx.args.repeats)
 
     def rule(xs, kw):  # the portable rule's τ of rows xs (k, V)
@@ -508,12 +512,12 @@ def run_sampler_case(ctx, table, shape):
         return reference
 
     for mode in MODES:
-        print(f"{shape} bf16 sampler {mode}: floor {floors[mode]:.3f} ms", flush=True)
+        print(f"{shape} {dname} sampler {mode}: floor {floors[mode]:.3f} ms", flush=True)
         for name, kw in SAMPLER_ROWS:
             def fn(a, b, kw=kw):
                 return (klpenalty.full_kl(a, b, backend="triton", **kw),)
 
-            row = {"shape": "x".join(map(str, shape)), "dtype": "bf16", "mode": mode,
+            row = {"shape": "x".join(map(str, shape)), "dtype": dname, "mode": mode,
                    "provider": name}
             measure(ctx, table, row, fn, x, y, mode, reference_for(kw), floors, moved)
 
@@ -525,7 +529,7 @@ def run_sampler_case(ctx, table, shape):
         def fn(a, b, backend=backend):
             return (sampling.sampling_threshold(a, backend=backend, **THRESHOLD_ROW),)
 
-        row = {"shape": "x".join(map(str, shape)), "dtype": "bf16", "mode": "fwd",
+        row = {"shape": "x".join(map(str, shape)), "dtype": dname, "mode": "fwd",
                "provider": f"threshold {label} {name}"}
         measure(ctx, table, row, fn, x, y, "fwd", same_tau, floors, moved)
 
@@ -676,7 +680,8 @@ def main(argv=None) -> int:
         run_one_pass_case(ctx, table, tuple(int(n) for n in text.lower().split("x")))
         _release(torch)
     for text in args.sampler_shapes:  # truncated KL vs the plain one
-        run_sampler_case(ctx, table, tuple(int(n) for n in text.lower().split("x")))
+        dims, _, dname = text.lower().partition(":")
+        run_sampler_case(ctx, table, tuple(int(n) for n in dims.split("x")), dname or "bf16")
         _release(torch)
     if "compile" in providers:  # last: the compilations take the longest
         for shape, dname in cases:

@@ -167,7 +167,8 @@ def test_default_rows_are_written_as_measured(bench, tmp_path):
 
     bench.Table.add = add_and_read
     assert bench.main(TINY + ["--one-pass-shapes", "1x2x64", "--sampler-shapes", "1x2x64",
-                              "--compile-backend", "eager", "--out", str(tmp_path)]) == 0
+                              "1x2x64:fp32", "--compile-backend", "eager",
+                              "--out", str(tmp_path)]) == 0
     rows = _csv(tmp_path / "bench_gpu.csv")
     assert on_disk == [(i, i) for i in range(1, len(rows) + 1)]
     seen = [(r["mode"], r["provider"]) for r in rows]
@@ -175,8 +176,11 @@ def test_default_rows_are_written_as_measured(bench, tmp_path):
     for name in ["triton", "seed", "kl_div", "compile", "kl+logp+H 3 calls",
                  "kl+logp+H token_stats", *sampler]:
         assert ("fwd", name) in seen and ("fwd+bwd", name) in seen, name
-    assert [p for m, p in seen if p.startswith("threshold")] == [
-        "threshold top_k=50 top_p=0.9 triton", "threshold top_k=50 top_p=0.9 portable rule"]
+    thresholds = [(r["dtype"], r["provider"]) for r in rows
+                  if r["provider"].startswith("threshold")]
+    assert thresholds == [(dt, f"threshold top_k=50 top_p=0.9 {name}")
+                          for dt in ("bf16", "fp32") for name in ("triton", "portable rule")]
+    assert {r["dtype"] for r in rows if r["provider"] == "full_kl top_p=0.9"} == {"bf16", "fp32"}
     assert ("fwd+bwd", "liger") not in seen  # forward only
     assert not any(p == "streaming" for _, p in seen)  # off unless named
     assert [r for r in rows if r["note"]] == []  # a row that recorded an exception

@@ -148,7 +148,9 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     if cand:
         # the band (bins, whether listed, whether counted again, sub-bins) and the list's
         # length a row, its candidate list, the list's results
-        cstate = torch.zeros((n, 8), dtype=torch.int32, device=x.device)
+        # (zeroed for top-k's set, whose list starts empty; the band's kernel writes its own)
+        cstate = (torch.zeros if cand == 3 else torch.empty)((n, 8), dtype=torch.int32,
+                                                             device=x.device)
         cands = torch.empty((n, cap), dtype=torch.float32, device=x.device)
         listed = torch.empty((n, 8), dtype=torch.float64, device=x.device)
     scan_block = _host.block(vocab, THRESHOLD_SCAN_BLOCK)

@@ -68,7 +68,8 @@ def main() -> None:
                         "steadier on a loaded machine, in the kernel's ticks (4 ms on some VMs)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="the sampler's temperature (every variant, the kept sets' too)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "bench_support"))
+    p.add_argument("--out", default=os.path.join(HERE, "results", "bench_support"),
+                   help="path of the .md / .csv results without the suffix ('' : print only)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -111,7 +112,10 @@ def main() -> None:
         print(rows[-1], flush=True)
     shape = (f"({args.n}, {args.vocab}) fp32, T = {T}, {args.threads} threads, median of "
              f"{args.repeats} interleaved rounds, {args.clock} clock")
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    if not args.out:
+        return
+    if os.path.dirname(args.out):
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

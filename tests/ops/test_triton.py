@@ -825,7 +825,7 @@ def test_top_p_alone_takes_z_from_the_window_scans_partial_sums(dtype, monkeypat
 
 def _counting_reads(monkeypatch):
     """Counts, interpreted, the row program's reads of the row (top-p's searches, the Z read)
-    and the blocks of top-p's second band count."""
+    and the blocks of top-p's second band count (compiled kernels call none of these: 0)."""
     from klpenalty.ops.triton import _kernels_threshold
 
     counts = {"search": 0, "z": 0, "refine": 0}
@@ -840,13 +840,13 @@ def _counting_reads(monkeypatch):
     return counts
 
 
-@pytest.mark.skipif(CUDA, reason="counts the interpreter's calls")
 def test_top_p_on_32_bit_logits_from_a_candidate_list(monkeypatch):
     """float32 rows: top-p decided on a list of candidates (float64 masses, the exact mass
     above them) — top-p's band of value bins (a second count where the band holds too many:
     p up to 0.999), top-k's set after top-k (its k-th's tie group made by the temperature
     included) — with no search and no Z read, the rule's τ; where the list cannot decide (a
-    tie group larger than the list), the searches give it."""
+    tie group larger than the list), the searches give it. (The paths are counted
+    interpreted; compiled, the τ and kept sets alone.)"""
     from klpenalty.ops.reference import kept_set_reference
 
     op = torch.ops.klpenalty.triton_sampling_threshold
@@ -861,7 +861,7 @@ def test_top_p_on_32_bit_logits_from_a_candidate_list(monkeypatch):
             counts[c] = 0
         tau = op(_on(x), top_k, top_p, min_p, temperature).cpu()
         assert torch.equal(tau, _threshold_rule(x, top_k, top_p, min_p, temperature))
-        assert counts["search"] == counts["z"] == 0, (top_k, top_p, counts)
+        assert CUDA or counts["search"] == counts["z"] == 0, (top_k, top_p, counts)
         kw = dict(top_k=top_k or None, top_p=top_p, min_p=min_p, temperature=temperature)
         for r in range(3):
             assert torch.equal(x[r] >= tau[r], kept_set_reference(x[r], **kw)), (r, kw)
@@ -869,7 +869,7 @@ def test_top_p_on_32_bit_logits_from_a_candidate_list(monkeypatch):
     for c in counts:
         counts[c] = 0
     op(_on(x[1:2]), 0, 0.999, 0.0, 1.0)
-    assert counts["refine"] > 0 and counts["search"] == 0
+    assert CUDA or (counts["refine"] > 0 and counts["search"] == 0)
     # top-k's k-th in a tie group made by the temperature, with top-p or min-p: the list
     for row, kw in temperature_tie_cases(300, seed=4):
         if set(kw) != {"top_k", "temperature"}:
@@ -880,7 +880,7 @@ def test_top_p_on_32_bit_logits_from_a_candidate_list(monkeypatch):
             counts["search"] = counts["z"] = 0
             tau = op(_on(row), *args).cpu()
             assert torch.equal(tau, _threshold_rule(row, *args)), (kw, extra)
-            assert counts["search"] == counts["z"] == 0
+            assert CUDA or counts["search"] == counts["z"] == 0
     # the list cannot decide: 4 values (top-p's answer a tie group of ~750), a one-hot row at
     # T = 50 (top-k's set the −30 group); a top-k whose set could pass CAND_MAX takes no list
     assert th.cand_cap(200_000, th.CAND_MAX // 2 + 1) == 0 < th.cand_cap(200_000, 50)
@@ -891,7 +891,7 @@ def test_top_p_on_32_bit_logits_from_a_candidate_list(monkeypatch):
         counts["search"] = 0
         tau = op(_on(row), *setting).cpu()
         assert torch.equal(tau, _threshold_rule(row, *setting)), setting
-        assert counts["search"] > 0, setting
+        assert CUDA or counts["search"] > 0, setting
 
 
 def test_fp32_sampler_thresholds_in_a_random_search():
@@ -1091,7 +1091,7 @@ def test_threshold_kernel_compiles_for_a_cuda_target():
                 sig = {{"part_ptr": "*fp32", "zpart_ptr": "*fp64", "cstate_ptr": "*i32",
                        "cand_ptr": "*fp32", "list_ptr": "*fp64", "n_splits": "i32",
                        "top_p_bits": "i64", "log_min_p_bits": "i64", "temperature": "fp32"}}
-                c = dict(MODE=cand, MIN_P=bool(min_p), CAP=1024, SPLITS=4)
+                c = dict(MODE=cand, CAP=1024, SPLITS=4)
                 s = {{**sig, **{{name: "constexpr" for name in c}}}}
                 src = ASTSource(fn=k.threshold_list_kernel, signature=s, constexprs=c)
                 assert ".entry" in triton.compile(src, target=t).asm["ptx"]

@@ -64,6 +64,27 @@ def _key_value(k, KEY_SHIFT: tl.constexpr):
 
 
 @_device
+def _float_below(t):
+    """The float32 just below t in the order of the keys (−0 and +0 one value)."""
+    return _key_value(_order_key(t, 0).to(tl.int64) - 1, 0)
+
+
+@_device
+def _f64(bits):
+    """The float64 whose bits an int64 argument carries (a kernel's float argument is
+    float32)."""
+    return bits.to(tl.int64).to(tl.float64, bitcast=True)
+
+
+@_device
+def _kth_key(hist_ptr, hist_stride, row, n_splits):
+    """The k-th largest signed 32-bit key, from top-k's last select (its unsigned key's bits
+    in the row's state at n_splits·2048 of ``hist``)."""
+    state = hist_ptr + row * hist_stride + n_splits * 2048
+    return tl.load(state).to(tl.uint32, bitcast=True).to(tl.int64) - (1 << 31)
+
+
+@_device
 def _key_shift(lo, hi, F: tl.constexpr):
     """The smallest s with (hi − lo) >> s < F: the keys [lo, hi] fall into F buckets of 2^s."""
     s = (hi - lo) * 0
@@ -224,7 +245,7 @@ def _group_floor(x_row, V, t, temperature, offs):
     NaN stay."""
     BLOCK: tl.constexpr = offs.shape[0] * offs.shape[1]
     key = tl.math.div_rn(t, temperature)
-    below = _key_value(_order_key(t, 0).to(tl.int64) - 1, 0)
+    below = _float_below(t)
     out = t
     if (t > float("-inf")) & (t < float("inf")) & (tl.math.div_rn(below, temperature) == key):
         low = tl.full(offs.shape, float("inf"), tl.float32)
@@ -525,21 +546,19 @@ def threshold_cand_kernel(
         y_a = j_lo + i_lo / s1
         y_b = tl.where(ok, j_lo + (i_hi + 1) / s1, y_a)
         m_s = tl.math.div_rn(top, temperature).to(tl.float64)
-        log_min_p = log_min_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
+        log_min_p = _f64(log_min_p_bits)
         terms = _exp_terms(tl.where(V > 0, 1.0, 2.0).to(tl.float64))
         z_acc = tl.zeros([BLOCK], tl.float64)
         above_acc = tl.zeros([BLOCK], tl.float64)
         kept_min = tl.full([BLOCK], float("inf"), tl.float32)
     if MODE == 3:
-        kth = (tl.load(hist_ptr + row * hist_stride + n_splits * 2048).to(tl.uint32, bitcast=True)
-               .to(tl.int64) - (1 << 31))
-        x_min = _key_value(kth, 0)
+        x_min = _key_value(_kth_key(hist_ptr, hist_stride, row, n_splits), 0)
         if (x_min > float("-inf")) & (x_min < float("inf")):
             q_k = tl.math.div_rn(x_min, temperature)
-            below = _key_value(_order_key(x_min, 0).to(tl.int64) - 1, 0)
+            below = _float_below(x_min)
             while tl.math.div_rn(below, temperature) == q_k:
                 x_min = below
-                below = _key_value(_order_key(below, 0).to(tl.int64) - 1, 0)
+                below = _float_below(below)
     for start in range(c0, c1, BLOCK):
         col = start + offs
         x = tl.load(x_row + col, mask=col < c1, other=float("nan")).to(tl.float32)
@@ -603,7 +622,7 @@ def threshold_band_kernel(zpart_ptr, hist_ptr, cstate_ptr, n_splits, hist_stride
     sp = tl.arange(0, SPLITS)
     zp = zpart_ptr + (row * n_splits + sp) * 2
     z = tl.sum(tl.load(zp, mask=sp < n_splits, other=0.0), 0)
-    t = top_p_bits.to(tl.int64).to(tl.float64, bitcast=True) * z
+    t = _f64(top_p_bits) * z
     if LEVEL == 0:
         go = True
         above = tl.zeros([], tl.float64)
@@ -656,7 +675,7 @@ def _mass_above(key, e, k, s_above):
 @triton.jit
 def threshold_list_kernel(part_ptr, zpart_ptr, cstate_ptr, cand_ptr, list_ptr, n_splits,
                           top_p_bits, log_min_p_bits, temperature, MODE: tl.constexpr,
-                          MIN_P: tl.constexpr, CAP: tl.constexpr, SPLITS: tl.constexpr):
+                          CAP: tl.constexpr, SPLITS: tl.constexpr):
     """One program per row, after :func:`threshold_cand_kernel` listed the row's candidates
     (MODE 2: top-p's band, the mass above it and Z from ``zpart``; MODE 3: top-k's set, Z its
     own mass): their masses e = exp(x/T − M/T) (float64) and top-p's answer K, the smallest
@@ -674,7 +693,7 @@ def threshold_list_kernel(part_ptr, zpart_ptr, cstate_ptr, cand_ptr, list_ptr, n
     top = tl.max(tl.load(part_ptr + (row * n_splits + sp) * 4, mask=on, other=float("-inf")),
                  0)
     m_s = tl.math.div_rn(top, temperature).to(tl.float64)
-    top_p = top_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    top_p = _f64(top_p_bits)
     n = tl.load(cstate_ptr + row * 8 + 2)
     i = tl.arange(0, CAP)
     real = i < tl.minimum(n, CAP)
@@ -710,9 +729,8 @@ def threshold_list_kernel(part_ptr, zpart_ptr, cstate_ptr, cand_ptr, list_ptr, n
     tl.store(out + 1, ok.to(tl.float64))
     tl.store(out + 2, total)
     tl.store(out + 3, tl.min(tl.where(real, xs, float("inf")), 0).to(tl.float64))
-    if MIN_P:
-        tl.store(out + 4, tl.min(tl.where(real & (d >= log_min_p_bits.to(tl.int64).to(
-            tl.float64, bitcast=True)), xs, float("inf")), 0).to(tl.float64))
+    tl.store(out + 4, tl.min(tl.where(real & (d >= _f64(log_min_p_bits)), xs, float("inf")),
+                             0).to(tl.float64))
 
 
 @triton.jit
@@ -791,9 +809,9 @@ def threshold_kernel(
     KBITS: tl.constexpr = 32 - KEY_SHIFT
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + _row_offset(row, T, stride_xb, stride_xt)
-    top_p = top_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    log_min_p = log_min_p_bits.to(tl.int64).to(tl.float64, bitcast=True)
-    window = window_bits.to(tl.int64).to(tl.float64, bitcast=True)
+    top_p = _f64(top_p_bits)
+    log_min_p = _f64(log_min_p_bits)
+    window = _f64(window_bits)
     offs = tl.arange(0, NT)[:, None] * INNER + tl.arange(0, INNER)[None, :]
     # the row's pass 0, merged from its programs' partials
     sp = tl.arange(0, SPLITS)
@@ -817,7 +835,7 @@ def threshold_kernel(
     if TOP_K:
         state = hist_ptr + row * hist_stride + n_splits * 2048
         if CAND == 3:  # top-k's last select ran before the list: the k-th key in the state
-            key_k = tl.load(state).to(tl.uint32, bitcast=True).to(tl.int64) - (1 << 31)
+            key_k = _kth_key(hist_ptr, hist_stride, row, n_splits)
         else:
             key_u, _ = _select_digit(hist_ptr, hist_stride, row, n_splits,
                                      tl.load(state).to(tl.int64), tl.load(state + 1), top_k,

@@ -198,7 +198,7 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     if cand:
         _host.launch(kernels.threshold_list_kernel, (n,), x.device, part, zpart, cstate, cands,
                      listed, splits, _float64_bits(top_p), log_min_p, temperature, MODE=cand,
-                     MIN_P=min_p > 0.0, CAP=cap, SPLITS=1 << (splits - 1).bit_length(),
+                     CAP=cap, SPLITS=1 << (splits - 1).bit_length(),
                      num_warps=4 if cap <= 1024 else 8)
     if window and len(passes) == 1:  # no later pass of top-k's to count the window in
         scan(SCAN=False, HIST=False, PASS=0, WINDOW=True, ZSUM=zsum, DIGIT_HI=ds[0][0],

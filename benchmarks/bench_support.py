@@ -10,7 +10,13 @@ medians, and the median of each round's ratio to the same round's plain):
 - ``support=bool mask``: a dense (N, V) bool kept set (that of top_p=0.9);
 - ``support=(ids, offsets)``: the same kept set as compact int64 ids, in row order (each row's
   set is a threshold set: the forward finds its tau in its visit of the row);
-- ``support=(ids, offsets) int32``: the same with int32 ids and offsets.
+- ``support=(ids, offsets) int32``: the same with int32 ids and offsets;
+- ``floor: ...``: what the kept sets cannot go below, in the same rounds: reading x and y
+  (``x.sum(); y.sum()``), with the int64 or int32 ids (their ``amax()``), and reading x and the
+  int32 ids alone;
+- ``marks: ...``: the native kept-set op alone (``native_support_from_ids``: each row's ids
+  marked in a byte map, one scan of its logits against the marks), int32 ids: against
+  ``floor: read x, int32 ids``, what marking the ids costs.
 
 x = 2·N(0, 1) (top-p 0.9 keeps thousands of tokens per row), y = x + 0.3·N(0, 1). Writes
 ``benchmarks/results/bench_support.{md,csv}`` with the 1-minute load average and the CPU model.
@@ -88,14 +94,23 @@ def main() -> None:
         "support=(ids, offsets)": dict(support=(ids, offsets), temperature=T),
         "support=(ids, offsets) int32": dict(support=(ids.int(), offsets.int()), temperature=T),
     }
+    calls = {name: (lambda kw=kw: klpenalty.full_kl(x, y, **kw)) for name, kw in cases.items()}
+    ids32, offsets32 = ids.int(), offsets.int()
+    calls["floor: read x, y"] = lambda: (x.sum(), y.sum())
+    calls["floor: read x, y, int64 ids"] = lambda: (x.sum(), y.sum(), ids.amax())
+    calls["floor: read x, y, int32 ids"] = lambda: (x.sum(), y.sum(), ids32.amax())
+    calls["floor: read x, int32 ids"] = lambda: (x.sum(), ids32.amax())
+    if klpenalty.ops.native.available():
+        marks = torch.ops.klpenalty.native_support_from_ids.default
+        calls["marks: support_from_ids, int32 ids"] = lambda: marks(x, ids32, offsets32, 0)
     clock = time.perf_counter if args.clock == "wall" else time.process_time
-    times = {name: [] for name in cases}
-    for kw in cases.values():  # warm-up (native build, allocator)
-        klpenalty.full_kl(x, y, **kw)
+    times = {name: [] for name in calls}
+    for call in calls.values():  # warm-up (native build, allocator)
+        call()
     for _ in range(args.repeats):  # interleaved rounds
-        for name, kw in cases.items():
+        for name, call in calls.items():
             t0 = clock()
-            klpenalty.full_kl(x, y, **kw)
+            call()
             times[name].append(clock() - t0)
     load = os.getloadavg()[0]
     model = cpu_model()

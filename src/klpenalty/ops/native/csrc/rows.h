@@ -50,19 +50,29 @@ inline at::Tensor unit_last_stride(const at::Tensor& t) {
 // ------------------------------------------------------------------------------ rows in parallel
 constexpr int64_t kGrainElements = 1 << 16;  // work per parallel task, in elements
 
+// Rows per block of parallel_rows where the rows are many (kBlocksPerThread blocks a thread
+// still): a walk requests the next row of its block into L2 (its logits for the sampler's
+// passes, its kept ids), so the first row of a block starts from memory (at V = 32000 and
+// 2 rows a block, every other row did).
+constexpr int64_t kBlockRows = 8;
+constexpr int64_t kBlocksPerThread = 8;
+
 // Rows per parallel task for rows of V elements.
 inline int64_t grain_rows(int64_t V) {
   return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(V, 1));
 }
 
-// f(r0, r1) over blocks of rows, in one parallel region whose threads take the next block from
+// f(r0, r1) over blocks of rows (grain_rows(V), up to kBlockRows where each thread still gets
+// kBlocksPerThread blocks), in one parallel region whose threads take the next block from
 // a shared counter: on a busy machine a descheduled thread delays only the block it holds,
 // where a static split would make every other thread wait for its whole share.
 template <typename F>
 inline void parallel_rows(int64_t N, int64_t V, const F& f) {
-  const int64_t block = grain_rows(V);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t block =
+      std::max(grain_rows(V), std::min<int64_t>(kBlockRows, N / (kBlocksPerThread * threads)));
   const int64_t blocks = (N + block - 1) / block;
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), blocks);
+  const int64_t workers = std::min<int64_t>(threads, blocks);
   if (workers <= 1) {
     if (N > 0) f(0, N);
     return;

@@ -18,11 +18,13 @@ medians, and the median of each round's ratio to the same round's plain):
   marked in a byte map, one scan of its logits against the marks), int32 ids: against
   ``floor: read x, int32 ids``, what marking the ids costs.
 
-x = 2·N(0, 1) (top-p 0.9 keeps thousands of tokens per row), y = x + 0.3·N(0, 1). Writes
-``benchmarks/results/bench_support.{md,csv}`` with the 1-minute load average and the CPU model.
+x = 2·N(0, 1) (top-p 0.9 keeps thousands of tokens per row; ``--rows``: 4·N(0, 1), 2·Gumbel
+or a Zipf law over shuffled ranks, peaked rows whose mass sits on few tokens), y = x + 0.3·N(0,
+1). Writes ``benchmarks/results/bench_support.{md,csv}`` (``bench_support_<rows>`` for other
+rows) with the 1-minute load average and the CPU model.
 
     .venv/bin/python benchmarks/bench_support.py [--n 2048] [--vocab 32000] [--threads 2]
-        [--repeats 21] [--clock wall|cpu] [--temperature 1.0]
+        [--repeats 21] [--clock wall|cpu] [--temperature 1.0] [--rows 2n|4n|gumbel|zipf]
 """
 
 from __future__ import annotations
@@ -63,6 +65,25 @@ def compact(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
 
 
+ROWS = {
+    "2n": "2·N(0, 1)",
+    "4n": "4·N(0, 1)",
+    "gumbel": "2·Gumbel",
+    "zipf": "−1.1·log(rank) + 0.1·N(0, 1), ranks shuffled",
+}
+
+
+def logits(rows: str, n: int, vocab: int, g: torch.Generator) -> torch.Tensor:
+    """(n, vocab) float32 logits of the kind ``rows`` (:data:`ROWS`)."""
+    if rows in ("2n", "4n"):
+        return torch.randn(n, vocab, generator=g) * (2.0 if rows == "2n" else 4.0)
+    if rows == "gumbel":
+        u = torch.rand(n, vocab, generator=g).clamp_min(1e-30)
+        return -2.0 * torch.log(-torch.log(u))
+    ranks = torch.argsort(torch.rand(n, vocab, generator=g), dim=-1).float() + 1.0
+    return -1.1 * torch.log(ranks) + 0.1 * torch.randn(n, vocab, generator=g)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=2048, help="rows (positions)")
@@ -74,12 +95,18 @@ def main() -> None:
                         "steadier on a loaded machine, in the kernel's ticks (4 ms on some VMs)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="the sampler's temperature (every variant, the kept sets' too)")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "bench_support"),
-                   help="path of the .md / .csv results without the suffix ('' : print only)")
+    p.add_argument("--rows", choices=list(ROWS), default="2n",
+                   help="the policy's logits: " + "; ".join(f"{k}: {v}" for k, v in ROWS.items()))
+    p.add_argument("--out", default=None,
+                   help="path of the .md / .csv results without the suffix ('' : print only; "
+                        "default benchmarks/results/bench_support[_<rows>])")
     args = p.parse_args()
+    if args.out is None:
+        name = "bench_support" + ("" if args.rows == "2n" else f"_{args.rows}")
+        args.out = os.path.join(HERE, "results", name)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.n, args.vocab, generator=g) * 2
+    x = logits(args.rows, args.n, args.vocab, g)
     y = x + 0.3 * torch.randn(args.n, args.vocab, generator=g)
     T = args.temperature
     kept = x >= sampling_threshold(x, top_p=0.9, temperature=T).unsqueeze(-1)
@@ -139,7 +166,8 @@ def main() -> None:
         f.write(f"# full_kl with a sampler's support, {shape}\n\n")
         f.write(f"CPU: {model}; backend: {klpenalty.ops.native.status()}; "
                 f"1-minute load average {load:.2f}.\n\n")
-        f.write("x = 2·N(0, 1), y = x + 0.3·N(0, 1); the mask and ids are top_p=0.9's kept set.\n\n")
+        f.write(f"x = {ROWS[args.rows]}, y = x + 0.3·N(0, 1); the mask and ids are top_p=0.9's "
+                "kept set.\n\n")
         f.write("| variant | median ms | × plain (medians) | × plain (paired rounds) |\n"
                 "|---|---:|---:|---:|\n")
         for r in rows:

@@ -138,6 +138,43 @@ def test_top_p_where_the_sample_misleads():
                        reference_kept(x[:2].float(), 0, 0.9))
 
 
+def _peaked_rows(n, vocab, seed):
+    """Rows whose mass sits on few logits, as a trained model's: 4·N(0, 1), 2·Gumbel and a
+    Zipf law over shuffled ranks (the sample of every 16th vector misses or over-weights their
+    top logits, so its bracket lies below, above or across the crossing)."""
+    g = torch.Generator().manual_seed(seed)
+    gauss = 4.0 * torch.randn(n, vocab, generator=g, dtype=torch.float64)
+    u = torch.rand(n, vocab, generator=g, dtype=torch.float64).clamp_min(1e-300)
+    gumbel = -2.0 * torch.log(-torch.log(u))
+    ranks = torch.argsort(torch.rand(n, vocab, generator=g), dim=-1).double() + 1.0
+    zipf = -1.1 * torch.log(ranks) + 0.1 * torch.randn(n, vocab, generator=g, dtype=torch.float64)
+    return torch.cat([gauss, gumbel, zipf])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_p_on_peaked_rows_where_the_sample_misses(dtype):
+    """Top-p on long peaked rows: where the members' pass finds the crossing outside the
+    sample's bracket (above it: the logits above its lower end become the members, from the
+    masses the pass stored; below it or across: pass 1 reads those masses), τ is the Python
+    rule's bit for bit and the kept sets the float64 reference's."""
+    for vocab, seed in ((8192, 3), (32000, 4)):
+        x = _peaked_rows(4, vocab, seed).to(dtype)
+        for p, t in ((0.9, 1.0), (0.5, 0.7), (0.99, 1.5), (0.95, 1.0)):
+            tau = threshold(x, 0, p, 0.0, t)
+            assert torch.equal(tau, python_rule(x, 0, p, 0.0, t)), (vocab, p, t)
+            assert torch.equal(kept_by(x, tau), reference_kept(x, 0, p, 0.0, t)), (vocab, p, t)
+        # with top-k and min-p after it, and in the forward (the walk reads the stored masses)
+        tau = threshold(x, 4000, 0.9, 0.01, 1.0)
+        assert torch.equal(tau, python_rule(x, 4000, 0.9, 0.01, 1.0))
+        y = torch.roll(x, 1, -1)
+        tokens = x.float().argmax(-1)
+        out, stats = _forward(x, y, None, None, 1.0, ALL, (0, 0.9, 0.0), tokens)
+        used = stats[:, ST_TAU]
+        assert torch.equal(used, python_rule(x, 0, 0.9))
+        ref = token_stats_reference(x, y, tokens, None, None, used, 1.0, -100, ALL)
+        torch.testing.assert_close(out.double(), ref, **tol(dtype))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_top_k_survivors_in_one_block_or_the_tail(dtype):
     """A small top-k reads only the 256-logit blocks whose lane maxima reach its lower bound

@@ -256,17 +256,23 @@ template <typename T>
   return {std::max(lo_t, a), b};
 }
 
+// Where the members' pass found the crossing against the sample's bracket (cut_lo, cut_hi]:
+// no pass (an empty bracket), inside it, surely above it (the mass above cut_lo reaches the
+// target), surely at most its upper end (the mass above cut_hi is below it), or neither sure.
+enum class Sampled { kNone, kInside, kAbove, kBelow, kEither };
+
 // One pass over a row: Z, the mass above the sample's bracket (cut_lo, cut_hi] and that of its
 // members, in double, the members' logits compressed, every mass stored in w.es, side's bytes
-// requested into L2 alongside. True, with br set to that bracket (and the members' masses
-// computed again from their logits), if the crossing surely lies inside (margins of kMargin·Z).
+// requested into L2 alongside; br.z = Z. kInside, with br set to that bracket (and the members'
+// masses computed again from their logits), if the crossing surely lies inside (margins of
+// kMargin·Z); else where it lies (Sampled).
 template <typename T>
-[[gnu::noinline]] bool sample_members(const T* x, int64_t V, const Weights<false>& weights,
-                                      double cut_lo, double cut_hi, double p,
-                                      ThresholdScratch& w, Bracket& br, const void* side) {
+[[gnu::noinline]] Sampled sample_members(const T* x, int64_t V, const Weights<false>& weights,
+                                         double cut_lo, double cut_hi, double p,
+                                         ThresholdScratch& w, Bracket& br, const void* side) {
   const Weights<false> wt = weights;  // a local copy: the members' stores cannot alias it
   const float fa = static_cast<float>(cut_lo), fb = static_cast<float>(cut_hi);
-  if (!(fb > fa)) return false;
+  if (!(fb > fa)) return Sampled::kNone;
   float* od = room(w.cx0, V + VF::size());
   float* es = room(w.es, V + VF::size());
   const VF va(fa), vb(fb), zero(0.0f);
@@ -314,22 +320,26 @@ template <typename T>
     }
   }
   const double Pz = p * zz, mz = kMargin * zz;
-  if (!(up < Pz - mz && up + mm >= Pz + mz)) return false;
+  br.z = zz;
+  const bool at_most_hi = up < Pz - mz, above_lo = up + mm >= Pz + mz;
+  if (!at_most_hi || !above_lo) {
+    return above_lo ? Sampled::kAbove : at_most_hi ? Sampled::kBelow : Sampled::kEither;
+  }
   // the members' masses, computed again from their logits as the pass computed them (lane-wise
   // vector arithmetic for those from whole vectors, the scalar exp2 for the tail's)
   float* oe = room(w.ce0, m + VF::size());
   int64_t j = 0;
   for (; j < m_vec; j += VF::size()) wt.member(VF::loadu(od + j)).store(oe + j);
   for (j = m_vec; j < m; ++j) oe[j] = wt.row1(od[j]);
-  br.z = zz, br.P = Pz, br.margin = mz, br.above = up, br.n = m, br.cx = od, br.ce = oe;
+  br.P = Pz, br.margin = mz, br.above = up, br.n = m, br.cx = od, br.ce = oe;
   br.lo = fa, br.hi = fb, br.lo_t = std::max(br.lo_t, static_cast<double>(fa));
-  return true;
+  return Sampled::kInside;
 }
 
-// Pass 1 over a row: the weights e (stored in es for top-p), their sum Z in double lanes
-// (returned) and the first level's guide alongside, its thresholds in (cut_lo, cut_hi); side's
-// bytes requested into L2 alongside.
-template <bool kCount, typename T>
+// Pass 1 over a row: the weights e (stored in es for top-p; kGiven: read from es, stored there
+// by the members' pass), their sum Z in double lanes (returned) and the first level's guide
+// alongside, its thresholds in (cut_lo, cut_hi); side's bytes requested into L2 alongside.
+template <bool kCount, bool kGiven = false, typename T>
 double first_pass(const T* x, int64_t V, const Weights<kCount>& wt, double cut_lo,
                   double cut_hi, float* es, Guide& gd, const void* side) {
   const VF zero(0.0f);
@@ -344,8 +354,8 @@ double first_pass(const T* x, int64_t V, const Weights<kCount>& wt, double cut_l
       request_l2(side, (i + kAhead) * static_cast<int64_t>(sizeof(T)),
                  VF::size() * static_cast<int64_t>(sizeof(T)));
       const VF v = load1(x + i);
-      const VF e = wt.row(v);
-      if constexpr (!kCount) e.store(es + i);
+      const VF e = kGiven ? VF::loadu(es + i) : wt.row(v);
+      if constexpr (!kCount && !kGiven) e.store(es + i);
       za = za + e;
       gd.add(acc, v, e);
     }
@@ -355,8 +365,8 @@ double first_pass(const T* x, int64_t V, const Weights<kCount>& wt, double cut_l
   double z = zs.value();
   for (; i < V; ++i) {
     const float v = static_cast<float>(x[i]);
-    const float e = wt.row1(v);
-    if constexpr (!kCount) es[i] = e;
+    const float e = kGiven ? es[i] : wt.row1(v);
+    if constexpr (!kCount && !kGiven) es[i] = e;
     z += e;
     gd.add1(v, e);
   }
@@ -487,15 +497,31 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
   Bracket br{lo, M, std::max({lo, row_min, M - kSpan * s.T}), V};
   Guide gd;
   double cut_lo = br.lo_t, cut_hi = br.hi;  // where pass 1 places its guide's thresholds
-  bool direct = false;  // the sample's bracket holds the crossing: its members, in one pass
+  bool direct = false;  // the members are compressed: the levels go on from them
+  Sampled got = Sampled::kNone;
   if constexpr (!kCount) {
     if (V >= kSampleRow) {
       std::tie(cut_lo, cut_hi) = sample_bracket(x, V, wt, br, s.top_p, gd, w);
-      direct = sample_members(x, V, wt, cut_lo, cut_hi, s.top_p, w, br, side);
+      got = sample_members(x, V, wt, cut_lo, cut_hi, s.top_p, w, br, side);
+      direct = got == Sampled::kInside;
+      if (got == Sampled::kAbove) {
+        // the crossing lies above the sample's lower end (the sample missed mass near the
+        // top, as on peaked rows): the logits above it are the members, with the masses the
+        // pass stored, and no pass 1
+        br.P = s.top_p * br.z, br.margin = kMargin * br.z;
+        keep_members<kCount>(x, es, true, cut_lo, M, w.cx0, w.ce0, br);
+        direct = true;
+      } else if (got == Sampled::kBelow) {
+        cut_hi = cut_lo, cut_lo = br.lo_t;  // pass 1's guide below the sample's bracket
+      } else if (got == Sampled::kEither) {
+        cut_lo = br.lo_t, cut_hi = M;
+      }
     }
   }
   if (!direct) {
-    br.z = first_pass(x, V, wt, cut_lo, cut_hi, es, gd, side);
+    // after the members' pass every mass is stored: pass 1 reads them (its Z the same sum)
+    br.z = got != Sampled::kNone ? first_pass<kCount, true>(x, V, wt, cut_lo, cut_hi, es, gd, side)
+                                 : first_pass<kCount>(x, V, wt, cut_lo, cut_hi, es, gd, side);
     if (kCount && br.z < s.top_k) return -kInf;  // fewer than k logits above −inf
     // counts are exact (integers below 2^24 in float lanes): no margin
     br.P = kCount ? static_cast<double>(s.top_k) : s.top_p * br.z;

@@ -257,9 +257,10 @@ template <typename T>
 }
 
 // Where the members' pass found the crossing against the sample's bracket (cut_lo, cut_hi]:
-// no pass (an empty bracket), inside it, surely above it (the mass above cut_lo reaches the
-// target), surely at most its upper end (the mass above cut_hi is below it), or neither sure.
-enum class Sampled { kNone, kInside, kAbove, kBelow, kEither };
+// no pass (an empty bracket), inside it, surely above its upper end (the mass above cut_hi
+// reaches the target), surely above its lower end (the mass above cut_lo does), surely at most
+// its upper end (the mass above cut_hi is below the target), or neither sure.
+enum class Sampled { kNone, kInside, kAboveHi, kAboveLo, kBelow, kEither };
 
 // One pass over a row: Z, the mass above the sample's bracket (cut_lo, cut_hi] and that of its
 // members, in double, the members' logits compressed, every mass stored in w.es, side's bytes
@@ -323,7 +324,8 @@ template <typename T>
   br.z = zz;
   const bool at_most_hi = up < Pz - mz, above_lo = up + mm >= Pz + mz;
   if (!at_most_hi || !above_lo) {
-    return above_lo ? Sampled::kAbove : at_most_hi ? Sampled::kBelow : Sampled::kEither;
+    if (up >= Pz + mz) return Sampled::kAboveHi;
+    return above_lo ? Sampled::kAboveLo : at_most_hi ? Sampled::kBelow : Sampled::kEither;
   }
   // the members' masses, computed again from their logits as the pass computed them (lane-wise
   // vector arithmetic for those from whole vectors, the scalar exp2 for the tail's)
@@ -504,12 +506,13 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
       std::tie(cut_lo, cut_hi) = sample_bracket(x, V, wt, br, s.top_p, gd, w);
       got = sample_members(x, V, wt, cut_lo, cut_hi, s.top_p, w, br, side);
       direct = got == Sampled::kInside;
-      if (got == Sampled::kAbove) {
-        // the crossing lies above the sample's lower end (the sample missed mass near the
-        // top, as on peaked rows): the logits above it are the members, with the masses the
-        // pass stored, and no pass 1
+      if (got == Sampled::kAboveHi || got == Sampled::kAboveLo) {
+        // the crossing lies above the sample's bracket or its lower end (the sample missed
+        // mass near the top, as on peaked rows): the logits above that end are the members,
+        // with the masses the pass stored, and no pass 1
         br.P = s.top_p * br.z, br.margin = kMargin * br.z;
-        keep_members<kCount>(x, es, true, cut_lo, M, w.cx0, w.ce0, br);
+        const double from = got == Sampled::kAboveHi ? cut_hi : cut_lo;
+        keep_members<kCount>(x, es, true, from, M, w.cx0, w.ce0, br);
         direct = true;
       } else if (got == Sampled::kBelow) {
         cut_hi = cut_lo, cut_lo = br.lo_t;  // pass 1's guide below the sample's bracket

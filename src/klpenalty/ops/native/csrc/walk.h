@@ -325,11 +325,7 @@ ChunkSums chunk_sums(const TX* x, const TY* y, int64_t n, float sh_x, float sh_y
           kept = sup.at(xv[k], i + k * VF::size());
           off = lanes_or(off, lanes_andnot(all, kept));
         }
-        // (recording the bounds, the maximum over every lane: the kept maximum wherever the
-        // set is {x >= lo}, the only sets whose walk is used; a NaN or +inf redoes the chunk)
-        if constexpr (kTrack) {
-          mx = max_fast(mx, Sup::kOn && !Sup::kBounds ? select(kept, xv[k], ninf) : xv[k]);
-        }
+        if constexpr (kTrack) mx = max_fast(mx, Sup::kOn ? select(kept, xv[k], ninf) : xv[k]);
         if constexpr (Sup::kBounds) {  // a NaN: skipped (kept, it makes the sums NaN)
           blo = min_where(blo, kept, xv[k]);
           bhi = max_where(bhi, lanes_andnot(all, kept), xv[k]);

@@ -522,7 +522,7 @@ double select_large(const T* x, int64_t V, double M, double row_min, double lo, 
     }
   }
   if (!direct) {
-    // after the members' pass every mass is stored: pass 1 reads them (its Z the same sum)
+    // after the members' pass every mass is stored: pass 1 reads them (its Z summed again)
     br.z = got != Sampled::kNone ? first_pass<kCount, true>(x, V, wt, cut_lo, cut_hi, es, gd, side)
                                  : first_pass<kCount>(x, V, wt, cut_lo, cut_hi, es, gd, side);
     if (kCount && br.z < s.top_k) return -kInf;  // fewer than k logits above −inf

@@ -932,7 +932,8 @@ def test_sampling_threshold_kernel_on_rows_split_across_programs(dtype):
     """Two rows of V = 2500 split into programs (the plan for few rows): the programs' maxima,
     NaN flags and top-k's digit histograms merged per row give the rule's τ — the k-th's tie
     group spread over both programs, the row's max in the second, a NaN in one program only,
-    an +inf logit; 32-bit keys take four digits, 16-bit ones two."""
+    an +inf logit; 32-bit keys take four digits, 16-bit ones two (five and three with the
+    7-bit digits of Triton before 3.9)."""
     from klpenalty.ops.triton import token_stats as ts
 
     vocab = 2500

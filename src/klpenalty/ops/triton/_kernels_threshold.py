@@ -29,13 +29,20 @@ import triton.language as tl
 
 from ._kernels_common import INTERPRETED, _device, _row_offset, _split_columns
 
-__all__ = ["BAND_BINS", "threshold_band_kernel", "threshold_cand_kernel", "threshold_kernel",
+__all__ = ["BAND_BINS", "RADIX_DIGIT", "threshold_band_kernel", "threshold_cand_kernel", "threshold_kernel",
            "threshold_list_kernel", "threshold_scan_kernel", "threshold_select_kernel"]
 
-# Bins of top-p's band counts on 32-bit keys (:func:`threshold_cand_kernel`): 4096; Triton
-# before 3.9 lowers ``tl.histogram`` per warp, every bin each iteration, and 4096 bins spill
-# to local memory there: 2048, as the window of keys'.
-BAND_BINS = 4096 if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 9) else 2048
+# Triton before 3.9 (3.6 is the GPU image's) lowers ``tl.histogram`` per warp, adding the
+# warp's counts of every bin to shared memory each iteration: there a histogram's cost grows
+# with its bins.
+_PER_WARP_HISTOGRAM = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
+# Bins of top-p's band counts on 32-bit keys (:func:`threshold_cand_kernel`): 4096; 2048 with
+# per-warp histograms (4096 bins spill to local memory there), as the window of keys'.
+BAND_BINS = 2048 if _PER_WARP_HISTOGRAM else 4096
+# The most bits of a digit of top-k's radix select (threshold.digits), a count histogram of
+# up to 2^RADIX_DIGIT bins a read of the row: 8; 7 with per-warp histograms (128 bins: bf16
+# keys in 3 reads instead of 2, fp32 in 5 instead of 4, fewer instructions in all).
+RADIX_DIGIT = 7 if _PER_WARP_HISTOGRAM else 8
 
 # Keys of the window (2048 up to the max) a step of its loops in the row's program: compiled,
 # 256 (its whole [2048] vectors would spill registers); interpreted, all at once (each step

@@ -24,7 +24,7 @@ from . import _host
 from ._load import _kernels
 
 __all__ = ["tau_rows", "sampling_threshold_op", "THRESHOLD_BUCKETS", "THRESHOLD_BLOCK",
-           "THRESHOLD_WARPS", "THRESHOLD_DIGIT", "digits", "cand_cap"]
+           "THRESHOLD_WARPS", "digits", "cand_cap"]
 
 # Buckets per read of a threshold search (:func:`._kernels_threshold.threshold_kernel`): 4 bits
 # of the 32-bit key per read; a power of two.
@@ -35,10 +35,6 @@ THRESHOLD_BLOCK = 1024
 # Columns per block of the split scan (pass 0 and top-k's histograms): one histogram of a block
 # costs 3 barriers, so the larger the block the fewer per element.
 THRESHOLD_SCAN_BLOCK = 2048
-# The most bits of a digit of top-k's radix select: one count histogram of at most 2^8 bins per
-# read of the row (tl.histogram: shared-memory atomics; Triton 3.6 adds each warp's counts of
-# every bin to shared memory each iteration, so its cost grows with the bins).
-THRESHOLD_DIGIT = 8
 # Warps of a threshold program (a search reads one column per thread at a time).
 THRESHOLD_WARPS = 8
 # The longest candidate list of top-p's band (its second count narrows a band that holds
@@ -55,13 +51,14 @@ def _float64_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
-def digits(dtype: torch.dtype) -> list[tuple[int, int]]:
+def digits(dtype: torch.dtype, most: int = 8) -> list[tuple[int, int]]:
     """The (high, low) bit bounds of top-k's radix digits, high to low, over the keys of
-    logits of ``dtype`` (32 − KEY_SHIFT bits): as few digits of at most
-    :data:`THRESHOLD_DIGIT` bits as hold them, as even as can be, the wider first (bf16: 8 + 8,
-    fp16: 7 + 6 + 6, fp32: 8 + 8 + 8 + 8)."""
+    logits of ``dtype`` (32 − KEY_SHIFT bits): as few digits of at most ``most`` bits (the
+    kernels' ``RADIX_DIGIT``, by the Triton version) as hold them, as even as can be, the wider
+    first (8 bits: bf16 8 + 8, fp16 7 + 6 + 6, fp32 8 + 8 + 8 + 8; 7 bits: bf16 6 + 5 + 5,
+    fp16 7 + 6 + 6, fp32 7 + 7 + 6 + 6 + 6)."""
     high = 32 - _KEY_SHIFT[dtype]
-    n = -(-high // THRESHOLD_DIGIT)
+    n = -(-high // most)
     out = []
     for i in range(n):
         width = -(-high // (n - i))
@@ -129,7 +126,7 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
         cap = cand_cap(vocab, top_k if cut_k else 0, bins)
     cand = (3 if cut_k else 2) if cap else 0
     part = torch.empty((n, splits, 4), dtype=torch.float32, device=x.device)
-    ds = digits(x.dtype)
+    ds = digits(x.dtype, kernels.RADIX_DIGIT)
     # the digits' histograms (2048 int32 a split, the kernels' layout: a digit's bins at the
     # start of each), the prefix and count above, the window's histograms
     stride = (splits * 2048 + 2) + (splits * 2048 if window else 0)

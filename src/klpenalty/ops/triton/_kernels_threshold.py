@@ -36,9 +36,10 @@ __all__ = ["BAND_BINS", "RADIX_DIGIT", "threshold_band_kernel", "threshold_cand_
 # warp's counts of every bin to shared memory each iteration: there a histogram's cost grows
 # with its bins.
 _PER_WARP_HISTOGRAM = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
-# Bins of top-p's band counts on 32-bit keys (:func:`threshold_cand_kernel`): 4096; 2048 with
-# per-warp histograms (4096 bins spill to local memory there), as the window of keys'.
-BAND_BINS = 2048 if _PER_WARP_HISTOGRAM else 4096
+# Bins of top-p's band counts on 32-bit keys (:func:`threshold_cand_kernel`): 4096; 512 with
+# per-warp histograms, whose count costs with its bins (4096 spill to local memory there; 2048
+# cost 266 instructions an element), the wider band more often counted twice.
+BAND_BINS = 512 if _PER_WARP_HISTOGRAM else 4096
 # The most bits of a digit of top-k's radix select (threshold.digits), a count histogram of
 # up to 2^RADIX_DIGIT bins a read of the row: 8; 7 with per-warp histograms (128 bins: bf16
 # keys in 3 reads instead of 2, fp32 in 5 instead of 4, fewer instructions in all).

@@ -39,6 +39,7 @@ import time
 import torch
 
 import klpenalty
+from klpenalty.bench import LOGIT_ROWS, floor_fn, peaked_logits
 from klpenalty.sampling import sampling_threshold
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -65,25 +66,6 @@ def compact(kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
 
 
-ROWS = {
-    "2n": "2·N(0, 1)",
-    "4n": "4·N(0, 1)",
-    "gumbel": "2·Gumbel",
-    "zipf": "−1.1·log(rank) + 0.1·N(0, 1), ranks shuffled",
-}
-
-
-def logits(rows: str, n: int, vocab: int, g: torch.Generator) -> torch.Tensor:
-    """(n, vocab) float32 logits of the kind ``rows`` (:data:`ROWS`)."""
-    if rows in ("2n", "4n"):
-        return torch.randn(n, vocab, generator=g) * (2.0 if rows == "2n" else 4.0)
-    if rows == "gumbel":
-        u = torch.rand(n, vocab, generator=g).clamp_min(1e-30)
-        return -2.0 * torch.log(-torch.log(u))
-    ranks = torch.argsort(torch.rand(n, vocab, generator=g), dim=-1).float() + 1.0
-    return -1.1 * torch.log(ranks) + 0.1 * torch.randn(n, vocab, generator=g)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=2048, help="rows (positions)")
@@ -95,8 +77,9 @@ def main() -> None:
                         "steadier on a loaded machine, in the kernel's ticks (4 ms on some VMs)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="the sampler's temperature (every variant, the kept sets' too)")
-    p.add_argument("--rows", choices=list(ROWS), default="2n",
-                   help="the policy's logits: " + "; ".join(f"{k}: {v}" for k, v in ROWS.items()))
+    p.add_argument("--rows", choices=list(LOGIT_ROWS), default="2n",
+                   help="the policy's logits: "
+                        + "; ".join(f"{k}: {v}" for k, v in LOGIT_ROWS.items()))
     p.add_argument("--out", default=None,
                    help="path of the .md / .csv results without the suffix ('' : print only; "
                         "default benchmarks/results/bench_support[_<rows>])")
@@ -106,11 +89,12 @@ def main() -> None:
         args.out = os.path.join(HERE, "results", name)
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    x = logits(args.rows, args.n, args.vocab, g)
+    x = peaked_logits(args.rows, args.n, args.vocab, g)
     y = x + 0.3 * torch.randn(args.n, args.vocab, generator=g)
     T = args.temperature
     kept = x >= sampling_threshold(x, top_p=0.9, temperature=T).unsqueeze(-1)
     ids, offsets = compact(kept)
+    ids32, offsets32 = ids.int(), offsets.int()
     cases = {
         "plain": dict(temperature=T),
         "top_k=50": dict(top_k=50, temperature=T),
@@ -119,13 +103,13 @@ def main() -> None:
         "top_k=50, top_p=0.9": dict(top_k=50, top_p=0.9, temperature=T),
         "support=bool mask": dict(support=kept, temperature=T),
         "support=(ids, offsets)": dict(support=(ids, offsets), temperature=T),
-        "support=(ids, offsets) int32": dict(support=(ids.int(), offsets.int()), temperature=T),
+        "support=(ids, offsets) int32": dict(support=(ids32, offsets32), temperature=T),
     }
     calls = {name: (lambda kw=kw: klpenalty.full_kl(x, y, **kw)) for name, kw in cases.items()}
-    ids32, offsets32 = ids.int(), offsets.int()
-    calls["floor: read x, y"] = lambda: (x.sum(), y.sum())
-    calls["floor: read x, y, int64 ids"] = lambda: (x.sum(), y.sum(), ids.amax())
-    calls["floor: read x, y, int32 ids"] = lambda: (x.sum(), y.sum(), ids32.amax())
+    read_xy = floor_fn("fwd", x, y)
+    calls["floor: read x, y"] = read_xy
+    calls["floor: read x, y, int64 ids"] = lambda: (read_xy(), ids.amax())
+    calls["floor: read x, y, int32 ids"] = lambda: (read_xy(), ids32.amax())
     calls["floor: read x, int32 ids"] = lambda: (x.sum(), ids32.amax())
     if klpenalty.ops.native.available():
         marks = torch.ops.klpenalty.native_support_from_ids.default
@@ -166,8 +150,8 @@ def main() -> None:
         f.write(f"# full_kl with a sampler's support, {shape}\n\n")
         f.write(f"CPU: {model}; backend: {klpenalty.ops.native.status()}; "
                 f"1-minute load average {load:.2f}.\n\n")
-        f.write(f"x = {ROWS[args.rows]}, y = x + 0.3·N(0, 1); the mask and ids are top_p=0.9's "
-                "kept set.\n\n")
+        f.write(f"x = {LOGIT_ROWS[args.rows]}, y = x + 0.3·N(0, 1); the mask and ids are "
+                "top_p=0.9's kept set.\n\n")
         f.write("| variant | median ms | × plain (medians) | × plain (paired rounds) |\n"
                 "|---|---:|---:|---:|\n")
         for r in rows:

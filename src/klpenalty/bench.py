@@ -199,10 +199,36 @@ def make_inputs(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0):
     return x, y
 
 
-def _floor_fn(mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable:
+def floor_fn(mode: str, x: torch.Tensor, y: torch.Tensor) -> Callable:
+    """The floor of ``mode``: reading both inputs once (``"fwd"``), and for forward+backward
+    that plus reading both again and writing one new tensor of the input's size."""
     if mode == "fwd":
         return lambda: (x.sum(), y.sum())
     return lambda: (x.sum(), y.sum(), torch.add(x, y))
+
+
+# Policy logits by how their mass is spread (peaked_logits): 2·N(0, 1) (make_inputs'; top-p 0.9
+# keeps thousands of a row's tokens) and rows whose mass sits on few tokens, as a trained
+# model's.
+LOGIT_ROWS = {
+    "2n": "2·N(0, 1)",
+    "4n": "4·N(0, 1)",
+    "gumbel": "2·Gumbel",
+    "zipf": "−1.1·log(rank) + 0.1·N(0, 1), ranks shuffled",
+}
+
+
+def peaked_logits(rows: str, n: int, vocab: int, g: torch.Generator) -> torch.Tensor:
+    """(n, vocab) float32 logits of the kind ``rows`` (:data:`LOGIT_ROWS`)."""
+    if rows in ("2n", "4n"):
+        return torch.randn(n, vocab, generator=g) * (2.0 if rows == "2n" else 4.0)
+    if rows == "gumbel":
+        u = torch.rand(n, vocab, generator=g).clamp_min(1e-30)
+        return -2.0 * torch.log(-torch.log(u))
+    if rows == "zipf":
+        ranks = torch.argsort(torch.rand(n, vocab, generator=g), dim=-1).float() + 1.0
+        return -1.1 * torch.log(ranks) + 0.1 * torch.randn(n, vocab, generator=g)
+    raise ValueError(f"rows must be one of {sorted(LOGIT_ROWS)}, got {rows!r}")
 
 
 def _exp_floor_fn(x: torch.Tensor, y: torch.Tensor, tile: int = 1 << 18) -> Callable:
@@ -415,7 +441,7 @@ CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 def _time_mode(table, mode, x, y, repeats, warmup, label, dtype, threads, say, now) -> list[Row]:
     fns = {n: _call(f, mode, x, y) for n, f in table.items()}
-    floors = {"floor": _floor_fn(mode, x, y)}
+    floors = {"floor": floor_fn(mode, x, y)}
     if mode == "fwd":
         floors["exp floor"] = _exp_floor_fn(x, y)
         floors.update(_compute_floor_fns(x, y))

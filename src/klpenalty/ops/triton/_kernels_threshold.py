@@ -29,8 +29,9 @@ import triton.language as tl
 
 from ._kernels_common import INTERPRETED, _device, _row_offset, _split_columns
 
-__all__ = ["BAND_BINS", "RADIX_DIGIT", "threshold_band_kernel", "threshold_cand_kernel", "threshold_kernel",
-           "threshold_list_kernel", "threshold_scan_kernel", "threshold_select_kernel"]
+__all__ = ["BAND_BINS", "RADIX_DIGIT", "threshold_band_kernel", "threshold_cand_kernel",
+           "threshold_kernel", "threshold_list_kernel", "threshold_scan_kernel",
+           "threshold_select_kernel"]
 
 # Triton before 3.9 (3.6 is the GPU image's) lowers ``tl.histogram`` per warp, adding the
 # warp's counts of every bin to shared memory each iteration: there a histogram's cost grows

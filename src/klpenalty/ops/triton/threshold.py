@@ -51,7 +51,7 @@ def _float64_bits(value: float) -> int:
     return struct.unpack("<q", struct.pack("<d", value))[0]
 
 
-def digits(dtype: torch.dtype, most: int = 8) -> list[tuple[int, int]]:
+def digits(dtype: torch.dtype, most: int) -> list[tuple[int, int]]:
     """The (high, low) bit bounds of top-k's radix digits, high to low, over the keys of
     logits of ``dtype`` (32 − KEY_SHIFT bits): as few digits of at most ``most`` bits (the
     kernels' ``RADIX_DIGIT``, by the Triton version) as hold them, as even as can be, the wider

@@ -499,7 +499,8 @@ def _row_loops(flags: dict, split_scan: bool) -> list[str]:
         if flags.get("CAND", 0) != 2:
             names += ["z"] if flags["MIN_P"] or not flags.get("ZSUM", False) else []
     if flags["TOP_P"]:
-        names += (["window"] if window else []) + ["mass32", "check", "mass64", "group"]
+        # (the window's answer reads one chunk of its keys again: no loop)
+        names += ["mass32", "check", "mass64", "group"]
     return names
 
 
@@ -510,9 +511,15 @@ def threshold_cost() -> list[dict]:
     element times its reads: pass 0, the Z read and a scan's pass one each, the searches'
     counted by :func:`search_reads`, a tie group's none (T = 1); the splits are the host's plan
     for the model's SMs (``plan_splits``), whose scratch histograms (a digit's bins in int32, a
-    program and pass, written by the scan, read by the select) add their bytes. Launch
-    latencies (a few µs each) are not counted: the launches are listed."""
+    program and pass, written by the scan, read by the select) add their bytes, as do the
+    window's counts on 16-bit logits (written by the scan; the row program's loop over the
+    window's keys reads them, each key's float64 mass computed, and top-p's answer one chunk
+    of them again). Launch latencies (a few µs each) are not counted: the launches are
+    listed."""
+    from klpenalty.ops.triton import _load
     from klpenalty.ops.triton.token_stats import plan_splits
+
+    window_keys = _load._kernels().WINDOW_KEYS
 
     # compiled at each shape's vocabulary (the candidate list's length follows it)
     cases = [dict(name=f"cost {smp} {vocab}", vocab=vocab, dtype=dt, want=1, sampler=smp,
@@ -545,6 +552,8 @@ def threshold_cost() -> list[dict]:
                     if flags["HIST"]:  # its histograms' bins written
                         nb = 1 << (flags["DIGIT_HI"] - flags["DIGIT_LO"])
                         t += n * splits * nb * 4 / GPU["bandwidth"]
+                    if flags["WINDOW"]:  # the window's counts written
+                        t += n * splits * window_keys * 4 / GPU["bandwidth"]
                     nreads += 1
                 elif r["kernel"] == "threshold_select_kernel":
                     t += n * splits * flags["NB"] * 4 / (GPU["bandwidth"] * min(n, GPU["sms"]) /
@@ -573,8 +582,15 @@ def threshold_cost() -> list[dict]:
                     want = _row_loops(flags, split_scan)
                     assert len(loops) == len(want), (want, loops)
                     for name, lp in zip(want, loops):
-                        k = {"pass0": 1, "z": got["z"], "group": 0, "window": 0}.get(
-                            name, got.get(name, 0))
+                        if name == "window":  # no read of the row: the window's keys (their
+                            # counts, an int32 a key and split, and float64 masses)
+                            per_key = lp["instructions"] / (lp["elems_per_thread"] * b / 4)
+                            t += read_time(n * window_keys, per_key, 4 * splits, n)
+                            if flags["TOP_P"]:  # top-p's answer reads one chunk again
+                                # (straight code, counted as a step of this loop)
+                                t += straight_time(n, lp["instructions"], 32 * r["warps"])
+                            continue
+                        k = {"pass0": 1, "z": got["z"], "group": 0}.get(name, got.get(name, 0))
                         t += k * read_time(elems, lp["per_elem"], b, n)
                         nreads += k
 

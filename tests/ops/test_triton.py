@@ -693,19 +693,26 @@ def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
         op(_on(row), -2, 1.0, 0.0, 1.0)
 
 
-def test_top_p_on_16_bit_logits_from_the_window_of_keys(monkeypatch):
-    """bf16 rows: top-p decided by the counts of the 2048 keys up to the max (one value a key)
-    without a search where the answer lies there — boundaries 1e-9 apart (float64 masses),
-    after top-k too, where Z and min-p's τ come from the window with no read of the row — and
-    by the search below the window, the window's mass carried, where it does not (a deep p:
-    the answer a negative logit under a positive max)."""
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_top_p_on_16_bit_logits_from_the_window_of_keys(chunk, monkeypatch):
+    """bf16 rows: top-p decided by the counts of the window's keys up to the max (one value a
+    key) without a search where the answer lies there — boundaries 1e-9 apart (float64
+    masses), after top-k too, where Z and min-p's τ come from the window with no read of the
+    row — and by the search below the window, the window's mass carried, where it does not (a
+    deep p: the answer a negative logit under a positive max). Interpreted, the window is one
+    chunk; ``chunk`` = 64 steps it as compiled code does (its answer then in a lower chunk
+    than the max's, found from the chunks' masses)."""
     g = torch.Generator().manual_seed(8)
     row = (torch.randn(1, 300, generator=g) * 1.5).to(torch.bfloat16)
     op = torch.ops.klpenalty.triton_sampling_threshold
     searches = []
+    if CUDA and chunk:
+        pytest.skip("compiled: the window's chunks are the kernel's own")
     if not CUDA:
         from klpenalty.ops.triton import _kernels_threshold
 
+        if chunk:
+            monkeypatch.setattr(_kernels_threshold, "_CHUNK", chunk)
         bucket_sums = _kernels_threshold._bucket_sums
 
         def counted(*args):
@@ -932,7 +939,7 @@ def test_sampling_threshold_kernel_on_rows_split_across_programs(dtype):
     """Two rows of V = 2500 split into programs (the plan for few rows): the programs' maxima,
     NaN flags and top-k's digit histograms merged per row give the rule's τ — the k-th's tie
     group spread over both programs, the row's max in the second, a NaN in one program only,
-    an +inf logit; 32-bit keys take four digits, 16-bit ones two (five and three with the
+    an +inf logit; 32-bit keys take three digits, 16-bit ones two (five and three with the
     7-bit digits of Triton before 3.9)."""
     from klpenalty.ops.triton import token_stats as ts
 

@@ -5,12 +5,12 @@ They serve the ``sampling_threshold`` op, and run before :func:`._kernels_stats.
 where the forward's sampler settings cut. Each row is split into programs as the forward's
 (:func:`threshold_scan_kernel`, grid (rows, splits)): one read gives each program's max,
 smallest finite logit and NaN flag and, for top-k, the count histogram (``tl.histogram``) of
-the first 8-bit digit of the logits' order-preserving keys (:func:`_radix_key`); each
+the first digit of the logits' order-preserving keys (:func:`_radix_key`); each
 further digit takes one program per row that merges the row's histograms and picks the digit
 of the k-th (:func:`threshold_select_kernel`) and one more split read; for top-p on 16-bit
-logits a split read (top-k's last, or its own) counts each of the 2048 keys up to the row's
-max (its own, for top-p without top-k, also sums the float64 mass of the logits below them,
-:func:`_exp64`: Z takes no read of the row); for top-p on 32-bit logits split reads list a
+logits a split read (top-k's last, or its own) counts each of the WINDOW_KEYS keys up to the
+row's max (its own, for top-p without top-k, also sums the float64 mass of the logits below
+them, :func:`_exp64`: Z takes no read of the row); for top-p on 32-bit logits split reads list a
 row's candidates (:func:`threshold_cand_kernel`: top-k's set, or top-p's band of value bins
 found from one or two counts by :func:`threshold_band_kernel`) and one program per row
 decides on them in float64 (:func:`threshold_list_kernel`). One program per row
@@ -29,9 +29,9 @@ import triton.language as tl
 
 from ._kernels_common import INTERPRETED, _device, _row_offset, _split_columns
 
-__all__ = ["BAND_BINS", "RADIX_DIGIT", "threshold_band_kernel", "threshold_cand_kernel",
-           "threshold_kernel", "threshold_list_kernel", "threshold_scan_kernel",
-           "threshold_select_kernel"]
+__all__ = ["BAND_BINS", "RADIX_DIGIT", "WINDOW_KEYS", "threshold_band_kernel",
+           "threshold_cand_kernel", "threshold_kernel", "threshold_list_kernel",
+           "threshold_scan_kernel", "threshold_select_kernel"]
 
 # Triton before 3.9 (3.6 is the GPU image's) lowers ``tl.histogram`` per warp, adding the
 # warp's counts of every bin to shared memory each iteration: there a histogram's cost grows
@@ -41,15 +41,23 @@ _PER_WARP_HISTOGRAM = tuple(int(p) for p in triton.__version__.split(".")[:2]) <
 # per-warp histograms, whose count costs with its bins (4096 spill to local memory there; 2048
 # cost 266 instructions an element), the wider band more often counted twice.
 BAND_BINS = 512 if _PER_WARP_HISTOGRAM else 4096
-# The most bits of a digit of top-k's radix select (threshold.digits), a count histogram of
-# up to 2^RADIX_DIGIT bins a read of the row: 8; 7 with per-warp histograms (128 bins: bf16
-# keys in 3 reads instead of 2, fp32 in 5 instead of 4, fewer instructions in all).
-RADIX_DIGIT = 7 if _PER_WARP_HISTOGRAM else 8
+# The most bits of a digit of top-k's radix select (threshold.digits: the fewest reads, the
+# digits as even as can be), a count histogram of up to 2^RADIX_DIGIT bins a read of the row:
+# 11 (bf16 keys 8 + 8, fp32 11 + 11 + 10: 3 reads, not 4 with 8-bit digits; a histogram's
+# cost hardly grows with its bins there); 7 with per-warp histograms (128 bins: bf16 keys in
+# 3 reads instead of 2, fp32 in 5 instead of 4, fewer instructions in all).
+RADIX_DIGIT = 7 if _PER_WARP_HISTOGRAM else 11
+# The keys of top-p's window on 16-bit logits, up to the row's max (each key's count a bin of a
+# histogram): 2048; 512 with per-warp histograms (4 binades of bf16 below the max against 16:
+# below 1 in magnitude their values lie within a few nats, so the window holds nearly as much
+# of a row's mass).
+WINDOW_KEYS = 512 if _PER_WARP_HISTOGRAM else 2048
 
-# Keys of the window (2048 up to the max) a step of its loops in the row's program: compiled,
-# 256 (its whole [2048] vectors would spill registers); interpreted, all at once (each step
-# costs the interpreter's per-call overhead, not arithmetic).
-_CHUNK = tl.constexpr(2048 if INTERPRETED else 256)
+# Keys of the window a step of its loops in the row's program: compiled, 256 (its whole [2048]
+# vectors would spill registers); interpreted, all at once (each step costs the interpreter's
+# per-call overhead, not arithmetic).
+_CHUNK = tl.constexpr(WINDOW_KEYS if INTERPRETED else min(512, WINDOW_KEYS // 2))
+_W = tl.constexpr(WINDOW_KEYS)
 
 
 @_device
@@ -301,7 +309,7 @@ def _select_digit(hist_ptr, hist_stride, row, n_splits, prefix, above, top_k,
 @_device
 def _window(hist_ptr, hist_stride, row, n_splits, c, top, m_s, temperature,
             KEY_SHIFT: tl.constexpr):
-    """Keys [c, c + _CHUNK) of the 2048 up to the max M's (the window of
+    """Keys [c, c + _CHUNK) of the WINDOW_KEYS up to the max M's (the window of
     :func:`threshold_scan_kernel`, merged over the row's programs) as [_CHUNK] vectors: the
     counts, the signed keys (of :func:`_order_key`), their values (16-bit logits: a key is one
     value), exp(x/T − m_s) in float64, and whether a key is the row's (counted, inside the
@@ -310,8 +318,8 @@ def _window(hist_ptr, hist_stride, row, n_splits, c, top, m_s, temperature,
     h = tl.zeros([_CHUNK], tl.int32)
     base_ptr = hist_ptr + row * hist_stride + n_splits * 2048 + 2
     for s in range(0, n_splits):
-        h += tl.load(base_ptr + s * 2048 + d)
-    base = _radix_key(top, KEY_SHIFT).to(tl.int64) - 2047 - (1 << (31 - KEY_SHIFT))
+        h += tl.load(base_ptr + s * _W + d)
+    base = _radix_key(top, KEY_SHIFT).to(tl.int64) - (_W - 1) - (1 << (31 - KEY_SHIFT))
     key = base + d
     x = _key_value(key, KEY_SHIFT)
     e = tl.exp(tl.math.div_rn(x, temperature).to(tl.float64) - m_s)
@@ -324,45 +332,57 @@ def _window_sums(hist_ptr, hist_stride, row, n_splits, top, floor, m_s, log_min_
                  temperature, MIN_P: tl.constexpr, KEY_SHIFT: tl.constexpr):
     """From the window (:func:`_window`): the candidates' mass (keys ≥ ``floor``'s, finite;
     float64), the smallest logit x there with x/T − m_s ≥ log min_p (MIN_P; +inf if none),
-    and the window's lowest key."""
+    the window's lowest key, and each chunk's candidates' mass ([_W // _CHUNK] float64, the
+    lowest chunk first; :func:`_window_answer` takes them)."""
     z = tl.zeros([], tl.float64)
     tau_m = tl.full([], float("inf"), tl.float32)
     key_floor = _order_key(floor, KEY_SHIFT).to(tl.int64)
     base = key_floor
-    for c in range(0, 2048, _CHUNK):
+    chunks = tl.arange(0, _W // _CHUNK)
+    sums = tl.zeros([_W // _CHUNK], tl.float64)
+    for c in range(0, _W, _CHUNK):
         h, key, x, e, listed, base = _window(hist_ptr, hist_stride, row, n_splits, c, top, m_s,
                                              temperature, KEY_SHIFT)
         cand = listed & (x > float("-inf")) & (key >= key_floor)
-        z += tl.sum(tl.where(cand, h.to(tl.float64) * e, 0.0), 0)
+        chunk = tl.sum(tl.where(cand, h.to(tl.float64) * e, 0.0), 0)
+        z += chunk
+        sums = tl.where(chunks == c // _CHUNK, chunk, sums)
         if MIN_P:
             u = tl.math.div_rn(x, temperature).to(tl.float64) - m_s
             tau_m = tl.minimum(tau_m, tl.min(tl.where(listed & (u >= log_min_p), x,
                                                       float("inf")), 0))
-    return z, tau_m, base
+    return z, tau_m, base, sums
 
 
 @_device
-def _window_answer(hist_ptr, hist_stride, row, n_splits, top, floor, target, m_s, temperature,
-                   KEY_SHIFT: tl.constexpr):
+def _window_answer(hist_ptr, hist_stride, row, n_splits, top, floor, target, sums, m_s,
+                   temperature, KEY_SHIFT: tl.constexpr):
     """top-p's answer from the window (:func:`_window`) of the candidates (keys ≥ ``floor``'s,
-    finite): the mass above each key, A_key = Σ_{keys above} count·exp(x/T − m_s) (float64,
-    the chunks from the top, each's mass above carried). Where the window holds ≥ target of
-    the mass, the answer is the smallest candidate key with A_key < target. Returns (the
-    answer there, else the key below the window; whether it is there; the window's mass)."""
+    finite), given each chunk's candidates' mass (``sums``, :func:`_window_sums`): the mass
+    above a key, A_key = Σ_{keys above} count·exp(x/T − m_s) (float64: the chunks' masses
+    added from the top, then within a chunk). Where the window holds ≥ target of the mass,
+    the answer is the smallest candidate key with A_key < target: in the lowest chunk whose
+    mass above is < target, the only chunk read again (its highest candidate qualifies).
+    Returns (the answer there, else the key below the window; whether it is there; the
+    window's mass)."""
     key_floor = _order_key(floor, KEY_SHIFT).to(tl.int64)
+    chunks = tl.arange(0, _W // _CHUNK)
     carried = tl.zeros([], tl.float64)
-    found = key_floor * 0 + (1 << 40)
-    base = key_floor
-    for i in range(0, 2048 // _CHUNK):
-        h, key, x, e, listed, base = _window(hist_ptr, hist_stride, row, n_splits,
-                                             2048 - (i + 1) * _CHUNK, top, m_s, temperature,
-                                             KEY_SHIFT)
-        cand = listed & (x > float("-inf")) & (key >= key_floor)
-        w = tl.where(cand, h.to(tl.float64) * e, 0.0)
-        chunk = tl.sum(w, 0)
-        above = carried + (chunk - tl.cumsum(w, 0))  # A_key
-        found = tl.minimum(found, tl.min(tl.where(cand & (above < target), key, 1 << 40), 0))
-        carried += chunk
+    above_pick = tl.zeros([], tl.float64)
+    pick = key_floor * 0  # the chunk's index, from the top
+    for i in range(0, _W // _CHUNK):
+        here = carried < target
+        pick = tl.where(here, i, pick)
+        above_pick = tl.where(here, carried, above_pick)
+        carried += tl.sum(tl.where(chunks == _W // _CHUNK - 1 - i, sums, 0.0), 0)
+    h, key, x, e, listed, base = _window(hist_ptr, hist_stride, row, n_splits,
+                                         _W - (pick + 1) * _CHUNK, top, m_s, temperature,
+                                         KEY_SHIFT)
+    cand = listed & (x > float("-inf")) & (key >= key_floor)
+    w = tl.where(cand, h.to(tl.float64) * e, 0.0)
+    above = above_pick + (tl.sum(w, 0) - tl.cumsum(w, 0))  # A_key
+    highest = tl.max(tl.where(cand, key, -(1 << 40)), 0)
+    found = tl.min(tl.where(cand & ((above < target) | (key == highest)), key, 1 << 40), 0)
     inside = (carried >= target) & (found < (1 << 40))
     return tl.where(inside, found, base - 1), inside, tl.where(inside, 0.0, carried)
 
@@ -382,11 +402,12 @@ def threshold_scan_kernel(
     DIGIT_LO) bins), for PASS > 0 among the elements whose bits above DIGIT_HI are the row's
     prefix of the previous passes (``hist_ptr``: (N, hist_stride) int32, the prefix at
     n_splits·2048), into the row's split s bins at s·NB; WINDOW (top-p's, in a pass after
-    pass 0): the count of each of the 2048 keys up to the row's max M's (M merged from the
-    ``n_splits`` ≤ SPLITS partials of pass 0; bin 2047 M's own), into the row's split s bins
-    at n_splits·2048 + 2 + s·2048; ZSUM (with WINDOW, top-p without top-k: every finite logit
-    a candidate) also the float64 mass Σ exp(x/T − M/T) of its finite logits below the window
-    (x/T the float32 division, as :func:`_z_read`'s), into ``zpart`` (N, n_splits) float64.
+    pass 0): the count of each of the W = WINDOW_KEYS keys up to the row's max M's (M merged
+    from the ``n_splits`` ≤ SPLITS partials of pass 0; bin W − 1 M's own), into the row's
+    split s bins at n_splits·2048 + 2 + s·W; ZSUM (with WINDOW, top-p without top-k: every
+    finite logit a candidate) also the float64 mass Σ exp(x/T − M/T) of its finite logits
+    below the window (x/T the float32 division, as :func:`_z_read`'s), into ``zpart`` (N,
+    n_splits) float64.
     NaN is counted in no bin."""
     NB: tl.constexpr = 1 << (DIGIT_HI - DIGIT_LO)
     row = tl.program_id(0).to(tl.int64)
@@ -404,8 +425,8 @@ def threshold_scan_kernel(
         sp = tl.arange(0, SPLITS)
         top = tl.max(tl.load(part_ptr + (row * n_splits + sp) * 4, mask=sp < n_splits,
                              other=float("-inf")), 0)
-        base = _radix_key(top, KEY_SHIFT).to(tl.int32) - 2047  # the window's lowest key
-        hw = tl.zeros([2048], tl.int32)
+        base = _radix_key(top, KEY_SHIFT).to(tl.int32) - (_W - 1)  # the window's lowest key
+        hw = tl.zeros([_W], tl.int32)
         if ZSUM:
             m_s = tl.math.div_rn(top, temperature).to(tl.float64)
             z_acc = tl.zeros([BLOCK], tl.float64)
@@ -427,7 +448,7 @@ def threshold_scan_kernel(
             h += tl.histogram(((u >> DIGIT_LO) & (NB - 1)).to(tl.int32), NB, mask=inside)
         if WINDOW:
             w = _radix_key(x, KEY_SHIFT).to(tl.int32) - base
-            hw += tl.histogram(w, 2048, mask=(x == x) & (w >= 0) & (w < 2048))
+            hw += tl.histogram(w, _W, mask=(x == x) & (w >= 0) & (w < _W))
             if ZSUM:  # the logits below the window (−inf, NaN and terms under e^-708: none)
                 d = tl.math.div_rn(x, temperature).to(tl.float64) - m_s
                 z_acc += tl.where((w < 0) & (d >= -708.0), _exp64(d, terms), 0.0)
@@ -439,8 +460,8 @@ def threshold_scan_kernel(
     if HIST:
         tl.store(hist_ptr + row * hist_stride + split * NB + tl.arange(0, NB), h)
     if WINDOW:  # after the digits' histograms and the prefix
-        tl.store(hist_ptr + row * hist_stride + n_splits * 2048 + 2 + split * 2048 +
-                 tl.arange(0, 2048), hw)
+        tl.store(hist_ptr + row * hist_stride + n_splits * 2048 + 2 + split * _W +
+                 tl.arange(0, _W), hw)
         if ZSUM:
             tl.store(zpart_ptr + slot, tl.sum(z_acc, 0))
 
@@ -798,8 +819,8 @@ def threshold_kernel(
       F buckets of 2^s keys (:func:`_bucket_sums`), until a bucket is one key), searched with
       float32 masses and checked in one float64 read (:func:`_mass_at`): mass(keys > K) < p·Z
       ≤ mass(keys ≥ K), or K the lowest candidate; where the check fails the search runs again
-      with float64 masses; WINDOW (16-bit logits): first from the counts of the 2048 keys up
-      to M's (:func:`_window_answer`), with no read where the answer lies there, else the
+      with float64 masses; WINDOW (16-bit logits): first from the counts of the WINDOW_KEYS
+      keys up to M's (:func:`_window_answer`), with no read where the answer lies there, else the
       search runs below them, their mass carried. The logit K (the last kept in the order of
       the logits) is lowered
       to its tie group's smallest (the group's mass before it is at most K's, so it is kept
@@ -874,8 +895,9 @@ def threshold_kernel(
                 tau_m = tl.min(tl.load(part + 3, mask=on, other=float("inf")), 0)
             read = False
         if WINDOW:  # Z and τ_m from the window where it holds them, else the read
-            z, tau_m, base_w = _window_sums(hist_ptr, hist_stride, row, n_splits, top, floor,
-                                            m_s, log_min_p, temperature, MIN_P, KEY_SHIFT)
+            z, tau_m, base_w, sums_w = _window_sums(hist_ptr, hist_stride, row, n_splits, top,
+                                                    floor, m_s, log_min_p, temperature, MIN_P,
+                                                    KEY_SHIFT)
             read = _order_key(floor, KEY_SHIFT).to(tl.int64) < base_w  # candidates below it
             if ZSUM:  # their mass: the window scan's partials, added in the splits' order
                 z += tl.sum(tl.load(zpart_ptr + row * n_splits + sp, mask=on, other=0.0), 0)
@@ -908,7 +930,7 @@ def threshold_kernel(
             above_w = tl.zeros([], tl.float64)  # the mass of the candidates above hi
             if WINDOW:  # the window's keys decide where they hold the answer
                 hi_w, in_window, above_w = _window_answer(hist_ptr, hist_stride, row, n_splits,
-                                                          top, floor, target, m_s,
+                                                          top, floor, target, sums_w, m_s,
                                                           temperature, KEY_SHIFT)
                 hi = tl.where(lo < hi, tl.maximum(lo, hi_w), hi)
                 lo = tl.where(in_window, hi, lo)

@@ -55,7 +55,7 @@ def digits(dtype: torch.dtype, most: int) -> list[tuple[int, int]]:
     """The (high, low) bit bounds of top-k's radix digits, high to low, over the keys of
     logits of ``dtype`` (32 − KEY_SHIFT bits): as few digits of at most ``most`` bits (the
     kernels' ``RADIX_DIGIT``, by the Triton version) as hold them, as even as can be, the wider
-    first (8 bits: bf16 8 + 8, fp16 7 + 6 + 6, fp32 8 + 8 + 8 + 8; 7 bits: bf16 6 + 5 + 5,
+    first (11 bits: bf16 8 + 8, fp16 10 + 9, fp32 11 + 11 + 10; 7 bits: bf16 6 + 5 + 5,
     fp16 7 + 6 + 6, fp32 7 + 7 + 6 + 6 + 6)."""
     high = 32 - _KEY_SHIFT[dtype]
     n = -(-high // most)
@@ -91,7 +91,7 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     further digit of top-k takes :func:`._kernels_threshold.threshold_select_kernel` (one
     program per row: the digit of the k-th, from the merged histograms) and one more
     histogram read; for top-p on 16-bit logits a scan (top-k's last, or its own) counts the
-    2048 keys up to the row's max (its own also sums Z's float64 mass below them per
+    keys of a window up to the row's max (``WINDOW_KEYS``) (its own also sums Z's float64 mass below them per
     program); for top-p on 32-bit logits :func:`._kernels_threshold.threshold_cand_kernel`
     lists the row's candidates (after top-k its set, else top-p's band of value bins, from
     one or two counts, :func:`._kernels_threshold.threshold_band_kernel`) and
@@ -112,7 +112,7 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     splits = max(1, -(-vocab // cols))
     cut_k = 0 < top_k < vocab
     cut_p = top_p < 1.0
-    # top-p on 16-bit logits: a read (top-k's last) counts each of the 2048 keys up to the max
+    # top-p on 16-bit logits: a read (top-k's last) counts each of the window's keys up to the max
     window = cut_p and x.element_size() == 2
     # top-p without top-k (every finite logit a candidate): the window's scan sums the mass
     # below the window per program, the row's program adds them (no read of the row for Z)
@@ -129,7 +129,7 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     ds = digits(x.dtype, kernels.RADIX_DIGIT)
     # the digits' histograms (2048 int32 a split, the kernels' layout: a digit's bins at the
     # start of each), the prefix and count above, the window's histograms
-    stride = (splits * 2048 + 2) + (splits * 2048 if window else 0)
+    stride = (splits * 2048 + 2) + (splits * kernels.WINDOW_KEYS if window else 0)
     if cand == 2:  # top-p's band counts: `bins` int32 a split (no top-k: no digits)
         stride = max(stride, splits * bins)
     hist = torch.empty((n, stride if cut_k or window or cand else 1), dtype=torch.int32,

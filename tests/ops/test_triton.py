@@ -901,65 +901,21 @@ def test_top_p_on_32_bit_logits_from_a_candidate_list(monkeypatch):
         assert CUDA or counts["search"] > 0, setting
 
 
-def test_fp32_sampler_thresholds_in_a_random_search():
-    """A random search over float32 rows (scales 0.05 to 8, offsets, values of a bf16 grid, a
-    few −inf, repeated values) and sampler settings (top-k, top-p up to 0.999, min-p,
-    temperatures 0.3 to 3): the kernels' τ is the rule's bit for bit and keeps the float64
-    kept set, whichever of the candidate list, the second count or the searches decides."""
+def _sampler_search(make_rows, trials: int, seed: int):
+    """Random sampler settings (top-k, top-p up to 0.999, min-p, temperatures 0.3 to 3) on
+    the rows ``make_rows(trial, pick, g)`` gives (2 a trial): the kernels' τ is the rule's bit
+    for bit and keeps the float64 kept set."""
     from klpenalty.ops.reference import kept_set_reference
 
     op = torch.ops.klpenalty.triton_sampling_threshold
-    g = torch.Generator().manual_seed(33)
+    g = torch.Generator().manual_seed(seed)
 
     def pick(options):
         return options[int(torch.randint(0, len(options), (1,), generator=g))]
 
-    for trial in range(40):
-        vocab = pick([257, 3000])
-        x = torch.randn(2, vocab, generator=g) * pick([0.05, 0.5, 2.0, 8.0]) + pick([0.0, 30.0])
-        if trial % 3 == 1:
-            x = x.bfloat16().float()  # a bf16 model's logits upcast: many equal values
-        if trial % 4 == 2:
-            x[0, torch.randint(0, vocab, (vocab // 10,), generator=g)] = NINF
-            x[1, : vocab // 3] = x[1, vocab // 3: 2 * (vocab // 3)]  # every value twice
-        setting = (pick([0, 0, 3, 40]), pick([1.0, 0.5, 0.9, 0.99, 0.999]),
-                   pick([0.0, 0.0, 0.01, 0.1]), pick([0.3, 0.7, 1.0, 1.3, 3.0]))
-        if setting[:3] == (0, 1.0, 0.0):
-            setting = (0, 0.95) + setting[2:]
-        tau = op(_on(x), *setting).cpu()
-        assert torch.equal(tau, _threshold_rule(x, *setting)), (trial, setting)
-        kw = dict(top_k=setting[0] or None, top_p=setting[1], min_p=setting[2],
-                  temperature=setting[3])
-        for r in range(2):
-            assert torch.equal(x[r] >= tau[r], kept_set_reference(x[r], **kw)), (trial, r, kw)
-
-
-@pytest.mark.parametrize("chunk", [None, 64])
-def test_bf16_sampler_thresholds_in_a_random_search(chunk, monkeypatch):
-    """A random search over bf16 rows (scales 0.05 to 8, offsets −30 to 30: the answer in the
-    window of keys, in a chunk of it below the max's, or below the window; a few −inf, every
-    value twice) and sampler settings (top-k, top-p up to 0.999, min-p, temperatures 0.3 to
-    3): the kernels' τ is the rule's bit for bit and keeps the float64 kept set. ``chunk`` =
-    64: the window's loops stepped in chunks as compiled code steps them (interpreted, the
-    window is one chunk)."""
-    from klpenalty.ops.reference import kept_set_reference
-
-    if CUDA and chunk:
-        pytest.skip("compiled: the window's chunks are the kernel's own")
-    if chunk:
-        from klpenalty.ops.triton import _kernels_threshold
-
-        monkeypatch.setattr(_kernels_threshold, "_CHUNK", chunk)
-    op = torch.ops.klpenalty.triton_sampling_threshold
-    g = torch.Generator().manual_seed(34)
-
-    def pick(options):
-        return options[int(torch.randint(0, len(options), (1,), generator=g))]
-
-    for trial in range(24):
-        vocab = pick([257, 3000])
-        x = torch.randn(2, vocab, generator=g) * pick([0.05, 0.5, 2.0, 8.0])
-        x = (x + pick([0.0, 0.0, 3.0, 30.0, -30.0])).bfloat16()
+    for trial in range(trials):
+        x = make_rows(trial, pick, g)
+        vocab = x.shape[-1]
         if trial % 4 == 2:
             x[0, torch.randint(0, vocab, (vocab // 10,), generator=g)] = NINF
             x[1, : vocab // 3] = x[1, vocab // 3: 2 * (vocab // 3)]  # every value twice
@@ -974,6 +930,42 @@ def test_bf16_sampler_thresholds_in_a_random_search(chunk, monkeypatch):
         for r in range(2):
             assert torch.equal(x[r].float() >= tau[r], kept_set_reference(x[r], **kw)), (
                 trial, r, kw)
+
+
+def test_fp32_sampler_thresholds_in_a_random_search():
+    """A random search over float32 rows (scales 0.05 to 8, offsets, values of a bf16 grid, a
+    few −inf, repeated values) and sampler settings (:func:`_sampler_search`), whichever of
+    the candidate list, the second count or the searches decides."""
+
+    def rows(trial, pick, g):
+        vocab = pick([257, 3000])
+        x = torch.randn(2, vocab, generator=g) * pick([0.05, 0.5, 2.0, 8.0]) + pick([0.0, 30.0])
+        if trial % 3 == 1:
+            x = x.bfloat16().float()  # a bf16 model's logits upcast: many equal values
+        return x
+
+    _sampler_search(rows, 40, seed=33)
+
+
+@pytest.mark.parametrize("chunk", [None, 64])
+def test_bf16_sampler_thresholds_in_a_random_search(chunk, monkeypatch):
+    """A random search over bf16 rows (scales 0.05 to 8, offsets −30 to 30: the answer in the
+    window of keys, in a chunk of it below the max's, or below the window; a few −inf, every
+    value twice) and sampler settings (:func:`_sampler_search`). ``chunk`` = 64: the window's
+    loops stepped in chunks as compiled code steps them (interpreted, the window is one
+    chunk)."""
+    if CUDA and chunk:
+        pytest.skip("compiled: the window's chunks are the kernel's own")
+    if chunk:
+        from klpenalty.ops.triton import _kernels_threshold
+
+        monkeypatch.setattr(_kernels_threshold, "_CHUNK", chunk)
+
+    def rows(trial, pick, g):
+        x = torch.randn(2, pick([257, 3000]), generator=g) * pick([0.05, 0.5, 2.0, 8.0])
+        return (x + pick([0.0, 0.0, 3.0, 30.0, -30.0])).bfloat16()
+
+    _sampler_search(rows, 24, seed=34)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

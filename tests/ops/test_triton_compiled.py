@@ -147,7 +147,7 @@ SCAN_BUDGET = {(True, False): 28.0, (False, False): 22.0, (False, True): 33.0,
 # Triton 3.6 (the GPU image's) lowers ``tl.histogram`` per warp: each iteration adds the warp's
 # counts of every bin to shared memory, so top-k's digits are of 7 bits there (128 bins: 62-67
 # instructions an element, ~3× 3.9's) and the window holds 512 keys (137-159 instructions an
-# element, ~2-4× 3.9's with 2048; benchmarks/README.md states what that predicts)
+# element, 2-5× 3.9's with 2048; benchmarks/README.md states what that predicts)
 if _kernels().RADIX_DIGIT < 8:
     SCAN_BUDGET = {(True, False): 72.0, (False, False): 68.0, (False, True): 150.0,
                    (True, True): 170.0}

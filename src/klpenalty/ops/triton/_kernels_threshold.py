@@ -10,9 +10,9 @@ further digit takes one program per row that merges the row's histograms and pic
 of the k-th (:func:`threshold_select_kernel`) and one more split read; for top-p on 16-bit
 logits a split read (top-k's last, or its own) counts each of the WINDOW_KEYS keys up to the
 row's max (its own, for top-p without top-k, also sums the float64 mass of the logits below
-them, :func:`_exp64`: Z takes no read of the row); for top-p on 32-bit logits split reads list a
-row's candidates (:func:`threshold_cand_kernel`: top-k's set, or top-p's band of value bins
-found from one or two counts by :func:`threshold_band_kernel`) and one program per row
+them, :func:`_exp64`: Z takes no read of the row); for top-p on 32-bit logits split reads
+list a row's candidates (:func:`threshold_cand_kernel`: top-k's set, or top-p's band of value
+bins found from one or two counts by :func:`threshold_band_kernel`) and one program per row
 decides on them in float64 (:func:`threshold_list_kernel`). One program per row
 (:func:`threshold_kernel`) then picks the last digit (the k-th largest key exactly) and runs
 top-p's and min-p's reads where nothing before decided them (top-p from the window of keys
@@ -53,9 +53,10 @@ RADIX_DIGIT = 7 if _PER_WARP_HISTOGRAM else 11
 # of a row's mass).
 WINDOW_KEYS = 512 if _PER_WARP_HISTOGRAM else 2048
 
-# Keys of the window a step of its loops in the row's program: compiled, 256 (its whole [2048]
-# vectors would spill registers); interpreted, all at once (each step costs the interpreter's
-# per-call overhead, not arithmetic).
+# Keys of the window a step of its loops in the row's program: compiled, 512 (256 for a window
+# of 512: two steps, so the answer reads half of it again; its whole [2048] vectors would spill
+# registers); interpreted, all at once (each step costs the interpreter's per-call overhead,
+# not arithmetic).
 _CHUNK = tl.constexpr(WINDOW_KEYS if INTERPRETED else min(512, WINDOW_KEYS // 2))
 _W = tl.constexpr(WINDOW_KEYS)
 

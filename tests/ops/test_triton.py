@@ -72,6 +72,18 @@ def _interpreter_on_cpu():
         yield
 
 
+@pytest.fixture(params=[None] if CUDA else [None, 64], ids=lambda c: f"chunk{c or ''}")
+def window_chunk(request, monkeypatch):
+    """The window of keys taken whole, as the interpreter takes it, and (interpreted only) in
+    chunks of 64 keys, as compiled code steps it (its answer then possibly in a lower chunk
+    than the max's, found from the chunks' masses)."""
+    if request.param:
+        from klpenalty.ops.triton import _kernels_threshold
+
+        monkeypatch.setattr(_kernels_threshold, "_CHUNK", request.param)
+    return request.param
+
+
 def _on(*tensors):
     out = tuple(t.to(DEVICE) for t in tensors)
     return out if len(out) > 1 else out[0]
@@ -693,26 +705,20 @@ def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
         op(_on(row), -2, 1.0, 0.0, 1.0)
 
 
-@pytest.mark.parametrize("chunk", [None, 64])
-def test_top_p_on_16_bit_logits_from_the_window_of_keys(chunk, monkeypatch):
+def test_top_p_on_16_bit_logits_from_the_window_of_keys(window_chunk, monkeypatch):
     """bf16 rows: top-p decided by the counts of the window's keys up to the max (one value a
     key) without a search where the answer lies there — boundaries 1e-9 apart (float64
     masses), after top-k too, where Z and min-p's τ come from the window with no read of the
     row — and by the search below the window, the window's mass carried, where it does not (a
-    deep p: the answer a negative logit under a positive max). Interpreted, the window is one
-    chunk; ``chunk`` = 64 steps it as compiled code does (its answer then in a lower chunk
-    than the max's, found from the chunks' masses)."""
+    deep p: the answer a negative logit under a positive max). The window whole and in chunks
+    (``window_chunk``)."""
     g = torch.Generator().manual_seed(8)
     row = (torch.randn(1, 300, generator=g) * 1.5).to(torch.bfloat16)
     op = torch.ops.klpenalty.triton_sampling_threshold
     searches = []
-    if CUDA and chunk:
-        pytest.skip("compiled: the window's chunks are the kernel's own")
     if not CUDA:
         from klpenalty.ops.triton import _kernels_threshold
 
-        if chunk:
-            monkeypatch.setattr(_kernels_threshold, "_CHUNK", chunk)
         bucket_sums = _kernels_threshold._bucket_sums
 
         def counted(*args):
@@ -947,19 +953,11 @@ def test_fp32_sampler_thresholds_in_a_random_search():
     _sampler_search(rows, 40, seed=33)
 
 
-@pytest.mark.parametrize("chunk", [None, 64])
-def test_bf16_sampler_thresholds_in_a_random_search(chunk, monkeypatch):
+def test_bf16_sampler_thresholds_in_a_random_search(window_chunk):
     """A random search over bf16 rows (scales 0.05 to 8, offsets −30 to 30: the answer in the
     window of keys, in a chunk of it below the max's, or below the window; a few −inf, every
-    value twice) and sampler settings (:func:`_sampler_search`). ``chunk`` = 64: the window's
-    loops stepped in chunks as compiled code steps them (interpreted, the window is one
-    chunk)."""
-    if CUDA and chunk:
-        pytest.skip("compiled: the window's chunks are the kernel's own")
-    if chunk:
-        from klpenalty.ops.triton import _kernels_threshold
-
-        monkeypatch.setattr(_kernels_threshold, "_CHUNK", chunk)
+    value twice) and sampler settings (:func:`_sampler_search`), the window whole and in
+    chunks (``window_chunk``)."""
 
     def rows(trial, pick, g):
         x = torch.randn(2, pick([257, 3000]), generator=g) * pick([0.05, 0.5, 2.0, 8.0])

@@ -144,7 +144,7 @@ WINDOW_BUDGET = 190.0
 # digits, 2048 bins: 26.1 in pass 0, 18.6-20.8 after it).
 SCAN_BUDGET = {(True, False): 28.0, (False, False): 22.0, (False, True): 33.0,
                (True, True): 72.0}
-# Triton 3.6 (the GPU image's) lowers ``tl.histogram`` per warp: each iteration adds the warp's
+# Triton 3.6 (torch 2.11's) lowers ``tl.histogram`` per warp: each iteration adds the warp's
 # counts of every bin to shared memory, so top-k's digits are of 7 bits there (128 bins: 62-67
 # instructions an element, ~3× 3.9's) and the window holds 512 keys (137-159 instructions an
 # element, 2-5× 3.9's with 2048; benchmarks/README.md states what that predicts)
@@ -182,8 +182,8 @@ def test_the_threshold_kernel_loops(compiled):
 
 def test_the_threshold_scan_reads_16_bytes_a_load_and_histograms_in_shared_memory(compiled):
     """The split scan (pass 0 and top-k's digits: 2 reads of a bf16 row, the second counting
-    top-p's window of keys too, 4 of an fp32 one, 3 and 5 with the 7-bit digits of Triton
-    before 3.9; top-p alone on bf16: pass 0, then the window
+    top-p's window of keys too, 3 of an fp32 one with its 11-bit digits; 3 and 5 with the
+    7-bit digits of Triton before 3.9; top-p alone on bf16: pass 0, then the window
     with Z's sums below it): one column loop of 128-bit loads, its histograms by shared-memory
     atomics (ATOMS, no shuffle), within its instruction budget per element."""
     found = _launches(compiled, "threshold_scan_kernel")

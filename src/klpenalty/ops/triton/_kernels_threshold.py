@@ -33,7 +33,7 @@ __all__ = ["BAND_BINS", "RADIX_DIGIT", "WINDOW_KEYS", "threshold_band_kernel",
            "threshold_cand_kernel", "threshold_kernel", "threshold_list_kernel",
            "threshold_scan_kernel", "threshold_select_kernel"]
 
-# Triton before 3.9 (3.6 is the GPU image's) lowers ``tl.histogram`` per warp, adding the
+# Triton before 3.9 (3.6: torch 2.11's) lowers ``tl.histogram`` per warp, adding the
 # warp's counts of every bin to shared memory each iteration: there a histogram's cost grows
 # with its bins.
 _PER_WARP_HISTOGRAM = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)

@@ -91,8 +91,8 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     further digit of top-k takes :func:`._kernels_threshold.threshold_select_kernel` (one
     program per row: the digit of the k-th, from the merged histograms) and one more
     histogram read; for top-p on 16-bit logits a scan (top-k's last, or its own) counts the
-    keys of a window up to the row's max (``WINDOW_KEYS``) (its own also sums Z's float64 mass below them per
-    program); for top-p on 32-bit logits :func:`._kernels_threshold.threshold_cand_kernel`
+    ``WINDOW_KEYS`` keys up to the row's max (its own also sums Z's float64 mass below them
+    per program); for top-p on 32-bit logits :func:`._kernels_threshold.threshold_cand_kernel`
     lists the row's candidates (after top-k its set, else top-p's band of value bins, from
     one or two counts, :func:`._kernels_threshold.threshold_band_kernel`) and
     :func:`._kernels_threshold.threshold_list_kernel` decides on them;
@@ -112,7 +112,7 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     splits = max(1, -(-vocab // cols))
     cut_k = 0 < top_k < vocab
     cut_p = top_p < 1.0
-    # top-p on 16-bit logits: a read (top-k's last) counts each of the window's keys up to the max
+    # top-p on 16-bit logits: a read (top-k's last) counts each of the window's keys
     window = cut_p and x.element_size() == 2
     # top-p without top-k (every finite logit a candidate): the window's scan sums the mass
     # below the window per program, the row's program adds them (no read of the row for Z)

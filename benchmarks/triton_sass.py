@@ -397,6 +397,7 @@ def table(results: list[dict]) -> str:
 GPU = dict(sms=132, clock=1.98e9, issue=128, bandwidth=4.3e12)
 COST_SHAPES = [(2048, 32000), (64, 151936)]
 COST_SAMPLERS = [(50, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.05), (50, 0.9, 0.05)]
+COST_DTYPES = ("bf16", "fp16", "fp32")
 _COUNTING = r"""
 import json, sys, torch
 import klpenalty
@@ -434,7 +435,7 @@ out = {}
 for vocab, dtype, top_k, top_p, min_p in json.loads(sys.argv[1]):
     for c in counts:
         counts[c] = 0
-    dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     gen = torch.Generator().manual_seed(vocab)
     x = (torch.randn(2, vocab, generator=gen) * 2).to(dt)
     torch.ops.klpenalty.triton_sampling_threshold(x, top_k, top_p, min_p, 1.0)
@@ -524,9 +525,9 @@ def threshold_cost() -> list[dict]:
     # compiled at each shape's vocabulary (the candidate list's length follows it)
     cases = [dict(name=f"cost {smp} {vocab}", vocab=vocab, dtype=dt, want=1, sampler=smp,
                   backward=False)
-             for _, vocab in COST_SHAPES for dt in ("bf16", "fp32") for smp in COST_SAMPLERS]
+             for _, vocab in COST_SHAPES for dt in COST_DTYPES for smp in COST_SAMPLERS]
     results = compile_cases(cases)
-    reads = search_reads([(v, dt, *smp) for _, v in COST_SHAPES for dt in ("bf16", "fp32")
+    reads = search_reads([(v, dt, *smp) for _, v in COST_SHAPES for dt in COST_DTYPES
                           for smp in COST_SAMPLERS])
     out = []
     for n, vocab in COST_SHAPES:
@@ -535,7 +536,7 @@ def threshold_cost() -> list[dict]:
         elems = n * vocab
         for case in [c for c in cases if c["vocab"] == vocab]:
             dtype, smp = case["dtype"], case["sampler"]
-            b = {"bf16": 2, "fp32": 4}[dtype]
+            b = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
             launches = [r for r in results if r.get("case") == case["name"]
                         and r["dtype"] == dtype]
             kl = next(r for r in launches if r["kernel"] == "stats_kernel")

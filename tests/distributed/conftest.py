@@ -15,12 +15,14 @@ after ``RUN_TIMEOUT_S``.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from ..ranks import collect_ranks, start_ranks, wait_ranks
 
@@ -60,19 +62,35 @@ def _collect(world: int, tmp: Path, procs: list[subprocess.Popen]) -> list[dict]
     return collect_ranks(f"world {world}", tmp, procs)
 
 
-@pytest.fixture(scope="session")
-def groups(tmp_path_factory) -> dict[int, list[dict]]:
-    """Run every check once per world size, both groups at once; {world: [per-rank results]}."""
+def _run_groups(root: Path) -> dict[int, list[dict]]:
     if not torch.distributed.is_available() or not torch.distributed.is_backend_available(BACKEND):
         pytest.fail(f"this torch build has no torch.distributed / {BACKEND}: cannot run the ranks")
     runs = {}
     for world in WORLD_SIZES:
-        tmp = tmp_path_factory.mktemp(f"world{world}")
+        tmp = root / f"world{world}"
+        tmp.mkdir()
         runs[world] = (tmp, *_start(world, tmp))
     procs = [p for _, ps, _ in runs.values() for p in ps]
     logs = [log for _, _, ls in runs.values() for log in ls]
     wait_ranks(procs, logs, RUN_TIMEOUT_S, "the process groups")
     return {world: _collect(world, tmp, ps) for world, (tmp, ps, _) in runs.items()}
+
+
+@pytest.fixture(scope="session")
+def groups(tmp_path_factory) -> dict[int, list[dict]]:
+    """Run every check once per world size, both groups at once; {world: [per-rank results]}.
+    Under pytest-xdist the first worker to ask runs them and leaves the results in the
+    workers' shared temporary folder; the others wait on its lock and read them."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return _run_groups(tmp_path_factory.mktemp("groups"))
+    shared = tmp_path_factory.getbasetemp().parent
+    with FileLock(str(shared / "groups.lock")):
+        done = shared / "groups.json"
+        if done.is_file():
+            return {int(w): r for w, r in json.loads(done.read_text()).items()}
+        out = _run_groups(tmp_path_factory.mktemp("groups"))
+        done.write_text(json.dumps(out))
+        return out
 
 
 def needs_peers(world: int, check: str) -> None:

@@ -7,13 +7,13 @@ where the forward's sampler settings cut. Each row is split into programs as the
 smallest finite logit and NaN flag and, for top-k, the count histogram (``tl.histogram``) of
 the first digit of the logits' order-preserving keys (:func:`_radix_key`); each
 further digit takes one program per row that merges the row's histograms and picks the digit
-of the k-th (:func:`threshold_select_kernel`) and one more split read; for top-p on 16-bit
+of the k-th (:func:`threshold_select_kernel`) and one more split read; for top-p on bf16
 logits a split read (top-k's last, or its own) counts each of the WINDOW_KEYS keys up to the
 row's max (its own, for top-p without top-k, also sums the float64 mass of the logits below
-them, :func:`_exp64`: Z takes no read of the row); for top-p on 32-bit logits split reads
-list a row's candidates (:func:`threshold_cand_kernel`: top-k's set, or top-p's band of value
-bins found from one or two counts by :func:`threshold_band_kernel`) and one program per row
-decides on them in float64 (:func:`threshold_list_kernel`). One program per row
+them, :func:`_exp64`: Z takes no read of the row); for top-p on fp32 and fp16 logits split
+reads list a row's candidates (:func:`threshold_cand_kernel`: top-k's set, or top-p's band of
+value bins found from one or two counts by :func:`threshold_band_kernel`) and one program per
+row decides on them in float64 (:func:`threshold_list_kernel`). One program per row
 (:func:`threshold_kernel`) then picks the last digit (the k-th largest key exactly) and runs
 top-p's and min-p's reads where nothing before decided them (top-p from the window of keys
 where it holds the answer, else radix selects over the keys with float64 masses), and
@@ -37,9 +37,9 @@ __all__ = ["BAND_BINS", "RADIX_DIGIT", "WINDOW_KEYS", "threshold_band_kernel",
 # warp's counts of every bin to shared memory each iteration: there a histogram's cost grows
 # with its bins.
 _PER_WARP_HISTOGRAM = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
-# Bins of top-p's band counts on 32-bit keys (:func:`threshold_cand_kernel`): 4096; 512 with
-# per-warp histograms, whose count costs with its bins (4096 spill to local memory there; 2048
-# cost 266 instructions an element), the wider band more often counted twice.
+# Bins of top-p's band counts on fp32 and fp16 logits (:func:`threshold_cand_kernel`): 4096;
+# 512 with per-warp histograms, whose count costs with its bins (4096 spill to local memory
+# there; 2048 cost 266 instructions an element), the wider band more often counted twice.
 BAND_BINS = 512 if _PER_WARP_HISTOGRAM else 4096
 # The most bits of a digit of top-k's radix select (threshold.digits: the fewest reads, the
 # digits as even as can be), a count histogram of up to 2^RADIX_DIGIT bins a read of the row:
@@ -47,7 +47,7 @@ BAND_BINS = 512 if _PER_WARP_HISTOGRAM else 4096
 # cost hardly grows with its bins there); 7 with per-warp histograms (128 bins: bf16 keys in
 # 3 reads instead of 2, fp32 in 5 instead of 4, fewer instructions in all).
 RADIX_DIGIT = 7 if _PER_WARP_HISTOGRAM else 11
-# The keys of top-p's window on 16-bit logits, up to the row's max (each key's count a bin of a
+# The keys of top-p's window on bf16 logits, up to the row's max (each key's count a bin of a
 # histogram): 2048; 512 with per-warp histograms (4 binades of bf16 below the max against 16:
 # below 1 in magnitude their values lie within a few nats, so the window holds nearly as much
 # of a row's mass).
@@ -95,11 +95,11 @@ def _f64(bits):
 
 
 @_device
-def _kth_key(hist_ptr, hist_stride, row, n_splits):
-    """The k-th largest signed 32-bit key, from top-k's last select (its unsigned key's bits
-    in the row's state at n_splits·2048 of ``hist``)."""
+def _kth_key(hist_ptr, hist_stride, row, n_splits, KEY_SHIFT: tl.constexpr):
+    """The k-th largest signed key of :func:`_order_key`, from top-k's last select (its
+    unsigned key of :func:`_radix_key` in the row's state at n_splits·2048 of ``hist``)."""
     state = hist_ptr + row * hist_stride + n_splits * 2048
-    return tl.load(state).to(tl.uint32, bitcast=True).to(tl.int64) - (1 << 31)
+    return tl.load(state).to(tl.uint32, bitcast=True).to(tl.int64) - (1 << (31 - KEY_SHIFT))
 
 
 @_device
@@ -525,11 +525,11 @@ def threshold_cand_kernel(
     x_ptr, part_ptr, hist_ptr, zpart_ptr, cstate_ptr, cand_ptr, T, stride_xb, stride_xt, V,
     cols, n_splits, hist_stride, scale, log_min_p_bits, temperature,
     MODE: tl.constexpr, MIN_P: tl.constexpr, CAP: tl.constexpr, NBINS: tl.constexpr,
-    SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+    KEY_SHIFT: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Top-p's candidates on 32-bit keys, program (row, split) over its columns [c0, c1), M
-    merged from pass 0's partials (``part`` (N, n_splits, 4) float32); the bins of
-    :func:`_band_bins`, the row's band in ``cstate`` (:func:`_band_state`):
+    """Top-p's candidates on fp32 and fp16 logits, program (row, split) over its columns
+    [c0, c1), M merged from pass 0's partials (``part`` (N, n_splits, 4) float32); the bins
+    of :func:`_band_bins`, the row's band in ``cstate`` (:func:`_band_state`):
 
     - MODE 1 (the band's count): the count histogram of the bins (NBINS, ``tl.histogram``)
       into the row's split s bins at s·NBINS of ``hist``, and the mass Σ exp(x/T − M/T) of its
@@ -583,7 +583,8 @@ def threshold_cand_kernel(
         above_acc = tl.zeros([BLOCK], tl.float64)
         kept_min = tl.full([BLOCK], float("inf"), tl.float32)
     if MODE == 3:
-        x_min = _key_value(_kth_key(hist_ptr, hist_stride, row, n_splits), 0)
+        x_min = _key_value(_kth_key(hist_ptr, hist_stride, row, n_splits, KEY_SHIFT),
+                           KEY_SHIFT)
         if (x_min > float("-inf")) & (x_min < float("inf")):
             q_k = tl.math.div_rn(x_min, temperature)
             below = _float_below(x_min)
@@ -820,7 +821,7 @@ def threshold_kernel(
       F buckets of 2^s keys (:func:`_bucket_sums`), until a bucket is one key), searched with
       float32 masses and checked in one float64 read (:func:`_mass_at`): mass(keys > K) < p·Z
       ≤ mass(keys ≥ K), or K the lowest candidate; where the check fails the search runs again
-      with float64 masses; WINDOW (16-bit logits): first from the counts of the WINDOW_KEYS
+      with float64 masses; WINDOW (bf16 logits): first from the counts of the WINDOW_KEYS
       keys up to M's (:func:`_window_answer`), with no read where the answer lies there, else the
       search runs below them, their mass carried. The logit K (the last kept in the order of
       the logits) is lowered
@@ -829,10 +830,10 @@ def threshold_kernel(
       rounded down): the logits below hold less than 1 − p of the mass together, so each has
       more than p before it. The Z read and the checks take blocks of BLOCK columns (16 bytes
       per thread and load), the searches blocks of BT (the threads: one column each);
-    - CAND (32-bit keys, :func:`threshold_list_kernel`'s results in ``list``): 3, top-k's set
-      listed: τ_k (its smallest), Z and τ_m from it; 2, top-p's band: Z (and τ_m) from the
-      band's read (``zpart``, ``part``); where the list decides, top-p's K is its answer, with
-      no search and no check; else the reads above.
+    - CAND (fp32 and fp16 logits, :func:`threshold_list_kernel`'s results in ``list``): 3,
+      top-k's set listed: τ_k (its smallest), Z and τ_m from it; 2, top-p's band: Z (and τ_m)
+      from the band's read (``zpart``, ``part``); where the list decides, top-p's K is its
+      answer, with no search and no check; else the reads above.
     """
     XBITS: tl.constexpr = x_ptr.dtype.element_ty.primitive_bitwidth
     INNER: tl.constexpr = 128 // XBITS
@@ -866,7 +867,7 @@ def threshold_kernel(
     if TOP_K:
         state = hist_ptr + row * hist_stride + n_splits * 2048
         if CAND == 3:  # top-k's last select ran before the list: the k-th key in the state
-            key_k = _kth_key(hist_ptr, hist_stride, row, n_splits)
+            key_k = _kth_key(hist_ptr, hist_stride, row, n_splits, KEY_SHIFT)
         else:
             key_u, _ = _select_digit(hist_ptr, hist_stride, row, n_splits,
                                      tl.load(state).to(tl.int64), tl.load(state + 1), top_k,

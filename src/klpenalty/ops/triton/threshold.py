@@ -68,10 +68,11 @@ def digits(dtype: torch.dtype, most: int) -> list[tuple[int, int]]:
 
 
 def cand_cap(vocab: int, top_k: int, bins: int = 4096) -> int:
-    """The candidate list's length for top-p on 32-bit keys (a power of two): top-p's band of
-    ``bins`` value bins (V·64/bins, at least 512, at most :data:`BAND_CAP`: at p ≤ 0.95 the
-    band of 4096 bins of high-entropy rows, N(0, 2²) logits, holds about V/70), or top-k's set
-    (twice k, room for ties; at least 256), 0 where it would pass :data:`CAND_MAX`."""
+    """The candidate list's length for top-p on fp32 and fp16 logits (a power of two): top-p's
+    band of ``bins`` value bins (V·64/bins, at least 512, at most :data:`BAND_CAP`: at
+    p ≤ 0.95 the band of 4096 bins of high-entropy rows, N(0, 2²) logits, holds about V/70),
+    or top-k's set (twice k, room for ties; at least 256), 0 where it would pass
+    :data:`CAND_MAX`."""
     if not top_k:
         return min(BAND_CAP, max(512, 1 << (-(-vocab * 64 // bins) - 1).bit_length()))
     cap = max(256, 1 << (2 * top_k - 1).bit_length())
@@ -90,11 +91,12 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     finite logit, NaN and, for top-k, the count histogram of the keys' first digit; each
     further digit of top-k takes :func:`._kernels_threshold.threshold_select_kernel` (one
     program per row: the digit of the k-th, from the merged histograms) and one more
-    histogram read; for top-p on 16-bit logits a scan (top-k's last, or its own) counts the
+    histogram read; for top-p on bf16 logits a scan (top-k's last, or its own) counts the
     ``WINDOW_KEYS`` keys up to the row's max (its own also sums Z's float64 mass below them
-    per program); for top-p on 32-bit logits :func:`._kernels_threshold.threshold_cand_kernel`
-    lists the row's candidates (after top-k its set, else top-p's band of value bins, from
-    one or two counts, :func:`._kernels_threshold.threshold_band_kernel`) and
+    per program); for top-p on fp32 and fp16 logits
+    :func:`._kernels_threshold.threshold_cand_kernel` lists the row's candidates (after top-k
+    its set, else top-p's band of value bins, from one or two counts,
+    :func:`._kernels_threshold.threshold_band_kernel`) and
     :func:`._kernels_threshold.threshold_list_kernel` decides on them;
     :func:`._kernels_threshold.threshold_kernel` (one program per row) then selects the last
     digit and runs top-p's and min-p's reads where the list did not decide."""
@@ -112,17 +114,20 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     splits = max(1, -(-vocab // cols))
     cut_k = 0 < top_k < vocab
     cut_p = top_p < 1.0
-    # top-p on 16-bit logits: a read (top-k's last) counts each of the window's keys
-    window = cut_p and x.element_size() == 2
+    # top-p on bf16 logits: a read (top-k's last) counts each of the window's keys (128 a
+    # binade: WINDOW_KEYS reach 4 or 16 binades below the max; fp16's 1024 a binade would
+    # reach half a binade or two)
+    window = cut_p and x.dtype == torch.bfloat16
     # top-p without top-k (every finite logit a candidate): the window's scan sums the mass
     # below the window per program, the row's program adds them (no read of the row for Z)
     zsum = window and not cut_k
-    # 32-bit keys: top-p (top-k's set after top-k, else the band of bins holding its answer)
-    # decided on a candidate list by a program per row; top-k with min-p alone too
+    # fp32 and fp16 logits: top-p (top-k's set after top-k, else the band of value bins
+    # holding its answer) decided on a candidate list by a program per row; top-k with min-p
+    # alone too
     kernels = _kernels()
     bins = kernels.BAND_BINS  # top-p's value bins (by the Triton version)
     cap = 0
-    if x.element_size() == 4 and (cut_p or (cut_k and min_p > 0.0)):
+    if x.dtype != torch.bfloat16 and (cut_p or (cut_k and min_p > 0.0)):
         cap = cand_cap(vocab, top_k if cut_k else 0, bins)
     cand = (3 if cut_k else 2) if cap else 0
     part = torch.empty((n, splits, 4), dtype=torch.float32, device=x.device)
@@ -175,7 +180,8 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
             _host.launch, kernels.threshold_cand_kernel, (n, splits), x.device, rows.x, part,
             hist, zpart, cstate, cands, *rows.args[:3], vocab, cols, splits, stride,
             bins / -bound if cut_p else 1.0, log_min_p, temperature, MIN_P=min_p > 0.0,
-            CAP=cap, NBINS=bins, SPLITS=1 << (splits - 1).bit_length(), BLOCK=scan_block,
+            CAP=cap, NBINS=bins, KEY_SHIFT=_KEY_SHIFT[x.dtype],
+            SPLITS=1 << (splits - 1).bit_length(), BLOCK=scan_block,
             num_warps=_host.warps(scan_block))
     if cand == 3:  # top-k's last digit selected: the k-th key, then its set listed
         _host.launch(kernels.threshold_select_kernel, (n,), x.device, hist, splits, stride,

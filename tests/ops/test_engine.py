@@ -214,6 +214,11 @@ class _CountSyncs:
     UPLOADS = ((torch, "tensor"), (torch, "as_tensor"), (torch.Tensor, "new_tensor"))
 
     def __init__(self, monkeypatch):
+        # torch._dynamo keys its rules by the functions torch holds when it is first imported:
+        # imported before the patch, it never takes a counting wrapper for torch.tensor (which
+        # would leave the real one untraceable in every later compile of this process)
+        import torch._dynamo  # noqa: F401
+
         self.syncs = 0
         for name in self.READS:
             original = getattr(torch.Tensor, name)

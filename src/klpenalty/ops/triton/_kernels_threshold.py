@@ -5,19 +5,19 @@ They serve the ``sampling_threshold`` op, and run before :func:`._kernels_stats.
 where the forward's sampler settings cut. Each row is split into programs as the forward's
 (:func:`threshold_scan_kernel`, grid (rows, splits)): one read gives each program's max,
 smallest finite logit and NaN flag and, for top-k, the count histogram (``tl.histogram``) of
-the first digit of the logits' order-preserving keys (:func:`_radix_key`); each
-further digit takes one program per row that merges the row's histograms and picks the digit
-of the k-th (:func:`threshold_select_kernel`) and one more split read; for top-p on bf16
-logits a split read (top-k's last, or its own) counts each of the WINDOW_KEYS keys up to the
-row's max (its own, for top-p without top-k, also sums the float64 mass of the logits below
-them, :func:`_exp64`: Z takes no read of the row); for top-p on fp32 and fp16 logits split
-reads list a row's candidates (:func:`threshold_cand_kernel`: top-k's set, or top-p's band of
-value bins found from one or two counts by :func:`threshold_band_kernel`) and one program per
-row decides on them in float64 (:func:`threshold_list_kernel`). One program per row
+the first digit of the logits' order-preserving keys (:func:`_radix_key`); each further digit
+takes one program per row that merges the row's histograms and picks the digit of the k-th
+(:func:`threshold_select_kernel`) and one more split read; for top-p on 16-bit logits where the
+host takes the window (threshold.tau_rows) a split read (top-k's last, or its own) counts each
+of the WINDOW_KEYS keys up to the row's max (its own, for top-p without top-k, also sums the
+float64 mass of the logits below them, :func:`_exp64`: Z takes no read of the row); elsewhere
+split reads list a row's candidates (:func:`threshold_cand_kernel`: top-k's set, or top-p's
+band of value bins found from one or two counts by :func:`threshold_band_kernel`) and one
+program per row decides on them in float64 (:func:`threshold_list_kernel`). One program per row
 (:func:`threshold_kernel`) then picks the last digit (the k-th largest key exactly) and runs
 top-p's and min-p's reads where nothing before decided them (top-p from the window of keys
-where it holds the answer, else radix selects over the keys with float64 masses), and
-writes τ (or its maximum with a given tau) into an (N,) float32 buffer. The host is :mod:`.threshold`;
+where it holds the answer, else radix selects over the keys with float64 masses), and writes τ
+(or its maximum with a given tau) into an (N,) float32 buffer. The host is :mod:`.threshold`;
 docs/triton.md describes the searches and ``tests/ops/test_triton_compiled.py`` checks their
 machine code.
 """
@@ -29,29 +29,29 @@ import triton.language as tl
 
 from ._kernels_common import INTERPRETED, _device, _row_offset, _split_columns
 
-__all__ = ["BAND_BINS", "RADIX_DIGIT", "WINDOW_KEYS", "threshold_band_kernel",
+__all__ = ["BAND_BINS", "PER_WARP_HISTOGRAM", "RADIX_DIGIT", "WINDOW_KEYS", "threshold_band_kernel",
            "threshold_cand_kernel", "threshold_kernel", "threshold_list_kernel",
            "threshold_scan_kernel", "threshold_select_kernel"]
 
 # Triton before 3.9 (3.6: torch 2.11's) lowers ``tl.histogram`` per warp, adding the
 # warp's counts of every bin to shared memory each iteration: there a histogram's cost grows
 # with its bins.
-_PER_WARP_HISTOGRAM = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
-# Bins of top-p's band counts on fp32 and fp16 logits (:func:`threshold_cand_kernel`): 4096;
+PER_WARP_HISTOGRAM = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
+# Bins of top-p's band counts (:func:`threshold_cand_kernel`): 4096;
 # 512 with per-warp histograms, whose count costs with its bins (4096 spill to local memory
 # there; 2048 cost 266 instructions an element), the wider band more often counted twice.
-BAND_BINS = 512 if _PER_WARP_HISTOGRAM else 4096
+BAND_BINS = 512 if PER_WARP_HISTOGRAM else 4096
 # The most bits of a digit of top-k's radix select (threshold.digits: the fewest reads, the
 # digits as even as can be), a count histogram of up to 2^RADIX_DIGIT bins a read of the row:
 # 11 (bf16 keys 8 + 8, fp32 11 + 11 + 10: 3 reads, not 4 with 8-bit digits; a histogram's
 # cost hardly grows with its bins there); 7 with per-warp histograms (128 bins: bf16 keys in
 # 3 reads instead of 2, fp32 in 5 instead of 4, fewer instructions in all).
-RADIX_DIGIT = 7 if _PER_WARP_HISTOGRAM else 11
-# The keys of top-p's window on bf16 logits, up to the row's max (each key's count a bin of a
+RADIX_DIGIT = 7 if PER_WARP_HISTOGRAM else 11
+# The keys of top-p's window on 16-bit logits, up to the row's max (each key's count a bin of a
 # histogram): 2048; 512 with per-warp histograms (4 binades of bf16 below the max against 16:
 # below 1 in magnitude their values lie within a few nats, so the window holds nearly as much
 # of a row's mass).
-WINDOW_KEYS = 512 if _PER_WARP_HISTOGRAM else 2048
+WINDOW_KEYS = 512 if PER_WARP_HISTOGRAM else 2048
 
 # Keys of the window a step of its loops in the row's program: compiled, 512 (256 for a window
 # of 512: two steps, so the answer reads half of it again; its whole [2048] vectors would spill
@@ -527,9 +527,9 @@ def threshold_cand_kernel(
     MODE: tl.constexpr, MIN_P: tl.constexpr, CAP: tl.constexpr, NBINS: tl.constexpr,
     KEY_SHIFT: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """Top-p's candidates on fp32 and fp16 logits, program (row, split) over its columns
-    [c0, c1), M merged from pass 0's partials (``part`` (N, n_splits, 4) float32); the bins
-    of :func:`_band_bins`, the row's band in ``cstate`` (:func:`_band_state`):
+    """Top-p's candidates where no window of keys is counted, program (row, split) over its
+    columns [c0, c1), M merged from pass 0's partials (``part`` (N, n_splits, 4) float32); the
+    bins of :func:`_band_bins`, the row's band in ``cstate`` (:func:`_band_state`):
 
     - MODE 1 (the band's count): the count histogram of the bins (NBINS, ``tl.histogram``)
       into the row's split s bins at s·NBINS of ``hist``, and the mass Σ exp(x/T − M/T) of its
@@ -821,7 +821,7 @@ def threshold_kernel(
       F buckets of 2^s keys (:func:`_bucket_sums`), until a bucket is one key), searched with
       float32 masses and checked in one float64 read (:func:`_mass_at`): mass(keys > K) < p·Z
       ≤ mass(keys ≥ K), or K the lowest candidate; where the check fails the search runs again
-      with float64 masses; WINDOW (bf16 logits): first from the counts of the WINDOW_KEYS
+      with float64 masses; WINDOW (16-bit logits): first from the counts of the WINDOW_KEYS
       keys up to M's (:func:`_window_answer`), with no read where the answer lies there, else the
       search runs below them, their mass carried. The logit K (the last kept in the order of
       the logits) is lowered
@@ -830,7 +830,7 @@ def threshold_kernel(
       rounded down): the logits below hold less than 1 − p of the mass together, so each has
       more than p before it. The Z read and the checks take blocks of BLOCK columns (16 bytes
       per thread and load), the searches blocks of BT (the threads: one column each);
-    - CAND (fp32 and fp16 logits, :func:`threshold_list_kernel`'s results in ``list``): 3,
+    - CAND (:func:`threshold_list_kernel`'s results in ``list``): 3,
       top-k's set listed: τ_k (its smallest), Z and τ_m from it; 2, top-p's band: Z (and τ_m)
       from the band's read (``zpart``, ``part``); where the list decides, top-p's K is its
       answer, with no search and no check; else the reads above.

@@ -68,7 +68,7 @@ def digits(dtype: torch.dtype, most: int) -> list[tuple[int, int]]:
 
 
 def cand_cap(vocab: int, top_k: int, bins: int = 4096) -> int:
-    """The candidate list's length for top-p on fp32 and fp16 logits (a power of two): top-p's
+    """The candidate list's length for top-p without the window of keys (a power of two): top-p's
     band of ``bins`` value bins (V·64/bins, at least 512, at most :data:`BAND_CAP`: at
     p ≤ 0.95 the band of 4096 bins of high-entropy rows, N(0, 2²) logits, holds about V/70),
     or top-k's set (twice k, room for ties; at least 256), 0 where it would pass
@@ -91,9 +91,9 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     finite logit, NaN and, for top-k, the count histogram of the keys' first digit; each
     further digit of top-k takes :func:`._kernels_threshold.threshold_select_kernel` (one
     program per row: the digit of the k-th, from the merged histograms) and one more
-    histogram read; for top-p on bf16 logits a scan (top-k's last, or its own) counts the
-    ``WINDOW_KEYS`` keys up to the row's max (its own also sums Z's float64 mass below them
-    per program); for top-p on fp32 and fp16 logits
+    histogram read; for top-p on 16-bit logits where the window holds its answer (below) a
+    scan (top-k's last, or its own) counts the ``WINDOW_KEYS`` keys up to the row's max (its
+    own also sums Z's float64 mass below them per program); elsewhere
     :func:`._kernels_threshold.threshold_cand_kernel` lists the row's candidates (after top-k
     its set, else top-p's band of value bins, from one or two counts,
     :func:`._kernels_threshold.threshold_band_kernel`) and
@@ -114,20 +114,24 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     splits = max(1, -(-vocab // cols))
     cut_k = 0 < top_k < vocab
     cut_p = top_p < 1.0
-    # top-p on bf16 logits: a read (top-k's last) counts each of the window's keys (128 a
-    # binade: WINDOW_KEYS reach 4 or 16 binades below the max; fp16's 1024 a binade would
-    # reach half a binade or two)
-    window = cut_p and x.dtype == torch.bfloat16
+    kernels = _kernels()
+    # top-p on 16-bit logits: a read (top-k's last) counts each of the WINDOW_KEYS keys up to
+    # the max, where they hold its answer: bf16 top-p alone (128 keys a binade: 4 or 16
+    # binades; fp16's 1024 a binade reach half a binade or two); after top-k (its set lies
+    # there), bf16's and fp16's, where a histogram's cost hardly grows with its bins (Triton
+    # 3.9: 2048 keys). Else a candidate list decides (below)
+    bf16 = x.dtype == torch.bfloat16
+    window = cut_p and x.element_size() == 2 and (
+        bf16 and not cut_k if kernels.PER_WARP_HISTOGRAM else bf16 or cut_k)
     # top-p without top-k (every finite logit a candidate): the window's scan sums the mass
     # below the window per program, the row's program adds them (no read of the row for Z)
     zsum = window and not cut_k
-    # fp32 and fp16 logits: top-p (top-k's set after top-k, else the band of value bins
-    # holding its answer) decided on a candidate list by a program per row; top-k with min-p
-    # alone too
-    kernels = _kernels()
+    # top-p without the window, and fp32's top-k with min-p alone: decided on a candidate
+    # list (top-k's set after top-k, else the band of value bins holding top-p's answer) by a
+    # program per row
     bins = kernels.BAND_BINS  # top-p's value bins (by the Triton version)
     cap = 0
-    if x.dtype != torch.bfloat16 and (cut_p or (cut_k and min_p > 0.0)):
+    if (x.element_size() == 4 or (cut_p and not window)) and (cut_p or (cut_k and min_p > 0.0)):
         cap = cand_cap(vocab, top_k if cut_k else 0, bins)
     cand = (3 if cut_k else 2) if cap else 0
     part = torch.empty((n, splits, 4), dtype=torch.float32, device=x.device)

@@ -49,6 +49,16 @@ __all__ = [
 ]
 
 
+def patch_torch(monkeypatch, owner, name: str, wrapper) -> None:
+    """``monkeypatch.setattr(owner, name, wrapper)`` for a function of torch, once torch._dynamo
+    is imported: dynamo keys its rules by the functions torch holds when it is first imported,
+    so a wrapper in place then would leave the real function untraceable in every later
+    compile of the process."""
+    import torch._dynamo  # noqa: F401
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
 def make_logits(
     shape: tuple[int, ...], dtype: torch.dtype = torch.float32, *, seed: int = 0, scale: float = 3.0
 ) -> tuple[torch.Tensor, torch.Tensor]:

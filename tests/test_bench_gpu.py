@@ -90,8 +90,10 @@ def bench(monkeypatch):
     """bench_gpu as a module in this process: CUDA stubbed, Triton interpreted."""
     import torch
 
+    from tests.helpers import patch_torch
+
     for name, value in cuda_stubs().items():
-        monkeypatch.setattr(torch.cuda, name, value)
+        patch_torch(monkeypatch, torch.cuda, name, value)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # as tests/ops/test_triton.py runs it
     yield load_bench()
     torch._dynamo.reset()  # the compile rows' compilations stay out of later tests

@@ -16,7 +16,7 @@ import torch
 from klpenalty import TopKMass, topk_divergence, topk_mass
 from klpenalty.topk import KINDS
 
-from .helpers import DTYPES, grad_tol, tol
+from .helpers import DTYPES, grad_tol, patch_torch, tol
 
 FORWARD = ("renormalized_forward_kl", "tail_forward_kl", "unnormalized_forward_kl")
 
@@ -244,8 +244,8 @@ def test_full_vocabulary_kinds_use_the_streamed_log_sum_exp(monkeypatch):
     real_token_logprobs, real_log_softmax = topk.token_logprobs, torch.log_softmax
     monkeypatch.setattr(topk, "token_logprobs",
                         lambda *a, **kw: calls.append(1) or real_token_logprobs(*a, **kw))
-    monkeypatch.setattr(torch, "log_softmax",
-                        lambda t, *a, **kw: shapes.append(t.shape) or real_log_softmax(t, *a, **kw))
+    patch_torch(monkeypatch, torch, "log_softmax",
+                lambda t, *a, **kw: shapes.append(t.shape) or real_log_softmax(t, *a, **kw))
     for kind in KINDS:
         topk_divergence(x, ids, lt, kind)
     assert len(calls) == len(KINDS) - 1

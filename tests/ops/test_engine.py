@@ -9,7 +9,7 @@ import torch
 import klpenalty
 from klpenalty.ops import dispatch, engine, native, streaming
 from klpenalty.ops.reference import full_kl_reference, token_logprobs_reference
-from tests.helpers import grad_tol, tol
+from tests.helpers import grad_tol, patch_torch, tol
 from tests.helpers import views
 
 NINF = float("-inf")
@@ -214,17 +214,12 @@ class _CountSyncs:
     UPLOADS = ((torch, "tensor"), (torch, "as_tensor"), (torch.Tensor, "new_tensor"))
 
     def __init__(self, monkeypatch):
-        # torch._dynamo keys its rules by the functions torch holds when it is first imported:
-        # imported before the patch, it never takes a counting wrapper for torch.tensor (which
-        # would leave the real one untraceable in every later compile of this process)
-        import torch._dynamo  # noqa: F401
-
         self.syncs = 0
         for name in self.READS:
             original = getattr(torch.Tensor, name)
-            monkeypatch.setattr(torch.Tensor, name, self._counting(original))
+            patch_torch(monkeypatch, torch.Tensor, name, self._counting(original))
         for owner, name in self.UPLOADS:
-            monkeypatch.setattr(owner, name, self._counting(getattr(owner, name)))
+            patch_torch(monkeypatch, owner, name, self._counting(getattr(owner, name)))
 
     def _counting(self, original):
         def read(*args, **kwargs):

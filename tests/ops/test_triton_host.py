@@ -24,7 +24,7 @@ from klpenalty.ops.triton._load import _kernels
 from klpenalty.ops.triton.threshold import digits
 from klpenalty.ops.triton._kernels_stats import _expm1
 from klpenalty.ops.reference import token_stats_reference
-from tests.helpers import grad_tol, make_logits, tol, triton_interpreter_env
+from tests.helpers import grad_tol, make_logits, patch_torch, tol, triton_interpreter_env
 from tests.ops.cases import ref_token_stats_grads, token_stats_case
 from tests.ops.test_engine import _CountSyncs
 
@@ -250,7 +250,7 @@ def test_launches_run_under_the_tensors_device(monkeypatch):
         def __getitem__(self, grid):
             return lambda *args, **kwargs: seen.append((grid, entered[-1] if entered else None))
 
-    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    patch_torch(monkeypatch, torch.cuda, "device", Recorder)
     _host.launch(Kernel(), (3, 1), torch.device("cuda", 1), 1.0, BLOCK=16)
     assert seen == [((3, 1), torch.device("cuda", 1))] and entered[-1] is None
     _host.launch(Kernel(), (2,), torch.device("cpu"))

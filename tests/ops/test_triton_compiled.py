@@ -214,10 +214,11 @@ if _kernels().BAND_BINS < 4096:
 
 
 def test_the_candidate_list_reads_16_bytes_a_load_within_budget(compiled):
-    """fp32 top-p (the band: counted, counted again, read; after top-k: top-k's set read): one
-    column loop of 128-bit loads a launch, within its instruction budget per element; the
-    list's program (threshold_list_kernel) reads no column: its one loop, the bisection's
-    step, loads nothing and stays under 100 instructions."""
+    """fp32 top-p (the band: counted, counted again, read; after top-k: top-k's set read, bf16's
+    too under Triton before 3.9): one column loop of 128-bit loads a launch, within its
+    instruction budget per element; the list's program (threshold_list_kernel) reads no
+    column: its one loop, the bisection's step, loads nothing and stays under 100
+    instructions."""
     found = _launches(compiled, "threshold_cand_kernel")
     modes = {(r["case"], r["constexprs"]["MODE"]) for r in found}
     assert modes == {("kl, top-p", 1), ("kl, top-p", 4), ("kl, top-p", 2),

@@ -68,8 +68,8 @@ def digits(dtype: torch.dtype, most: int) -> list[tuple[int, int]]:
 
 
 def cand_cap(vocab: int, top_k: int, bins: int = 4096) -> int:
-    """The candidate list's length for top-p without the window of keys (a power of two): top-p's
-    band of ``bins`` value bins (V·64/bins, at least 512, at most :data:`BAND_CAP`: at
+    """The candidate list's length for top-p without the window of keys (a power of two):
+    top-p's band of ``bins`` value bins (V·64/bins, at least 512, at most :data:`BAND_CAP`: at
     p ≤ 0.95 the band of 4096 bins of high-entropy rows, N(0, 2²) logits, holds about V/70),
     or top-k's set (twice k, room for ties; at least 256), 0 where it would pass
     :data:`CAND_MAX`."""

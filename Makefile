@@ -38,7 +38,7 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
-# the cold build of the native extension (`-m build`, ~90 s of one core) runs in test-integrations
+# the cold build of the native extension (`-m build`, ~50 s) runs in test-integrations
 test: $(STAMP)
 	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile -m "not build"
 

@@ -94,6 +94,22 @@ def test_every_csrc_file_takes_part_in_the_build_hash(tmp_path, monkeypatch):
     assert native.build_name("AVX2") != base
 
 
+def test_the_build_units_include_every_source_once(tmp_path):
+    """The translation units the build compiles: BUILD_UNITS files in the build directory that
+    include each source once, by path, their sizes within the largest source of each other;
+    written again only when they change (ninja then keeps the objects)."""
+    units = native.build_units(tmp_path)
+    assert len(units) == min(native.BUILD_UNITS, len(native.sources())) == 2
+    groups = [[Path(line.split('"')[1]) for line in unit.read_text().splitlines()]
+              for unit in units]
+    assert sorted(p for group in groups for p in group) == native.sources()
+    sizes = [sum(p.stat().st_size for p in group) for group in groups]
+    assert max(sizes) - min(sizes) <= max(p.stat().st_size for p in native.sources())
+    stamps = [unit.stat().st_mtime_ns for unit in units]
+    assert native.build_units(tmp_path) == units
+    assert [unit.stat().st_mtime_ns for unit in units] == stamps
+
+
 def test_csrc_includes_resolve_and_the_package_data_ships_every_file():
     files = {path.name for path in native.csrc_files()}
     for name in sorted(files):

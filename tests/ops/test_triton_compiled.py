@@ -144,7 +144,7 @@ WINDOW_BUDGET = 190.0
 # digits, 2048 bins: 26.1 in pass 0, 18.6-20.8 after it).
 SCAN_BUDGET = {(True, False): 28.0, (False, False): 22.0, (False, True): 33.0,
                (True, True): 72.0}
-# Triton 3.6 (torch 2.11's) lowers ``tl.histogram`` per warp: each iteration adds the warp's
+# Triton 3.6 lowers ``tl.histogram`` per warp: each iteration adds the warp's
 # counts of every bin to shared memory, so top-k's digits are of 7 bits there (128 bins: 62-67
 # instructions an element, ~3× 3.9's) and the window holds 512 keys (137-159 instructions an
 # element, 2-5× 3.9's with 2048; benchmarks/README.md states what that predicts)

@@ -33,9 +33,9 @@ __all__ = ["BAND_BINS", "PER_WARP_HISTOGRAM", "RADIX_DIGIT", "WINDOW_KEYS",
            "threshold_band_kernel", "threshold_cand_kernel", "threshold_kernel",
            "threshold_list_kernel", "threshold_scan_kernel", "threshold_select_kernel"]
 
-# Triton before 3.9 (3.6: torch 2.11's) lowers ``tl.histogram`` per warp, adding the
-# warp's counts of every bin to shared memory each iteration: there a histogram's cost grows
-# with its bins.
+# Triton before 3.9 (3.6 measured) lowers ``tl.histogram`` per warp, adding the warp's
+# counts of every bin to shared memory each iteration: there a histogram's cost grows with its
+# bins.
 PER_WARP_HISTOGRAM = tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 9)
 # Bins of top-p's band counts (:func:`threshold_cand_kernel`): 4096; 512 with per-warp
 # histograms, whose count costs with its bins (4096 spill to local memory there; 2048 cost 266

@@ -79,17 +79,25 @@ def _run_groups(root: Path) -> dict[int, list[dict]]:
 @pytest.fixture(scope="session")
 def groups(tmp_path_factory) -> dict[int, list[dict]]:
     """Run every check once per world size, both groups at once; {world: [per-rank results]}.
-    Under pytest-xdist the first worker to ask runs them and leaves the results in the
-    workers' shared temporary folder; the others wait on its lock and read them."""
+    Under pytest-xdist the first worker to ask runs them and leaves the results (or its
+    failure) in the workers' shared temporary folder; the others wait on its lock and read
+    them (or fail with the same message, without a run of their own)."""
     if "PYTEST_XDIST_WORKER" not in os.environ:
         return _run_groups(tmp_path_factory.mktemp("groups"))
     shared = tmp_path_factory.getbasetemp().parent
     with FileLock(str(shared / "groups.lock")):
         done = shared / "groups.json"
         if done.is_file():
-            return {int(w): r for w, r in json.loads(done.read_text()).items()}
-        out = _run_groups(tmp_path_factory.mktemp("groups"))
-        done.write_text(json.dumps(out))
+            saved = json.loads(done.read_text())
+            if "error" in saved:
+                pytest.fail(f"the process groups failed in another worker:\n{saved['error']}")
+            return {int(w): r for w, r in saved["groups"].items()}
+        try:
+            out = _run_groups(tmp_path_factory.mktemp("groups"))
+        except (Exception, pytest.fail.Exception) as err:
+            done.write_text(json.dumps({"error": f"{type(err).__name__}: {err}"}))
+            raise
+        done.write_text(json.dumps({"groups": out}))
         return out
 
 

@@ -758,6 +758,27 @@ def test_top_p_on_16_bit_logits_from_the_window_of_keys(window_chunk, monkeypatc
     assert CUDA or 1 in searches  # below the window: the search
 
 
+@pytest.mark.parametrize("per_warp", [True, False])
+def test_top_p_after_a_top_k_too_large_to_list_takes_the_window(per_warp, monkeypatch):
+    """bf16 rows, top-p after a top-k whose set passes the candidate list (k > CAND_MAX / 2):
+    the window of keys decides where it holds the answer, with no search — under per-warp
+    histograms too, where the host lists top-k's set when it can — and τ is the rule's."""
+    from klpenalty.ops.triton import _load, threshold as th
+
+    monkeypatch.setattr(_load._kernels(), "PER_WARP_HISTOGRAM", per_warp)
+    top_k = th.CAND_MAX // 2 + 1
+    assert th.cand_cap(9000, top_k) == 0
+    g = torch.Generator().manual_seed(12)
+    rows = torch.randn(2, 9000, generator=g).to(torch.bfloat16)
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    counts = _counting_reads(monkeypatch)
+    for top_p, temperature in [(0.5, 1.0), (0.8, 0.7)]:
+        counts["search"] = 0
+        tau = op(_on(rows), top_k, top_p, 0.0, temperature).cpu()
+        assert torch.equal(tau, _threshold_rule(rows, top_k, top_p, 0.0, temperature))
+        assert CUDA or counts["search"] == 0, (top_p, counts)
+
+
 def test_the_float64_exponential_of_the_window_scan():
     """``_exp64`` (the window scan's float64 exponentials, below the window) within an ulp of
     exp on [−708, 0] (the range its caller keeps): random points, small ones, the ends and

@@ -117,12 +117,14 @@ def tau_rows(x: Tensor, top_k: int, top_p: float, min_p: float, temperature: flo
     kernels = _kernels()
     # top-p on 16-bit logits: a read (top-k's last) counts each of the WINDOW_KEYS keys up to
     # the max, where they hold its answer: bf16 top-p alone (128 keys a binade: 4 or 16
-    # binades; fp16's 1024 a binade reach half a binade or two); after top-k (its set lies
-    # there), bf16's and fp16's, where a histogram's cost hardly grows with its bins (Triton
-    # 3.9: 2048 keys). Else a candidate list decides (below)
+    # binades; fp16's 1024 a binade reach half a binade or two), and after a top-k whose set
+    # is too large to list; after top-k (its set lies there), bf16's and fp16's, where a
+    # histogram's cost hardly grows with its bins (Triton 3.9: 2048 keys). Else a candidate
+    # list decides (below)
     bf16 = x.dtype == torch.bfloat16
+    listed_k = cut_k and cand_cap(vocab, top_k) > 0
     window = cut_p and x.element_size() == 2 and (
-        bf16 and not cut_k if kernels.PER_WARP_HISTOGRAM else bf16 or cut_k)
+        bf16 and not listed_k if kernels.PER_WARP_HISTOGRAM else bf16 or cut_k)
     # top-p without top-k (every finite logit a candidate): the window's scan sums the mass
     # below the window per program, the row's program adds them (no read of the row for Z)
     zsum = window and not cut_k

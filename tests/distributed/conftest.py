@@ -114,7 +114,7 @@ PEER_CHECKS = frozenset(
         "check_err_leading_dims", "check_err_vocab_overlap", "check_err_vocab_order",
         "check_err_dtype", "check_err_mask", "check_err_temperature", "check_err_tokens_differ",
         "check_err_local_shape", "check_err_controller_beta", "check_err_global_mean_local",
-        "check_err_linear_bias_shard",
+        "check_err_linear_bias_shard", "check_err_settings_differ",
     ]
 )  # fmt: skip
 

@@ -37,6 +37,7 @@ def test_every_worker_check_is_reported():
         *test_vocab_parallel.EXPECTED_ERRORS,
         *test_vocab_parallel.ONE_RANK_ERRORS,
         *test_config.EXPECTED_ERRORS,
+        test_config.SETTINGS_CHECK,
         *test_data_parallel.VALUE_CHECKS,
         *test_data_parallel.EXPECTED_ERRORS,
     ]
@@ -89,6 +90,6 @@ def _assert_backend_agnostic(tree: ast.Module, name: str) -> None:
         if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "dist"
     }  # fmt: skip
     assert used <= {
-        "all_reduce", "all_gather", "ReduceOp", "is_available", "is_initialized",
-        "get_world_size", "get_rank",
+        "all_reduce", "all_gather", "ReduceOp", "ProcessGroup", "is_available",
+        "is_initialized", "get_world_size", "get_rank",
     }, (name, used)  # fmt: skip

@@ -50,7 +50,7 @@ EXPECTED_ERRORS = {
 }
 
 # a worker error check with an assertion of its own (below)
-ONE_RANK_ERRORS = ["check_err_linear_bias_shard"]
+ONE_RANK_ERRORS = ["check_err_linear_bias_shard", "check_err_linear_nan_in_one_slice"]
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -77,12 +77,12 @@ def test_communication_cost_per_position(groups):
 def test_fused_head_argument_error_on_one_rank(groups, world):
     """A bias slice of the wrong width on the last rank: that rank names the argument, the
     others name the rank, and the group stays in step."""
-    check, = ONE_RANK_ERRORS
+    check = "check_err_linear_bias_shard"
     needs_peers(world, check)
     per_rank = [r["data"] for r in results(groups, world, check)]
     assert {d["type"] for d in per_rank} == {"ValueError"}, per_rank
     assert "policy_bias_shard must have shape" in per_rank[-1]["msg"], per_rank
-    assert all(f"invalid arguments on rank(s) [{world - 1}]" in d["msg"]
+    assert all(f"rank(s) [{world - 1}] rejected their own arguments" in d["msg"]
                for d in per_rank[:-1]), per_rank
 
 
@@ -91,3 +91,14 @@ def test_fused_head_argument_error_on_one_rank(groups, world):
 def test_error_raised_on_every_rank(groups, world, check):
     needs_peers(world, check)
     assert_raised_on_every_rank(groups, world, check, EXPECTED_ERRORS[check])
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_fused_head_nan_in_one_rank_slice(groups, world):
+    """NaN in one rank's rows of a head: every rank names that weight (its shape where it is
+    held, "another process's slice" elsewhere), not the hidden states."""
+    per_rank = [r["data"] for r in results(groups, world, "check_err_linear_nan_in_one_slice")]
+    assert {d["type"] for d in per_rank} == {"ValueError"}, per_rank
+    assert all("policy_weight_shard contains NaN" in d["msg"] for d in per_rank), per_rank
+    assert "another process's slice" not in per_rank[-1]["msg"], per_rank
+    assert all("another process's slice" in d["msg"] for d in per_rank[:-1]), per_rank

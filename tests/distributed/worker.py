@@ -388,14 +388,14 @@ def check_communication_volume(ctx: Ctx):
         restore()
     dev = str(xs.device)  # collectives run on the inputs' device
     assert fwd == [
-        ("all_gather", "SUM", 23, 8, dev),  # the config check record (op unused)
+        ("all_gather", "SUM", 53, 8, dev),  # the config check record (op unused)
         ("all_reduce", "MAX", 2 * n, 4, dev),
         ("all_reduce", "SUM", 3 * n, 4, dev),
     ], fwd
     assert bwd == [] and tok_bwd == [], (bwd, tok_bwd)
     assert [c[0] for c in unchecked] == ["all_reduce", "all_reduce"], unchecked
     assert tok_fwd == [
-        ("all_gather", "SUM", 23, 8, dev),
+        ("all_gather", "SUM", 53, 8, dev),
         ("all_reduce", "MAX", n, 4, dev),
         ("all_reduce", "SUM", 2 * n, 4, dev),
     ], tok_fwd
@@ -966,6 +966,68 @@ def check_err_linear_bias_shard(ctx: Ctx):
     width = w.shape[0] + (ctx.rank == ctx.world - 1)  # the last rank's bias is one too wide
     return _expect_error(lambda: kd.vocab_parallel_linear_kl(
         h, w, h, w, vocab_start=ctx.start, policy_bias_shard=torch.zeros(width), softcap=30.0))
+
+
+def check_err_linear_nan_in_one_slice(ctx: Ctx):
+    """NaN in the last rank's rows of the policy's head: every position's outputs are NaN on
+    every rank, and every rank names the weight."""
+    h, w = _linear_heads(ctx)
+    if ctx.rank == ctx.world - 1:
+        w = w.clone()
+        w[-1, 0] = float("nan")
+    return _expect_error(lambda: kd.vocab_parallel_linear_kl(h, w, h, w.nan_to_num(),
+                                                             vocab_start=ctx.start))
+
+
+def check_err_settings_differ(ctx: Ctx) -> dict:
+    """One argument that differs on the last rank, per case: every rank raises (the group
+    still in step afterwards); {case: {"type", "msg"}}."""
+    h, w = _linear_heads(ctx)
+    xs, ys = _shards(ctx)
+    last = ctx.rank == ctx.world - 1
+    head = dict(vocab_start=ctx.start)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[0, 2 if last else 0] = False  # the same count, another position
+    tokens = torch.zeros(2, 3, dtype=torch.long)
+    ids = torch.tensor([0, 3 if last else 4] * 6)
+    offsets = torch.arange(0, 13, 2)
+    linear = lambda **kw: kd.vocab_parallel_linear_kl(h, w, h, w, **head, **kw)  # noqa: E731
+    cases = {
+        "mask": lambda: linear(mask=mask),
+        "temperature": lambda: linear(temperature=0.5 if last else 0.7),
+        "logit_scale": lambda: linear(logit_scale=1.5 if last else 1.0),
+        "softcap": lambda: linear(softcap=20.0 if last else 30.0),
+        "ref_softcap": lambda: linear(softcap=30.0, ref_softcap=20.0 if last else None),
+        "chunk_rows": lambda: linear(chunk_rows=2 if last else 3),
+        "entropy": lambda: linear(entropy=last),
+        "tokens_given": lambda: linear(tokens=tokens if last else None),
+        "tokens": lambda: linear(tokens=tokens + int(last)),
+        "top_k_one_rank": lambda: linear(top_k=5 if last else None),
+        "top_p": lambda: linear(top_p=0.8 if last else 0.9),
+        "support_ids": lambda: linear(support=(ids, offsets)),
+        "bias_one_rank": lambda: linear(policy_bias_shard=torch.zeros(w.shape[0]) if last
+                                        else None),
+        "dtype": lambda: kd.vocab_parallel_linear_kl(
+            h.double() if last else h, w.double() if last else w, h, w, **head),
+        "hidden_size": lambda: kd.vocab_parallel_linear_kl(
+            h[..., :3] if last else h, w[:, :3] if last else w, h, w, **head),
+        "hidden_grad": lambda: kd.vocab_parallel_linear_kl(
+            h.clone().requires_grad_(last), w, h, w, **head),
+        "divergence_kind": lambda: kd.vocab_parallel_linear_divergence(
+            h, w, h, w, "jsd" if last else "forward_kl", **head),
+        "divergence_beta": lambda: kd.vocab_parallel_linear_divergence(
+            h, w, h, w, "jsd", beta=0.3 if last else 0.5, **head),
+        "divergence_kind_invalid": lambda: kd.vocab_parallel_linear_divergence(
+            h, w, h, w, "kl" if last else "jsd", **head),
+        "logits_top_p": lambda: kd.vocab_parallel_full_kl(xs, ys, top_p=0.8 if last else 0.9),
+        "logits_top_k_one_rank": lambda: kd.vocab_parallel_full_kl(
+            xs, ys, top_k=5 if last else None),
+        "logits_divergence_kind": lambda: kd.vocab_parallel_divergence(
+            xs, ys, "tvd" if last else "reverse_kl"),
+        "logits_entropy": lambda: kd.vocab_parallel_token_stats(
+            xs, ys, tokens, vocab_start=ctx.start, entropy=last),
+    }
+    return {case: _expect_error(fn) for case, fn in cases.items()}
 
 
 def _divergences_vs_single(ctx: Ctx, dtype: torch.dtype, backend: str) -> list:

@@ -15,7 +15,7 @@ function                             collectives per call (forward)             
 ==================================== ============================================== ==========
 ``vocab_parallel_full_kl``           all-reduce MAX of (N, 2), all-reduce SUM (N, 3) 20 (fp32)
 ``vocab_parallel_token_logprobs``    all-reduce MAX of (N,), all-reduce SUM (N, 2)   12 (fp32)
-config check (``check=True``)        one all-gather of 23 int64 per rank             0
+config check (``check=True``)        one all-gather of 53 int64 per rank             0
 ==================================== ============================================== ==========
 
 Byte counts are the payload per position handed to each all-reduce (float64 inputs: twice

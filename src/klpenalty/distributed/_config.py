@@ -1,8 +1,14 @@
 """The configuration check of the vocabulary-parallel functions.
 
-Every rank all-gathers one fixed-length int64 record (:data:`_RECORD` slots) describing its
-arguments; every rank then runs the same comparisons on the same table, so a mismatch raises the
-same ValueError on every rank instead of a hang or a wrong result.
+Every rank all-gathers one fixed-length int64 record (:data:`_RECORD` slots, then
+:data:`_SLOTS` per setting of the caller) describing its arguments; every rank then runs the
+same comparisons on the same table, so a mismatch raises the same ValueError on every rank
+instead of a hang or a wrong result.
+
+Settings: ``(name, value)`` pairs that must be equal on every rank beyond the record's own
+fields (the fused heads': hidden sizes, logit transforms, the sampler, ...); the same names in
+the same order on every rank (the caller's code fixes them, not the values), a value None, a
+bool, an int, a float or a short text (at most 16 bytes of UTF-8).
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ _VS_GIVEN, _VS, _VR, _TEMP, _HAS_MASK, _MASK_N, _MASK_H, _TOK_S, _TOK_H, _TOK_MI
     range(4 + _MAX_DIMS, 15 + _MAX_DIMS)
 )
 _RECORD = 15 + _MAX_DIMS  # 23 int64 = 184 bytes per rank
+# a setting's slots: what its value is (_NONE, _INT, _FLOAT, _TEXT), then its bits
+_SLOTS = 3
+_NONE, _INT, _FLOAT, _TEXT = range(4)
+_TEXT_BYTES = 8 * (_SLOTS - 1)
 
 
 def _dtype_code(t: object) -> int:
@@ -40,6 +50,36 @@ def _float_bits(x: float) -> int:
 
 def _bits_float(b: int) -> float:
     return struct.unpack("<d", struct.pack("<q", b))[0]
+
+
+def _encode(name: str, value: object) -> list[int]:
+    """A setting's :data:`_SLOTS` int64."""
+    if value is None:
+        return [_NONE, 0, 0]
+    if isinstance(value, Integral):  # bool included
+        return [_INT, int(value), 0]
+    if isinstance(value, float):
+        return [_FLOAT, _float_bits(value), 0]
+    if isinstance(value, str):
+        raw = value.encode()
+        if len(raw) <= _TEXT_BYTES:
+            raw = raw.ljust(_TEXT_BYTES, b"\0")
+            return [_TEXT, *(int.from_bytes(raw[i : i + 8], "little", signed=True)
+                             for i in range(0, _TEXT_BYTES, 8))]
+    raise TypeError(f"setting {name!r}: cannot record {value!r} ({type(value).__name__})")
+
+
+def _decode(slots: Sequence[int]) -> str:
+    """A setting's value as its message shows it."""
+    kind, bits = slots[0], slots[1:]
+    if kind == _NONE:
+        return "None"
+    if kind == _INT:
+        return str(bits[0])
+    if kind == _FLOAT:
+        return repr(_bits_float(bits[0]))
+    raw = b"".join(b.to_bytes(8, "little", signed=True) for b in bits)
+    return repr(raw.rstrip(b"\0").decode())
 
 
 def _checksums(t: torch.Tensor) -> tuple[int, int]:
@@ -59,11 +99,14 @@ def _local_record(
     temperature: float,
     mask: torch.Tensor | None,
     tokens: torch.Tensor | None,
+    settings: Sequence[tuple[str, object]] = (),
 ) -> list[int]:
-    rec = [0] * _RECORD
+    rec = [0] * (_RECORD + _SLOTS * len(settings))
     if error:
         rec[_ERR] = 1
         return rec
+    for i, (name, value) in enumerate(settings):
+        rec[_RECORD + _SLOTS * i : _RECORD + _SLOTS * (i + 1)] = _encode(name, value)
     rec[_PDT], rec[_RDT] = _dtype_code(policy), _dtype_code(ref)
     dims = list(leading)
     if len(dims) > _MAX_DIMS:
@@ -98,11 +141,14 @@ def _leading_of(rec: list[int]) -> tuple[int, ...]:
     return tuple(dims)
 
 
-def _check_records(recs: list[list[int]], caller: str, *, names: tuple[str, str]) -> None:
+def _check_records(
+    recs: list[list[int]], caller: str, *, names: tuple[str, str],
+    settings: Sequence[str] = (),
+) -> None:
     """Compare the gathered records; raise the same ValueError on every rank on a mismatch.
 
     ``recs`` is identical on every rank, and the checks run in a fixed order, so the message is
-    the same everywhere.
+    the same everywhere. ``settings``: the names of the settings the records end with.
     """
     bad = [r for r, rec in enumerate(recs) if rec[_ERR]]
     if bad:
@@ -141,6 +187,15 @@ def _check_records(recs: list[list[int]], caller: str, *, names: tuple[str, str]
             f"{caller}: tokens differ across ranks (compared by sum and an index-weighted "
             "checksum); every rank must pass the same tokens"
         )
+    for i, name in enumerate(settings):
+        at = slice(_RECORD + _SLOTS * i, _RECORD + _SLOTS * (i + 1))
+        values = [tuple(rec[at]) for rec in recs]
+        if len(set(values)) > 1:
+            raise ValueError(
+                f"{caller}: {name} differs across ranks "
+                f"({_per_rank([_decode(val) for val in values])}); it must be the same on "
+                "every rank"
+            )
     given = [rec[_VS_GIVEN] for rec in recs]
     if len(set(given)) > 1:
         raise ValueError(
@@ -183,13 +238,14 @@ def _config_check(
     local_error: Exception | None,
     *,
     names: tuple[str, str],
+    settings: Sequence[tuple[str, object]] = (),
     **fields: Any,
 ) -> list[list[int]]:
-    rec = _local_record(local_error is not None, **fields)
+    rec = _local_record(local_error is not None, settings=settings, **fields)
     recs = _gather_records(rec, device, group, world)
     if local_error is not None:
         raise local_error
-    _check_records(recs, caller, names=names)
+    _check_records(recs, caller, names=names, settings=[name for name, _ in settings])
     return recs
 
 
@@ -206,11 +262,13 @@ def _check_vocab_start(vocab_start: object, *, required: bool) -> int | None:
 # The check as the public docstrings describe it (inserted at their ``{check}``).
 _CHECK_DOC = """
     Configuration check (``check=True``, the default): before touching the logits every rank
-    all-gathers one record of 23 int64 (184 bytes per rank) holding: whether its own arguments
+    all-gathers one record of 53 int64 (424 bytes per rank) holding: whether its own arguments
     passed the local checks, both dtypes, the leading shape, ``vocab_start`` and V_r, the
-    temperature, and checksums (count and index-weighted sum) of the mask or tokens. Every rank
+    temperature, checksums (count and index-weighted sum) of the mask or tokens, and the call's
+    settings (whether tokens are given, entropy, the kind of support, top_k / top_p / min_p,
+    checksums of global ids and offsets, a divergence's kind and beta / skew). Every rank
     then runs the same comparisons on the same table, so a rank whose leading dims, dtype,
-    temperature, mask or tokens differ, or slices that do not tile [0, V) in rank order
+    temperature, mask, tokens or settings differ, or slices that do not tile [0, V) in rank order
     (gap, overlap or wrong order, when ``vocab_start`` is given), raise the *same* ValueError on
     every rank; a rank whose own arguments are invalid raises its error and the others a
     ValueError naming it. Cost: one small all-gather, one device-to-host copy of the table

@@ -1,8 +1,9 @@
 """Process-group plumbing shared by the vocabulary-parallel and data-parallel functions.
 
 Only the standard c10d calls are used here and everywhere in the package (``is_available``,
-``is_initialized``, ``get_world_size``, ``get_rank``, ``all_reduce``, ``all_gather``), so the
-same code runs on every backend.
+``is_initialized``, ``get_world_size``, ``get_rank``, ``all_reduce``, ``all_gather``, and the
+``ProcessGroup`` type a ``group`` argument is checked against), so the same code runs on every
+backend.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ def _group_info(group: Any, caller: str) -> tuple[int, int]:
             f"{caller}: torch.distributed is not initialized; call "
             "torch.distributed.init_process_group(...) first (or use the single-process "
             "klpenalty functions)"
+        )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{caller}: group must be a torch.distributed ProcessGroup or None (the default "
+            f"group), got {type(group).__name__}"
         )
     return dist.get_world_size(group), dist.get_rank(group)
 

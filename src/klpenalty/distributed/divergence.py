@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from ..distillation import check_kind
 from ..linear.kl import run_linear_kl
 from ..ops import contract
 from ..ops.contract import Want
@@ -62,13 +61,12 @@ def vocab_parallel_divergence(
         (...) float32 (float64 for float64 logits), differentiable once.
     """
     caller = "vocab_parallel_divergence"
-    k, param = check_kind(kind, beta, skew)
     out = _token_stats(
         caller, student_logits_shard, teacher_logits_shard.detach(), None, want=Want.KL,
         group=group, temperature=temperature, mask=mask, vocab_start=vocab_start,
         support=support, top_k=top_k, top_p=top_p, min_p=min_p, ignore_index=-100,
         backend=backend, check=check,
-        divergence=None if k == 0 else (int(k), param),
+        divergence=(kind, beta, skew),
         names=("student_logits_shard", "teacher_logits_shard"),
     )
     return out[..., contract.OUT_KL].contiguous()
@@ -116,12 +114,14 @@ def vocab_parallel_linear_divergence(
             :func:`klpenalty.linear_divergence`, the same on every rank.
         chunk_rows: rows per chunk, the same on every rank (None: from the whole V).
         {backend}
-        check: NaN in a counted position raises on every rank.
+        check: NaN in a counted position raises on every rank. The configuration check of
+            :func:`~klpenalty.distributed.vocab_parallel_linear_kl` runs whatever ``check``
+            (the same ValueError on every rank for arguments that differ across ranks; kind,
+            beta and skew included).
 
     Returns:
         (...) float32 (float64 for float64 inputs), identical on every rank.
     """
-    k, param = check_kind(kind, beta, skew)
     const = [None if t is None else t.detach()
              for t in (teacher_hidden, teacher_weight_shard, teacher_bias_shard)]
     stats = run_linear_kl(
@@ -132,7 +132,7 @@ def vocab_parallel_linear_divergence(
         backend=backend, check=check,
         parallel=_slice_adapter("vocab_parallel_linear_divergence", group, vocab_start,
                                 student_hidden),
-        suffix="_shard", roles=("student", "teacher"), divergence=(k, param),
+        suffix="_shard", roles=("student", "teacher"), divergence=(kind, beta, skew),
     )
     return stats.kl
 

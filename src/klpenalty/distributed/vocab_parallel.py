@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .. import _validation as v
+from ..distillation import check_kind
 from ..functional import TokenStats
 from ..linear.chunks import (
     IGNORE,
@@ -32,13 +33,22 @@ from ..linear.chunks import (
     chunk_support,
 )
 from ..linear._heads import _accumulator
-from ..linear.kl import run_linear_kl
+from ..linear.kl import GroupCall, run_linear_kl
 from ..ops import contract, engine
 from ..ops.dispatch import get_backend as _op_backend  # the op backend (not c10d's)
 from ..ops.contract import Want
+from ..ops.divergence import Divergence
 from ..ops.streaming.threshold import RowReduce, threshold_rows
 from ..sampling import _check_compact, check_sampler, ids_of_rows
-from ._config import _CHECK_DOC, _TOK_MAX, _TOK_MIN, _VR, _check_vocab_start, _config_check
+from ._config import (
+    _CHECK_DOC,
+    _TOK_MAX,
+    _TOK_MIN,
+    _VR,
+    _check_vocab_start,
+    _checksums,
+    _config_check,
+)
 from ._group import _all_reduce, _device_of, _group_info
 
 __all__ = [
@@ -297,8 +307,9 @@ def _token_stats(
     names: tuple[str, str] | None = None,
 ) -> torch.Tensor:
     """The one validation, configuration check and call of the public functions:
-    (..., OUT_COLS). ``divergence`` (kind, param): the KL column holds that divergence (the
-    second walk; y a constant); ``names``: the two logits' argument names."""
+    (..., OUT_COLS). ``divergence`` (kind, beta, skew) as given to :func:`klpenalty.divergence`:
+    the KL column holds that divergence (the second walk; y a constant); ``names``: the two
+    logits' argument names."""
     world, _ = _group_info(group, caller)
     if names is None:
         names = ("policy_logits_shard", "ref_logits_shard") if y_shard is not None else (
@@ -307,9 +318,12 @@ def _token_stats(
     local_error: Exception | None = None
     leading: tuple[int, ...] = ()
     width = 0
-    impl = None
+    impl = keep = div = None
+    parsed: tuple | None = None  # the support as parse_support describes it
     sampler: dict = {}
     try:
+        if divergence is not None:
+            div = check_kind(*divergence)
         if y_shard is not None:
             v.check_logits_pair(x_shard, y_shard, names)
         else:
@@ -332,6 +346,13 @@ def _token_stats(
                 "(support=) or the sampler settings that build it"
             )
         impl = _op_backend(backend, device)
+        if support is not None:
+            keep = _local_keep(support, x_shard, vocab_start, caller)
+            parsed = ("keep", None) if isinstance(support, torch.Tensor) else ("ids", support)
+        elif any(val is not None for val in sampler.values()):
+            parsed = ("rule", tuple(sampler.values()))
+        else:
+            parsed = ("none", None)
     except (TypeError, ValueError) as err:
         local_error = err
     tok_rec = None if tokens is None else tokens.masked_fill(tokens == ignore_index, 0)
@@ -339,6 +360,7 @@ def _token_stats(
     if check:
         recs = _config_check(
             caller, group, world, device, local_error, names=names,
+            settings=_settings(parsed, want, div),
             policy=x_shard, ref=y_shard, leading=leading, vocab_start=vocab_start,
             width=width, temperature=temperature, mask=mask, tokens=tok_rec,
         )  # fmt: skip
@@ -355,9 +377,9 @@ def _token_stats(
         raise local_error
     x = x_shard.reshape(-1, width)  # (N, V_r)
     y = None if y_shard is None else y_shard.reshape(-1, width)
-    keep = tau = None
-    if support is not None:
-        keep = _local_keep(support, x_shard, vocab_start, caller).reshape(x.shape)
+    tau = None
+    if keep is not None:
+        keep = keep.reshape(x.shape)
     elif any(val is not None for val in sampler.values()):
         if vocab is None:
             total = torch.tensor([width], dtype=torch.float64, device=device)
@@ -377,8 +399,9 @@ def _token_stats(
         tok = torch.where(owned, local, torch.where(ignored, _IGNORED, 0))
     flat_mask = mask.reshape(-1) if mask is not None else None
     opts = (temperature, int(want), impl, group, check, caller, names)
-    if divergence is not None:
-        out = _VocabParallelDivergence.apply(x, y, flat_mask, keep, tau, opts, *divergence)
+    if div is not None and div[0] != Divergence.REVERSE_KL:  # the reverse KL: the KL column
+        out = _VocabParallelDivergence.apply(x, y, flat_mask, keep, tau, opts, int(div[0]),
+                                             div[1])
         return out.reshape(*leading, contract.OUT_COLS)
     out, _ = _VocabParallelTokenStats.apply(x, y, tok, owned, flat_mask, keep, tau, opts)
     if check and want & Want.LOGP and (keep is not None or tau is not None):
@@ -663,6 +686,11 @@ class _VocabParallelChunks(ChunkAdapter):
         _all_reduce(grad, dist.ReduceOp.SUM, self.group)
         return grad
 
+    def any_process(self, flags):
+        out = flags.to(torch.int32)  # (k,)
+        _all_reduce(out, dist.ReduceOp.MAX, self.group)
+        return out.bool()
+
     def divergence(self, zp, zr, stats, temperature, kind, param, keep=None, tau=None):
         # keep, tau: always unused (vocab_parallel_linear_divergence takes no support)
         value, gbar = self.impl.divergence(zp, zr, stats, temperature=temperature, kind=kind,
@@ -754,8 +782,12 @@ def vocab_parallel_linear_kl(
             (the same R on every rank).
         {backend}
         check: raise for token ids outside [0, V) and for NaN in a counted position (as in
-            linear_kl). Invalid arguments on any rank raise on every rank (one all-gather of
-            (valid, vocab_start, V_r, N) per call, which also checks the tiling).
+            linear_kl). Whatever ``check``, every call runs the configuration check of
+            :func:`vocab_parallel_full_kl` (one all-gather of 86 int64 per rank): invalid
+            arguments on any rank, slices that do not tile [0, V) in rank order, and leading
+            dims, dtypes, mask, tokens, temperature, hidden sizes, which hidden states take a
+            gradient, biases given, logit transforms, chunk_rows or sampler settings that
+            differ across ranks raise the same ValueError on every rank.
 
     Returns:
         :class:`klpenalty.TokenStats` as :func:`klpenalty.linear_kl`, identical on every rank.
@@ -776,47 +808,90 @@ def vocab_parallel_linear_kl(
     )
 
 
-def _slice_adapter(caller: str, group: Any, vocab_start: object, hidden: torch.Tensor):
+def _slice_adapter(caller: str, group: Any, vocab_start: object, hidden: object):
     """The ``parallel`` argument of :func:`klpenalty.linear.kl.run_linear_kl` for this rank's
-    rows of the heads: the tiling and row-count check across the group (one all-gather), then
+    rows of the heads: the configuration check across the group (:mod:`._config`: one
+    all-gather; the slices' tiling, the call's arguments and settings), then
     :class:`_VocabParallelChunks` and the whole V."""
     world, _ = _group_info(group, caller)
     device = _device_of(hidden, caller=caller)
 
-    def parallel(impl, width, error):
+    def parallel(impl, width, error, call: GroupCall):
         start = None
         try:
             start = _check_vocab_start(vocab_start, required=True)
         except (TypeError, ValueError) as err:
             error = error or err
         ok = error is None
-        n = math.prod(hidden.shape[:-1]) if ok else 0
-        rec = torch.tensor([float(ok), float(start or 0), float(width or 0), float(n)],
-                           dtype=torch.float64, device=device)
-        recs = [torch.empty_like(rec) for _ in range(world)]
-        dist.all_gather(recs, rec, group=group)
-        recs = [r.tolist() for r in recs]
-        if error is not None:
-            raise error
-        bad = [r for r, rec in enumerate(recs) if not rec[0]]
-        if bad:
-            raise ValueError(f"{caller}: invalid arguments on rank(s) {bad} of the group")
-        at = 0
-        for r, (_, s0, vr, nr) in enumerate(recs):
-            if int(s0) != at:
-                raise ValueError(
-                    f"{caller}: the vocabulary slices must tile [0, V) in rank order: rank {r} "
-                    f"has vocab_start={int(s0)}, expected {at} (the end of rank {r - 1}'s slice)"
-                )
-            at += int(vr)
-            if int(nr) != n:
-                raise ValueError(
-                    f"{caller}: every rank must hold the same positions: rank {r} has "
-                    f"{int(nr)} rows of hidden states, this rank {n}"
-                )
-        return _VocabParallelChunks(impl, group, world, start, width, at), at
+        a, b = call.roles
+        checked = call.checked
+        tokens = None
+        if ok and call.tokens is not None:  # ignored and masked positions may hold anything
+            skip = call.tokens == checked.ignore_index
+            if checked.mask is not None:
+                skip |= ~checked.mask
+            tokens = call.tokens.masked_fill(skip, 0)
+        recs = _config_check(
+            caller, group, world, device, error, names=(f"{a}_hidden", f"{b}_hidden"),
+            settings=_head_settings(call, ok) + _settings(call.support, call.want,
+                                                          call.divergence),
+            policy=call.hidden[0], ref=call.hidden[1],
+            leading=tuple(checked.leading) if ok else (), vocab_start=start,
+            width=width or 0, temperature=checked.temperature if ok else 1.0,
+            mask=checked.mask if ok else None, tokens=tokens,
+        )  # fmt: skip
+        vocab = sum(rec[_VR] for rec in recs)
+        return _VocabParallelChunks(impl, group, world, start, width, vocab), vocab
 
     return parallel
+
+
+def _head_settings(call: GroupCall, ok: bool) -> list[tuple[str, object]]:
+    """The fused heads' settings that every rank must pass alike (:mod:`._config`): the
+    hidden sizes, which hidden states take a gradient (the backward all-reduces theirs), the
+    biases given, the logit transforms and chunk_rows. Values None where the local validation
+    failed (``ok`` False)."""
+    a, b = call.roles
+    bias = [f"{role}_bias{call.suffix}" for role in call.roles]
+    names = [f"the hidden size of {a}_hidden", f"the hidden size of {b}_hidden",
+             f"whether {a}_hidden takes a gradient", f"whether {b}_hidden takes a gradient",
+             f"whether {bias[0]} is given", f"whether {bias[1]} is given",
+             "logit_scale", "softcap", f"{b}_logit_scale", f"{b}_softcap", "chunk_rows"]
+    if not ok:
+        return [(name, None) for name in names]
+    grad = torch.is_grad_enabled()
+    values = [h.shape[-1] for h in call.hidden] + [grad and h.requires_grad for h in call.hidden]
+    values += [t is not None for t in call.biases]
+    values += [None if t is None else float(t) for t in call.checked.transforms]
+    values.append(None if call.chunk_rows is None else int(call.chunk_rows))
+    return list(zip(names, values))
+
+
+_SUPPORT_KINDS = {"none": "None", "keep": "a bool slice", "ids": "(ids, offsets)",
+                  "rule": "sampler settings"}
+
+
+def _settings(support: tuple | None, want: int | None,
+              divergence: tuple | None) -> list[tuple[str, object]]:
+    """The settings that every rank must pass alike (:mod:`._config`) in every
+    vocabulary-parallel function: the outputs asked for, the support (its kind, the sampler
+    settings, checksums of global ids) and the divergence's kind and parameter.
+    ``support``: :func:`klpenalty.sampling.parse_support`'s (kind, payload), None where the
+    local validation failed (every value None); ``divergence``: (Divergence, param) or None."""
+    names = ["whether tokens are given", "entropy", "the support", "top_k", "top_p", "min_p",
+             "support ids (an index-weighted checksum)",
+             "support offsets (an index-weighted checksum)", "kind",
+             "the divergence's beta or skew"]
+    if support is None:
+        return [(name, None) for name in names]
+    kind, payload = support
+    rule = payload if kind == "rule" else (None, None, None)
+    sums = [_checksums(t)[1] for t in payload] if kind == "ids" else [None, None]
+    div = (None, None) if divergence is None else (divergence[0].name.lower(),
+                                                   float(divergence[1]))
+    values = [bool(want & Want.LOGP), bool(want & Want.ENTROPY), _SUPPORT_KINDS[kind], *rule,
+              *sums, *div]
+    return list(zip(names, values))
 
 
 vocab_parallel_linear_kl.__doc__ = vocab_parallel_linear_kl.__doc__.replace(

@@ -496,16 +496,26 @@ def _flat_rows(hidden: tuple[Tensor, ...], tokens: Optional[Tensor], mask: Optio
     return flat, rows, tok
 
 
-def _check_nan(outs: list[Tensor], named: dict[str, Optional[Tensor]]) -> None:
+def _check_nan(outs: list[Tensor], named: dict[str, Optional[Tensor]],
+               any_process=None) -> None:
     """Raise ValueError when a counted position's outputs (N,) hold NaN, naming the cause:
     a weight or bias of ``named`` (name -> tensor or None) that holds NaN, else the hidden
-    states' rows (the names holding "hidden")."""
+    states' rows (the names holding "hidden"). ``any_process``: the chunk adapter's, where
+    each process holds a slice of the weights (the outputs are the same on every process, so
+    every one of them asks)."""
     nan = torch.stack([o.isnan() for o in outs]).any(0)  # (N,)
     if not bool(nan.any()):
         return
-    for name, t in named.items():
-        if "hidden" not in name and t is not None and bool(t.isnan().any()):
-            raise ValueError(f"{name} contains NaN ({v.describe(t)})")
+    weights = {name: t for name, t in named.items() if "hidden" not in name}
+    has_nan = torch.tensor([t is not None and bool(t.isnan().any()) for t in weights.values()],
+                           device=nan.device)  # (k,)
+    mine = has_nan.tolist()
+    if any_process is not None:
+        has_nan = any_process(has_nan)
+    for (name, t), anywhere, here in zip(weights.items(), has_nan.tolist(), mine):
+        if anywhere:
+            where = v.describe(t) if here else "in another process's slice"
+            raise ValueError(f"{name} contains NaN ({where})")
     # the hidden rows with NaN, else "no distribution" (e.g. logits overflowing to ±inf)
     hidden = {name: t for name, t in named.items() if "hidden" in name}
     v.raise_if_nan(torch.where(nan, float("nan"), 0.0), hidden)

@@ -143,6 +143,11 @@ class ChunkAdapter(Protocol):
         buffer's dtype; the caller casts it to the hidden state's)."""
         ...
 
+    def any_process(self, flags: Tensor) -> Tensor:
+        """(k,) bool flags, each True where it is True on any process that holds a part of
+        the vocabulary (called by every process alike)."""
+        ...
+
     def divergence(self, zp: Tensor, zr: Tensor, stats: Tensor, temperature: float, kind: int,
                    param: float, keep: Optional[Tensor] = None,
                    tau: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
@@ -282,6 +287,9 @@ class LocalChunks(ChunkAdapter):
     def hidden_grad(self, grad: Tensor) -> Tensor:
         return grad
 
+    def any_process(self, flags: Tensor) -> Tensor:
+        return flags
+
     def divergence(self, zp, zr, stats, temperature, kind, param, keep=None, tau=None):
         keep, tau = chunk_keep_tau(keep, tau, stats, zp.shape)
         return self.impl.divergence(zp, zr, stats, None, keep, tau, temperature=temperature,
@@ -337,3 +345,6 @@ class DivergenceChunks(ChunkAdapter):
 
     def hidden_grad(self, grad: Tensor) -> Tensor:
         return self.inner.hidden_grad(grad)
+
+    def any_process(self, flags: Tensor) -> Tensor:
+        return self.inner.any_process(flags)

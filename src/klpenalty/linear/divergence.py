@@ -12,7 +12,6 @@ from typing import Callable, Optional
 
 from torch import Tensor
 
-from ..distillation import check_kind
 from ..ops import contract
 from .kl import run_linear_kl
 
@@ -92,7 +91,6 @@ def linear_divergence(
             ``teacher_*``), an unknown kind, beta or skew outside (0, 1), an invalid support
             or sampler setting.
     """
-    k, param = check_kind(kind, beta, skew)
     if expected_grads is not None and not callable(expected_grads):
         raise TypeError(
             f"expected_grads must be callable or None, got {type(expected_grads).__name__}"
@@ -104,7 +102,7 @@ def linear_divergence(
         logit_scale=logit_scale, softcap=softcap, ref_logit_scale=teacher_logit_scale,
         ref_softcap=teacher_softcap, entropy=False, ignore_index=-100, chunk_rows=chunk_rows,
         backend=backend, check=check, support=support, top_k=top_k, top_p=top_p, min_p=min_p,
-        roles=("student", "teacher"), divergence=(k, param),
+        roles=("student", "teacher"), divergence=(kind, beta, skew),
         expected_grads=None if expected_grads is None else _column_plan(expected_grads),
     )
     return stats.kl

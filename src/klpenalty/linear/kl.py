@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .. import _validation as v
+from ..distillation import check_kind
 from ..functional import TokenStats
 from ..ops import contract
 from ..ops.contract import Want
@@ -40,7 +41,7 @@ from .chunks import (
     want_bits,
 )
 
-__all__ = ["linear_kl", "run_linear_kl", "PLAN_RTOL"]
+__all__ = ["linear_kl", "run_linear_kl", "GroupCall", "PLAN_RTOL"]
 
 # The largest difference, per output column and relative to the column's largest upstream
 # gradient, between the gradients a plan promised and those the backward receives for which the
@@ -64,6 +65,24 @@ class _Options(NamedTuple):
     adapter: ChunkAdapter
     support: tuple  # klpenalty.sampling.parse_support's (kind, payload)
     plan: object  # expected_grads, or None
+
+
+class GroupCall(NamedTuple):
+    """A call as :func:`run_linear_kl` hands it to its ``parallel`` callable, which checks
+    across the processes that every one made the same call. ``roles``/``suffix`` name the
+    arguments (as in :func:`run_linear_kl`); the other fields are None where the local
+    validation failed."""
+
+    roles: tuple[str, str]
+    suffix: str
+    hidden: tuple  # (policy_hidden, ref_hidden), as given
+    biases: tuple  # (policy_bias, ref_bias), as given
+    checked: object  # _heads._Checked: leading dims, mask, temperature, transforms, ...
+    chunk_rows: Optional[int]
+    tokens: Optional[Tensor]  # as given (checked)
+    want: Optional[int]  # chunks.want_bits
+    support: Optional[tuple]  # klpenalty.sampling.parse_support's (kind, payload)
+    divergence: Optional[tuple]  # (Divergence, param) or None
 
 
 def _upstream(grads, n: int, like: Tensor) -> Tensor:
@@ -402,20 +421,23 @@ def run_linear_kl(
     """:func:`linear_kl`'s validation and run, with the chunk adapter of ``parallel``.
 
     ``parallel`` None: the whole vocabulary is here (:class:`~.chunks.LocalChunks`).
-    Otherwise a callable ``parallel(impl, vocab, error) -> (adapter, vocab)`` called on every
-    process after the local validation (``error`` its TypeError/ValueError or None; it raises
-    when any process of the group failed), returning the :class:`~.chunks.ChunkAdapter` and the
+    Otherwise a callable ``parallel(impl, vocab, error, call) -> (adapter, vocab)`` called on
+    every process after the local validation (``error`` its TypeError/ValueError or None,
+    ``call`` the :class:`GroupCall`; it raises on every process when any process of the group
+    failed or made another call), returning the :class:`~.chunks.ChunkAdapter` and the
     whole vocabulary V (a bool ``support`` is then this process's slice (..., V_r), compact
     ids and sampler settings refer to the whole V, and the adapter's ``support`` method turns
     them into each chunk's op arguments); ``suffix`` ends the weights' and biases' argument
     names in messages, ``roles``
-    names the two models in them. ``divergence`` (kind, param): the KL column holds that
-    divergence instead (:class:`~.chunks.DivergenceChunks`; the caller detaches the second
-    model, a constant).
+    names the two models in them. ``divergence`` (kind, beta, skew) as given to
+    :func:`klpenalty.divergence`: the KL column holds that divergence instead
+    (:class:`~.chunks.DivergenceChunks`; the caller detaches the second model, a constant).
     """
     error = None
-    vocab = impl = None
+    vocab = impl = checked = want = None
     try:
+        if divergence is not None:
+            divergence = check_kind(*divergence)
         checked = _check_heads(
             policy_hidden, policy_weight, ref_hidden, ref_weight, tokens=tokens, mask=mask,
             temperature=temperature, policy_bias=policy_bias, ref_bias=ref_bias,
@@ -442,7 +464,13 @@ def run_linear_kl(
     if parallel is None:
         adapter = LocalChunks(impl)
     else:
-        adapter, vocab = parallel(impl, vocab, error)
+        ok = error is None
+        call = GroupCall(
+            roles, suffix, (policy_hidden, ref_hidden), (policy_bias, ref_bias),
+            checked if ok else None, chunk_rows if ok else None, tokens if ok else None,
+            want if ok else None, support if ok else None, divergence if ok else None,
+        )
+        adapter, vocab = parallel(impl, vocab, error, call)
         if support[0] == "ids":  # the global ids against the whole V (the same on every rank)
             _check_ids_below(support[1][0], vocab)
     if divergence is not None:
@@ -459,7 +487,8 @@ def run_linear_kl(
         hp, policy_weight, policy_bias, hr, ref_weight, ref_bias, tok, rows, opts
     )
     if check:
-        _check_nan([o for o, bit in zip(outs, Want) if want & bit], checked.named)
+        _check_nan([o for o, bit in zip(outs, Want) if want & bit], checked.named,
+                   adapter.any_process)
         if support[0] != "none" and tok is not None:
             _check_on_support(outs[contract.OUT_LOGP], tok, tokens)
     return TokenStats(*(o.reshape(leading) if want & bit else None for o, bit in zip(outs, Want)))

@@ -129,6 +129,26 @@ def test_errors_are_those_of_the_dense_mask(name):
             assert ("outside the support" in errors[0]) == (m is mask)
 
 
+@pytest.mark.parametrize("name", BACKENDS)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32])
+def test_every_set_empty_is_a_support_that_keeps_nothing(name, index_dtype):
+    """ids with no entry at all (K = 0): every counted row keeps nothing, as the all-False
+    dense mask: the same error with ``check``, NaN without (never the untruncated policy)."""
+    op_backend(name)
+    x, y = make_logits((3, 10), torch.float32, seed=5)
+    ids, offsets = torch.zeros(0, dtype=index_dtype), torch.zeros(4, dtype=index_dtype)
+    dense = torch.zeros(3, 10, dtype=torch.bool)
+    errors = []
+    for support in ((ids, offsets), dense):
+        with backend_env(name), pytest.raises(ValueError) as err:
+            klpenalty.full_kl(x, y, support=support, backend=name)
+        errors.append(str(err.value))
+    assert errors[0] == errors[1]
+    with backend_env(name):
+        kl = klpenalty.full_kl(x, y, support=(ids, offsets), backend=name, check=False)
+    assert kl.isnan().all(), kl
+
+
 @pytest.mark.parametrize("name", ["native", "streaming"])
 def test_op_argument_checks(name):
     backend = op_backend(name)

@@ -138,6 +138,7 @@ struct IdSets {
   const void* pi = nullptr;
   const void* po = nullptr;
   bool ids32 = false, offsets32 = false;
+  bool given = false;  // (not pi: an empty ids tensor, every set empty, has no data)
   int64_t K = 0;
 
   IdSets() = default;
@@ -149,6 +150,7 @@ struct IdSets {
       TORCH_CHECK_VALUE(t->dim() == 1, "support ", name, " must be 1-D, got ", describe(*t));
     }
     K = ids_in.size(0);
+    given = true;
     TORCH_CHECK_VALUE(offsets_in.size(0) == N + 1, "support offsets must have N + 1 = ", N + 1,
                       " entries (N = ", N, " positions), got ", describe(offsets_in));
     ids = ids_in.contiguous();
@@ -183,7 +185,7 @@ struct IdSets {
     TORCH_CHECK_VALUE(false, "support ids must lie in [0, ", V, ") (", describe(ids), ")");
   }
 
-  bool defined() const { return pi != nullptr; }
+  bool defined() const { return given; }
   int64_t offset(int64_t r) const {
     return offsets32 ? static_cast<const int32_t*>(po)[r] : static_cast<const int64_t*>(po)[r];
   }

@@ -654,6 +654,20 @@ def test_sampling_threshold_kernel_matches_the_rule_and_the_float64_kept_sets(dt
             assert torch.equal(x[r].float() >= tau[r], kept_set_reference(x[r], **kw)), (r, kw)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_threshold_where_the_kth_logit_is_zero(temperature):
+    """Top-k with top-p or min-p where the k-th largest logit is +0 or −0: the rule's τ (the
+    tie group below it is looked for from the float just below zero, a negative subnormal,
+    not −0 again)."""
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    x = torch.tensor([[0.0, -1.0, -2.0, -3.0], [-0.0, -1.0, -2.0, -3.0],
+                      [1.0, -0.0, 0.0, -2.0], [2.0, 1e-45, -1e-45, -0.0]])
+    for top_k, top_p, min_p in [(1, 0.5, 0.0), (1, 1.0, 0.5), (2, 0.9, 0.0), (3, 1.0, 1e-12)]:
+        tau = op(_on(x), top_k, top_p, min_p, temperature).cpu()
+        want = _threshold_rule(x, top_k, top_p, min_p, temperature)
+        assert _same(tau, want), (top_k, top_p, min_p, tau, want)
+
+
 def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
     """(B, T, V) rows read in place (logits[:, :-1]) give the contiguous rows' τ; top-p
     boundaries 1e-9 apart, where the float32 search's answer fails its float64 check and the

@@ -83,8 +83,11 @@ def _key_value(k, KEY_SHIFT: tl.constexpr):
 
 @_device
 def _float_below(t):
-    """The float32 just below t in the order of the keys (−0 and +0 one value)."""
-    return _key_value(_order_key(t, 0).to(tl.int64) - 1, 0)
+    """The float32 just below t in the order of the keys (−0 and +0 one value: below ±0 the
+    largest negative subnormal, not −0, whose bits' key (−1) :func:`_order_key` never
+    gives)."""
+    k = _order_key(t, 0).to(tl.int64)
+    return _key_value(k - tl.where(k == 0, 2, 1), 0)
 
 
 @_device

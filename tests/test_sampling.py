@@ -12,7 +12,14 @@ import torch
 from klpenalty.sampling import resolve_support, sampling_threshold, support_from_ids
 
 import klpenalty as klp
-from .helpers import make_logits, min_p_boundary, temperature_tie_cases, tol
+from .helpers import (
+    backend_env,
+    make_logits,
+    min_p_boundary,
+    op_backend,
+    temperature_tie_cases,
+    tol,
+)
 from klpenalty.bench import alloc_profile
 from klpenalty.ops.contract import sampler_keys
 from klpenalty.ops.reference import full_kl_reference, kept_set_reference
@@ -194,6 +201,20 @@ def test_top_p_boundaries(backend):
     assert kept(before[0, j - 1].item()) == j - 1
     assert kept(1e-12) == 1  # at least one token
     assert kept(1.0) == 6
+
+
+@pytest.mark.parametrize("backend", ["streaming", "native", "triton"])
+def test_a_zero_threshold_is_plus_zero_on_every_backend(backend):
+    """A last kept tie group holding +0 and −0 (in either order), or −0 alone: τ is +0 on every
+    backend (each meets the group's zeros in its own order)."""
+    op_backend(backend)
+    x = torch.tensor([[2.0, 0.0, -0.0, -5.0], [2.0, -0.0, 0.0, -5.0], [-0.0, -0.0, -1.0, -2.0],
+                      [-0.0, 0.0, -2.0, -3.0]])
+    for kw in (dict(top_k=3), dict(top_k=2), dict(min_p=0.5), dict(top_k=1, top_p=0.5)):
+        with backend_env(backend):
+            tau = sampling_threshold(x, **kw, backend=backend)
+        want = sampling_threshold(x, **kw, backend="streaming")
+        assert torch.equal(tau, want) and not torch.signbit(tau[tau == 0]).any(), (kw, tau)
 
 
 # ------------------------------------------------------- ties made by the temperature

@@ -36,6 +36,8 @@ CASES = [
     (lambda: full_kl(X, Y, temperature=-1), ValueError, ["temperature"]),
     (lambda: full_kl(X, Y, temperature=float("nan")), ValueError, ["temperature"]),
     (lambda: full_kl(X, Y, temperature="1"), TypeError, ["temperature"]),
+    (lambda: full_kl(X, Y, temperature=1e300), ValueError, ["temperature", "float32"]),
+    (lambda: full_kl(X, Y, temperature=1e-40), ValueError, ["temperature", "float32"]),
     (lambda: full_kl(NAN_X, Y), ValueError, ["policy_logits", "NaN", "(2, 3, 5)"]),
     (lambda: full_kl(X, NAN_Y), ValueError, ["ref_logits", "NaN"]),
     (lambda: full_kl(X, Y, backend="fastest"), ValueError, ["backend", "'auto'", "'streaming'"]),

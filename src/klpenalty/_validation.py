@@ -191,11 +191,22 @@ def as_real(name: str, value: object) -> float:
     return float(value)
 
 
+# The temperatures accepted: the normal float32 range (the kernels and the sampler's rule
+# divide in float32; outside it T rounds to 0, a subnormal or inf there).
+_TEMPERATURE_RANGE = (torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max)
+
+
 def check_temperature(temperature: object) -> float:
-    """A finite real number > 0."""
+    """A finite real number > 0, within float32's normal range."""
     t = as_real("temperature", temperature)
+    lo, hi = _TEMPERATURE_RANGE
     if not math.isfinite(t) or t <= 0:
         raise ValueError(f"temperature must be finite and > 0, got {t}")
+    if not lo <= t <= hi:
+        raise ValueError(
+            f"temperature must be finite and > 0 within float32's normal range [{lo:.6g}, "
+            f"{hi:.6g}] (the logits are divided by it in float32), got {t}"
+        )
     return t
 
 

@@ -115,8 +115,9 @@ def sampling_threshold(
 
     Returns:
         τ (...) in the compute dtype (float32; float64 for float64 logits): the smallest kept
-        logit of each row (of its last kept tie group), exactly one of the logits (−inf where nothing is cut; NaN for a
-        row holding NaN, which then keeps nothing and is reported by the checks).
+        logit of each row (of its last kept tie group), exactly one of the logits (a zero as
+        +0, whatever the sign of the zero logits; −inf where nothing is cut; NaN for a row
+        holding NaN, which then keeps nothing and is reported by the checks).
 
     Raises:
         TypeError / ValueError: naming the argument (logits not floating, top_k not an int ≥ 1,
@@ -126,7 +127,8 @@ def sampling_threshold(
     temperature = v.check_temperature(temperature)
     top_k, top_p, min_p = check_sampler(top_k, top_p, min_p).values()
     impl = dispatch.get_backend(backend, logits.device)
-    return impl.threshold(logits, sampler=op_sampler(top_k, top_p, min_p), temperature=temperature)
+    tau = impl.threshold(logits, sampler=op_sampler(top_k, top_p, min_p), temperature=temperature)
+    return tau + 0.0  # a zero τ as +0 (backends meet a tie group's +0 and −0 in other orders)
 
 
 def op_sampler(top_k: int | None, top_p: float | None, min_p: float | None) -> tuple:

@@ -217,6 +217,22 @@ def test_a_zero_threshold_is_plus_zero_on_every_backend(backend):
         assert torch.equal(tau, want) and not torch.signbit(tau[tau == 0]).any(), (kw, tau)
 
 
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_keys_that_overflow_to_inf_hold_all_the_mass(backend):
+    """Finite logits whose x/T overflows float32 (huge logits, a small T): the +inf keys form
+    the top tie group and hold all the mass, so top-p keeps that group alone, after a top-k
+    whose k-th key is −inf too (the sorted and the bucketed top-p alike)."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(2, 2049, generator=g) * 3e37
+    x[0, :300] = 3e38
+    x[1, ::7] = -3e38
+    for kw in (dict(top_p=0.999), dict(top_k=2048, top_p=0.999), dict(top_k=100, top_p=0.5),
+               dict(top_k=2048)):
+        tau = sampling_threshold(x, **kw, temperature=1e-3, backend=backend)
+        want = kept_set_reference(x, **kw, temperature=1e-3)
+        assert torch.equal(_kept_by_tau(x, tau), want), kw
+
+
 # ------------------------------------------------------- ties made by the temperature
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_a_tie_made_by_the_temperature_inside_the_top_p_prefix(backend):

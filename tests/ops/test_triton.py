@@ -668,6 +668,29 @@ def test_threshold_where_the_kth_logit_is_zero(temperature):
         assert _same(tau, want), (top_k, top_p, min_p, tau, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_threshold_where_the_keys_overflow(dtype):
+    """Finite logits whose x/T overflows to ±inf (huge logits, a small T): the keys equal to
+    the max's (+inf) hold all the mass, those at −inf none; the rule's τ, where top-k's tie
+    group at ±inf is found without stepping float by float."""
+    op = torch.ops.klpenalty.triton_sampling_threshold
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randn(2, 2049, generator=g) * 3e37
+    wide[0, :300] = 3e38
+    wide[1, ::7] = -3e38
+    rows = [wide, torch.tensor([[3e38, 2e38, 1.0, -3e38], [3e38, -3e38, 0.0, 1.0]])]
+    settings = [(0, 0.5, 0.0), (0, 0.999, 0.0), (2, 0.9, 0.0), (1, 0.5, 0.0), (0, 1.0, 0.5),
+                (3, 1.0, 0.0), (2048, 0.999, 0.0), (2048, 1.0, 0.5), (5, 0.9, 0.0)]
+    for x in rows:
+        x = x.to(dtype)
+        for top_k, top_p, min_p in settings:
+            if top_k >= x.shape[-1]:
+                continue
+            tau = op(_on(x), top_k, top_p, min_p, 1e-3).cpu()
+            want = _threshold_rule(x, top_k, top_p, min_p, 1e-3)
+            assert _same(tau, want), (x.shape, top_k, top_p, min_p, tau, want)
+
+
 def test_sampling_threshold_kernel_on_strided_rows_and_boundaries(monkeypatch):
     """(B, T, V) rows read in place (logits[:, :-1]) give the contiguous rows' τ; top-p
     boundaries 1e-9 apart, where the float32 search's answer fails its float64 check and the

@@ -141,7 +141,8 @@ def _chunk_threshold(
         scaled = keys
         if top_k is not None:
             scaled = keys.masked_fill(xc < tau.unsqueeze(-1), -math.inf)
-        m = finite_or_zero(reduce.amax(scaled))  # (R, 1)
+        top_key = reduce.amax(scaled)  # (R, 1)
+        m = finite_or_zero(top_key)
         log_z = m.double() + reduce.sum64(torch.exp(scaled.double() - m.double())).log()
         tau_p = torch.empty(r, dtype=xc.dtype, device=x.device)
         k = min(vocab, SORTED_CANDIDATES if top_k is None else top_k)
@@ -159,6 +160,11 @@ def _chunk_threshold(
         elif rest.numel():
             tau_p[rest] = _bucketed_top_p(scaled[rest], xc[rest], m[rest], log_z[rest], top_p,
                                           vocab, reduce)
+        inf_top = top_key.squeeze(-1) == math.inf  # (R,); the same on every rank (all-reduced)
+        if bool(inf_top.any()):
+            # keys of +inf (+inf logits, or M/T overflowing float32) hold all the mass: τ_p is
+            # in M's tie group (the masses' exp(inf − inf) are NaN)
+            tau_p = torch.where(inf_top, reduce.amax(xc).squeeze(-1).to(tau_p.dtype), tau_p)
         tau = torch.maximum(tau, _group_floor(xc, keys, tau_p, temperature, reduce))
     if min_p is not None:
         # π_v ≥ min_p·π_max ⟺ k_v − k_max ≥ log(min_p), in float64

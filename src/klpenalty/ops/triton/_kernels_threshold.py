@@ -91,6 +91,21 @@ def _float_below(t):
 
 
 @_device
+def _overflow_floor(t, temperature):
+    """The smallest float32 whose quotient by T (``div_rn``) is +inf, t one of them (t > 0):
+    a bisection of the positive floats' bits (31 steps at most, where stepping down one float
+    at a time would take up to 2^23 a binade)."""
+    lo = tl.zeros([], tl.int32)  # 0 / T = 0: finite
+    hi = t.to(tl.int32, bitcast=True)
+    while hi - lo > 1:
+        mid = lo + (hi - lo) // 2
+        over = tl.math.div_rn(mid.to(tl.float32, bitcast=True), temperature) == float("inf")
+        hi = tl.where(over, mid, hi)
+        lo = tl.where(over, lo, mid)
+    return hi.to(tl.float32, bitcast=True)
+
+
+@_device
 def _f64(bits):
     """The float64 whose bits an int64 argument carries (a kernel's float argument is
     float32)."""
@@ -590,10 +605,15 @@ def threshold_cand_kernel(
                            KEY_SHIFT)
         if (x_min > float("-inf")) & (x_min < float("inf")):
             q_k = tl.math.div_rn(x_min, temperature)
-            below = _float_below(x_min)
-            while tl.math.div_rn(below, temperature) == q_k:
-                x_min = below
-                below = _float_below(below)
+            if q_k == float("-inf"):  # x/T overflows: so does every float below
+                x_min = float("-inf")
+            elif q_k == float("inf"):
+                x_min = _overflow_floor(x_min, temperature)
+            else:  # a tie group of a few floats (about T of them)
+                below = _float_below(x_min)
+                while tl.math.div_rn(below, temperature) == q_k:
+                    x_min = below
+                    below = _float_below(below)
     for start in range(c0, c1, BLOCK):
         col = start + offs
         x = tl.load(x_row + col, mask=col < c1, other=float("nan")).to(tl.float32)
@@ -927,8 +947,10 @@ def threshold_kernel(
             cut = (m_s + window) * temperature
             cut = tl.where(cut == cut, cut - 1e-6 * tl.abs(cut), float("-inf")).to(tl.float32)
             lo = _order_key(tl.maximum(floor, cut), KEY_SHIFT).to(tl.int64)
-            # M = ±inf (or NaN in the row): τ_p = M, the sampler's convention
-            lo = tl.where(has_nan | (tl.abs(top) == float("inf")), hi, lo)
+            # M = ±inf (or NaN in the row): τ_p = M, the sampler's convention; so where M/T
+            # overflows (the keys equal to M's hold all the mass: τ_p is M's tie group)
+            lo = tl.where(has_nan | (tl.abs(top) == float("inf")) | (m_s == float("inf")), hi,
+                          lo)
             # a search with float32 masses, its answer K checked in float64 (mass(keys > K) <
             # target ≤ mass(keys ≥ K), or K the lowest candidate); where the check fails (the
             # target within float32 rounding of a bucket's edge) the search in float64

@@ -30,10 +30,14 @@ TRITON_TESTS ?= -m "not slow" -k "triton and not float64" tests/ops/test_triton.
 
 .PHONY: test install demo clean test-integrations test-triton-3.6
 
+# the native CPU kernel compiles (klpenalty.ops.native, its first use in a process, ~40 s on 2
+# cores) in the background while pip installs the rest; its log: $(VENV)/native-build.log
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	$(PY) -m pip install --quiet -e '.[dev,demo,triton,hf]'  # triton and transformers: no torch dependency, keep the CPU torch
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)" ninja
+	{ PYTHONPATH=src $(PY) -c "import klpenalty.ops.native as n; n.available()" \
+		> $(VENV)/native-build.log 2>&1 & }; \
+	$(PY) -m pip install --quiet -e '.[dev,demo,triton,hf]'; status=$$?; wait; exit $$status  # triton and transformers: no torch dependency, keep the CPU torch
 	touch $(STAMP)
 
 install: $(STAMP)

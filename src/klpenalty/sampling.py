@@ -127,8 +127,7 @@ def sampling_threshold(
     temperature = v.check_temperature(temperature)
     top_k, top_p, min_p = check_sampler(top_k, top_p, min_p).values()
     impl = dispatch.get_backend(backend, logits.device)
-    tau = impl.threshold(logits, sampler=op_sampler(top_k, top_p, min_p), temperature=temperature)
-    return tau + 0.0  # a zero τ as +0 (backends meet a tie group's +0 and −0 in other orders)
+    return impl.threshold(logits, sampler=op_sampler(top_k, top_p, min_p), temperature=temperature)
 
 
 def op_sampler(top_k: int | None, top_p: float | None, min_p: float | None) -> tuple:

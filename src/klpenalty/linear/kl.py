@@ -464,12 +464,9 @@ def run_linear_kl(
     if parallel is None:
         adapter = LocalChunks(impl)
     else:
-        ok = error is None
-        call = GroupCall(
-            roles, suffix, (policy_hidden, ref_hidden), (policy_bias, ref_bias),
-            checked if ok else None, chunk_rows if ok else None, tokens if ok else None,
-            want if ok else None, support if ok else None, divergence if ok else None,
-        )
+        validated = (checked, chunk_rows, tokens, want, support, divergence)
+        call = GroupCall(roles, suffix, (policy_hidden, ref_hidden), (policy_bias, ref_bias),
+                         *(validated if error is None else [None] * len(validated)))
         adapter, vocab = parallel(impl, vocab, error, call)
         if support[0] == "ids":  # the global ids against the whole V (the same on every rank)
             _check_ids_below(support[1][0], vocab)

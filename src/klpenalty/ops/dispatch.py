@@ -164,9 +164,11 @@ class Backend:
     def threshold(
         self, x: Tensor, *, sampler: tuple[int, float, float], temperature: float
     ) -> Tensor:
-        """τ (...) of the threshold op for the sampler's ``(top_k, top_p, min_p)``."""
+        """τ (...) of the threshold op for the sampler's ``(top_k, top_p, min_p)``; a zero τ
+        as +0 (the backends meet a tie group's +0 and −0 in their own orders)."""
         top_k, top_p, min_p = sampler
-        return self.threshold_op(x, int(top_k), float(top_p), float(min_p), float(temperature))
+        tau = self.threshold_op(x, int(top_k), float(top_p), float(min_p), float(temperature))
+        return tau + 0.0
 
     def support_from_ids(
         self, x: Tensor, ids: Tensor, offsets: Tensor, *, chunk_rows: int = 0

@@ -83,9 +83,9 @@ def _key_value(k, KEY_SHIFT: tl.constexpr):
 
 @_device
 def _float_below(t):
-    """The float32 just below t in the order of the keys (−0 and +0 one value: below ±0 the
-    largest negative subnormal, not −0, whose bits' key (−1) :func:`_order_key` never
-    gives)."""
+    """The float32 just below t in the order of the keys (−0 and +0 one value: below ±0
+    comes the largest negative subnormal, as key −1 belongs to −0's bits, which
+    :func:`_order_key` maps to 0)."""
     k = _order_key(t, 0).to(tl.int64)
     return _key_value(k - tl.where(k == 0, 2, 1), 0)
 
@@ -93,8 +93,8 @@ def _float_below(t):
 @_device
 def _overflow_floor(t, temperature):
     """The smallest float32 whose quotient by T (``div_rn``) is +inf, t one of them (t > 0):
-    a bisection of the positive floats' bits (31 steps at most, where stepping down one float
-    at a time would take up to 2^23 a binade)."""
+    a bisection of the positive floats' bits, 31 steps at most (the floats with a +inf
+    quotient can span many binades)."""
     lo = tl.zeros([], tl.int32)  # 0 / T = 0: finite
     hi = t.to(tl.int32, bitcast=True)
     while hi - lo > 1:
@@ -563,7 +563,9 @@ def threshold_cand_kernel(
       into ``part[row, split, 3]``;
     - MODE 3 (top-k's set; its k-th largest logit t from top-k's last select in ``hist`` at
       n_splits·2048): the finite logits whose x/T is at least t's appended: x ≥ the smallest
-      float whose quotient is t's (found from t downwards, a float at a time, before the loop).
+      float whose quotient is t's, found before the loop: from t downwards a float at a time
+      (a tie group spans about T floats), −inf where t/T is −inf, :func:`_overflow_floor`
+      where it is +inf.
     """
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -605,11 +607,11 @@ def threshold_cand_kernel(
                            KEY_SHIFT)
         if (x_min > float("-inf")) & (x_min < float("inf")):
             q_k = tl.math.div_rn(x_min, temperature)
-            if q_k == float("-inf"):  # x/T overflows: so does every float below
+            if q_k == float("-inf"):  # every float below has the quotient −inf too
                 x_min = float("-inf")
             elif q_k == float("inf"):
                 x_min = _overflow_floor(x_min, temperature)
-            else:  # a tie group of a few floats (about T of them)
+            else:  # a tie group of about T floats
                 below = _float_below(x_min)
                 while tl.math.div_rn(below, temperature) == q_k:
                     x_min = below
@@ -947,8 +949,8 @@ def threshold_kernel(
             cut = (m_s + window) * temperature
             cut = tl.where(cut == cut, cut - 1e-6 * tl.abs(cut), float("-inf")).to(tl.float32)
             lo = _order_key(tl.maximum(floor, cut), KEY_SHIFT).to(tl.int64)
-            # M = ±inf (or NaN in the row): τ_p = M, the sampler's convention; so where M/T
-            # overflows (the keys equal to M's hold all the mass: τ_p is M's tie group)
+            # M = ±inf (or NaN in the row): τ_p = M, the sampler's convention; likewise where
+            # M/T is +inf (the keys equal to M's hold all the mass: τ_p is M's tie group)
             lo = tl.where(has_nan | (tl.abs(top) == float("inf")) | (m_s == float("inf")), hi,
                           lo)
             # a search with float32 masses, its answer K checked in float64 (mass(keys > K) <
